@@ -1,0 +1,1 @@
+"""Benchmark scripts: each prints ratios measured within one run (machines here are noisy)."""

@@ -1,0 +1,1 @@
+"""Reading traced graphs: collectives, and (later) simulated time and memory."""

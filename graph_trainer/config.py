@@ -1,0 +1,346 @@
+"""Job configuration: documented dataclass sections, TOML loading, command-line overrides.
+
+A job is described by one ``JobConfig`` with the sections ``job, model, training,
+parallelism, compile, metrics, checkpoint, debug``. ``load_config(argv)`` reads
+``--job.config_file X.toml`` (tomli) and then applies every other ``--section.key value``
+from the command line (tyro); the command line wins over the file.
+
+Validation (``validate_config``) runs before anything is built. Every user error raises
+``ConfigError`` with one message naming the field, the bad value and what is allowed;
+``train.py`` prints it as one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import tomli
+import tyro
+
+from graph_trainer.errors import ConfigError
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file holding the job; other flags override its values."""
+    dump_folder: str = "./outputs"
+    """Folder for logs, TensorBoard events, the per-step loss file and checkpoints."""
+    description: str = ""
+    """Free text shown at the start of the run."""
+    device: str = "auto"
+    """Device type: 'auto' (cuda when available, else cpu), 'cpu' or 'cuda'."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family: a key of ``models.registry.MODEL_SPECS`` (e.g. 'llama3')."""
+    flavor: str = "debugmodel"
+    """Size of the model within its family (e.g. 'debugmodel', '8B', '70B', '405B')."""
+
+
+@dataclass
+class Training:
+    steps: int = 10
+    """Number of optimizer steps to run (>= 1)."""
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per step."""
+    seq_len: int = 256
+    """Tokens per sequence; at most the flavor's max_seq_len."""
+    lr: float = 8e-4
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 2
+    """Linear warmup from lr/(warmup_steps+1) to lr over this many steps."""
+    decay_type: str = "linear"
+    """Decay after warmup: 'linear', 'cosine' or 'constant'."""
+    min_lr_ratio: float = 0.0
+    """The decay ends at lr * min_lr_ratio on the last step (0 <= ratio <= 1)."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    seed: int = 42
+    """Seeds weight initialisation and the synthetic dataset; the same seed gives the same run."""
+    dataset: str = "synthetic"
+    """'synthetic' (built in, no download), a local .json/.jsonl/.parquet/.txt file or folder, or a Hugging Face hub name."""
+    dataset_split: str = "train"
+    """Split of a Hugging Face dataset."""
+    text_field: str = "text"
+    """Column holding the document text in a Hugging Face dataset."""
+    tokenizer_path: str = ""
+    """Path to a Hugging Face tokenizer.json; empty means the built-in byte-level tokenizer."""
+    mixed_precision_param: str = "float32"
+    """Dtype parameters are cast to for compute (SimpleFSDP casts before the all-gather): float32, bfloat16 or float16."""
+    mixed_precision_reduce: str = "float32"
+    """Dtype gradients are reduced in: float32, bfloat16 or float16."""
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP when alone, HSDP together with dp_shard > 1)."""
+    dp_shard: int = -1
+    """Data-parallel shards (FSDP); -1 takes whatever the world size leaves after the other degrees."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models only)."""
+    fsdp_reshard_after_forward: str = "always"
+    """'always': backward re-gathers parameters instead of keeping them from forward; 'never': keep them."""
+
+
+@dataclass
+class Compile:
+    mode: str = "graph"
+    """'graph': trace forward + loss + backward into one FX graph and run it; 'eager': run the model directly (the numerics baseline)."""
+    passes: list[str] = field(default_factory=list)
+    """Graph passes to run after the default ones, in order (comma- or space-separated, e.g. 'a,b')."""
+    dump_graphs: str = ""
+    """If set, a folder where the readable code of the graph is written before and after every pass."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Log one line (and TensorBoard scalars) every this many steps; losses are written every step."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard events under <dump_folder>/tb."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device for MFU; 0 looks it up for CUDA devices and reports n/a on CPU."""
+
+
+@dataclass
+class Checkpoint:
+    interval: int = 0
+    """Save every this many steps (and at the last step); 0 disables saving."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder unless absolute."""
+    load_step: int = -1
+    """Resume from this step's checkpoint; -1 resumes from the latest complete one if any, 0 starts fresh."""
+
+
+@dataclass
+class Debug:
+    deterministic: bool = False
+    """Call torch.use_deterministic_algorithms(True) (and the CUDA settings it needs)."""
+    num_threads: int = 0
+    """Intra-op CPU threads (torch.set_num_threads); 0 keeps torch's default."""
+    log_level: str = "INFO"
+    """Python logging level: DEBUG, INFO, WARNING or ERROR."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    debug: Debug = field(default_factory=Debug)
+
+
+# --------------------------------------------------------------------------------------
+# Loading
+
+
+def _config_file_from_argv(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg == "--job.config_file":
+            if i + 1 >= len(argv):
+                raise ConfigError("--job.config_file needs a path to a TOML file")
+            return argv[i + 1]
+        if arg.startswith("--job.config_file="):
+            return arg.split("=", 1)[1]
+    return ""
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Check a TOML value against a field's type (TOML already gives typed values)."""
+    if typ is bool:
+        ok = isinstance(value, bool)
+    elif typ is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif typ is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif typ is str:
+        ok = isinstance(value, str)
+    elif typing.get_origin(typ) is list:
+        if isinstance(value, str):  # "a,b" is accepted for lists of names
+            value = [value]
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    else:  # pragma: no cover - every field type is listed above
+        raise TypeError(f"unsupported config field type {typ} at {where}")
+    if not ok:
+        raise ConfigError(f"{where} = {value!r} has the wrong type; expected {getattr(typ, '__name__', typ)}")
+    return value
+
+
+def config_from_toml(path: str) -> JobConfig:
+    """Read a TOML job file into a JobConfig; unknown sections or keys are errors."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--job.config_file {path!r} does not exist")
+    try:
+        with open(path, "rb") as f:
+            data = tomli.load(f)
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    cfg = JobConfig()
+    sections = {f.name: f for f in dataclasses.fields(JobConfig)}
+    for section, values in data.items():
+        if section not in sections:
+            raise ConfigError(
+                f"unknown section [{section}] in {path}; allowed sections: {', '.join(sections)}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"'{section}' in {path} must be a [{section}] table")
+        obj = getattr(cfg, section)
+        types = _field_types(type(obj))
+        for key, value in values.items():
+            if key not in types:
+                raise ConfigError(
+                    f"unknown key '{key}' in section [{section}] of {path}; "
+                    f"allowed keys: {', '.join(types)}"
+                )
+            setattr(obj, key, _coerce(value, types[key], f"[{section}] {key} in {path}"))
+    cfg.job.config_file = path
+    return cfg
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """TOML file (if ``--job.config_file`` is given) overridden by the command line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = _config_file_from_argv(argv)
+    default = config_from_toml(path) if path else JobConfig()
+    cfg = tyro.cli(
+        JobConfig,
+        default=default,
+        args=argv,
+        config=(tyro.conf.FlagConversionOff,),
+        description="Train a model whose whole training step is one traced FX graph.",
+    )
+    cfg.compile.passes = normalize_pass_list(cfg.compile.passes)
+    return cfg
+
+
+def normalize_pass_list(passes: list[str]) -> list[str]:
+    """Accept 'a,b c' style lists from TOML or the command line: split on commas, drop blanks."""
+    return [p.strip() for item in passes for p in item.split(",") if p.strip()]
+
+
+# --------------------------------------------------------------------------------------
+# Validation
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(value: str, allowed: tuple[str, ...], name: str) -> None:
+    _require(value in allowed, f"{name} = {value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def resolve_parallel_degrees(p: Parallelism, world_size: int) -> dict[str, int]:
+    """Fill in dp_shard=-1 and check that the degrees multiply to the world size."""
+    for name in ("dp_replicate", "tp", "ep"):
+        _require(getattr(p, name) >= 1, f"parallelism.{name} = {getattr(p, name)} must be >= 1")
+    _require(p.dp_shard == -1 or p.dp_shard >= 1, f"parallelism.dp_shard = {p.dp_shard} must be >= 1 or -1")
+    others = p.dp_replicate * p.tp
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
+        _require(
+            world_size % others == 0,
+            f"world size {world_size} is not divisible by dp_replicate*tp = {others}",
+        )
+        dp_shard = world_size // others
+    product = p.dp_replicate * dp_shard * p.tp
+    _require(
+        product == world_size,
+        f"parallelism degrees dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x tp={p.tp} = {product} "
+        f"do not match the world size {world_size}",
+    )
+    # Experts are sharded over a sub-group of the data-parallel ranks (times tp when it borrows them).
+    _require(
+        (p.dp_replicate * dp_shard) % p.ep == 0,
+        f"parallelism.ep = {p.ep} must divide the data-parallel size dp_replicate*dp_shard = {p.dp_replicate * dp_shard}",
+    )
+    return {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "ep": p.ep}
+
+
+def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
+    """Check every field before anything is built; raise ConfigError on the first problem."""
+    from graph_trainer.passes import PASS_REGISTRY
+    from models.registry import MODEL_SPECS
+
+    t, c = cfg.training, cfg.compile
+    _one_of(cfg.job.device, ("auto", "cpu", "cuda"), "job.device")
+    _one_of(cfg.model.name, tuple(MODEL_SPECS), "model.name")
+    spec = MODEL_SPECS[cfg.model.name]
+    _one_of(cfg.model.flavor, tuple(spec.flavors), f"model.flavor (for {cfg.model.name})")
+    args = spec.flavors[cfg.model.flavor]
+
+    _require(t.steps >= 1, f"training.steps = {t.steps} must be >= 1")
+    _require(t.local_batch_size >= 1, f"training.local_batch_size = {t.local_batch_size} must be >= 1")
+    _require(
+        1 <= t.seq_len <= args.max_seq_len,
+        f"training.seq_len = {t.seq_len} must be between 1 and the flavor's max_seq_len {args.max_seq_len}",
+    )
+    _require(t.lr > 0 and math.isfinite(t.lr), f"training.lr = {t.lr} must be a positive number")
+    _require(t.weight_decay >= 0, f"training.weight_decay = {t.weight_decay} must be >= 0")
+    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "training.beta1 and training.beta2 must be in [0, 1)")
+    _require(t.eps > 0, f"training.eps = {t.eps} must be > 0")
+    _require(t.warmup_steps >= 0, f"training.warmup_steps = {t.warmup_steps} must be >= 0")
+    _one_of(t.decay_type, ("linear", "cosine", "constant"), "training.decay_type")
+    _require(0 <= t.min_lr_ratio <= 1, f"training.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1]")
+    _require(t.max_norm >= 0, f"training.max_norm = {t.max_norm} must be >= 0 (0 disables clipping)")
+    _one_of(t.mixed_precision_param, DTYPE_NAMES, "training.mixed_precision_param")
+    _one_of(t.mixed_precision_reduce, DTYPE_NAMES, "training.mixed_precision_reduce")
+
+    degrees = resolve_parallel_degrees(cfg.parallelism, world_size)
+    _one_of(cfg.parallelism.fsdp_reshard_after_forward, ("always", "never"), "parallelism.fsdp_reshard_after_forward")
+    spec.validate_parallelism(args, degrees)
+
+    _one_of(c.mode, ("graph", "eager"), "compile.mode")
+    for name in c.passes:
+        _require(
+            name in PASS_REGISTRY,
+            f"unknown pass {name!r} in compile.passes; available passes: "
+            f"{', '.join(sorted(PASS_REGISTRY)) or '(none registered)'}",
+        )
+    _require(
+        len(set(c.passes)) == len(c.passes),
+        f"compile.passes lists a pass more than once: {','.join(c.passes)}",
+    )
+    _require(not (c.passes and c.mode == "eager"), "compile.passes needs compile.mode = 'graph'")
+    for name in c.passes:
+        PASS_REGISTRY[name].check_config(cfg, degrees)
+
+    _require(cfg.metrics.log_freq >= 1, f"metrics.log_freq = {cfg.metrics.log_freq} must be >= 1")
+    _require(cfg.metrics.peak_tflops >= 0, f"metrics.peak_tflops = {cfg.metrics.peak_tflops} must be >= 0")
+    _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval = {cfg.checkpoint.interval} must be >= 0")
+    _require(cfg.checkpoint.load_step >= -1, f"checkpoint.load_step = {cfg.checkpoint.load_step} must be >= -1")
+    _require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")
+    _one_of(cfg.debug.log_level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"), "debug.log_level")

@@ -1,0 +1,536 @@
+"""Tokenizers, the synthetic corpus, Hugging Face datasets, token packing and DP sharding.
+
+The trainer calls two functions:
+
+* ``build_tokenizer(path)``: ``""``/``"bytes"`` gives the built-in :class:`ByteTokenizer`, a path
+  to a Hugging Face ``tokenizer.json`` (or a folder holding one) gives :class:`HFTokenizer`.
+* ``build_dataloader(...)``: a :class:`TokenBatchLoader` yielding ``(tokens, labels)`` batches.
+
+How batches are made
+--------------------
+Documents are read in order. Each becomes ``[bos] + encode(text) + [eos]`` (bos/eos only when the
+tokenizer has them) and all documents are concatenated into one endless token stream; a finite
+dataset simply starts over (next epoch) when it runs out. The stream is cut into consecutive,
+non-overlapping windows of ``seq_len + 1`` tokens; a window gives ``tokens = window[:-1]`` and
+``labels = window[1:]``.
+
+Data-parallel sharding rule
+---------------------------
+With ``B = local_batch_size`` and ``D = dp_degree``, step ``s`` (0-based) consumes the global
+windows ``s*B*D .. s*B*D + B*D - 1``, and rank ``r`` takes row ``i`` of its batch from window
+``s*B*D + r*B + i``. So the rows of ranks 0..D-1 concatenated in rank order are exactly the rows of a
+single process run with batch ``B*D``. Every rank reads (tokenises) the whole global stream and skips
+the other ranks' windows, which keeps the rule exact for any dataset at the price of D-fold
+tokenisation work (cheap next to a training step).
+
+Resuming
+--------
+``state_dict()`` is ``{"version", "stream", "step", "doc", "offset"}``: the number of batches
+produced, and the position of the next unread token of the global stream (document index counted
+across epochs, token offset inside that document). After every batch all ranks stand at the same
+global step boundary, so the state is identical on every rank and does not depend on the rank; it can
+be loaded with a different local batch size or dp degree and reading continues at the same token.
+``stream`` names the dataset and tokenizer; loading a state saved for a different stream is a
+ConfigError.
+
+Hub datasets (``training.dataset = "org/name"``) are read with ``datasets.load_dataset(name,
+split=...)`` and so need network access or a copy already in the Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import random
+from typing import Protocol
+
+import torch
+
+from graph_trainer.errors import ConfigError
+
+__all__ = [
+    "Tokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "build_tokenizer",
+    "synthetic_document",
+    "TokenBatchLoader",
+    "build_dataloader",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------------------------
+
+
+class Tokenizer(Protocol):
+    """What the data pipeline needs from a tokenizer."""
+
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without any special tokens."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0..255 are byte values, 256 is bos, 257 is eos (258 ids)."""
+
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text``."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of the byte ids in ``ids``; bos/eos are dropped, invalid UTF-8 becomes U+FFFD."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=258)"
+
+
+# Used only when no tokenizer_config.json sits next to tokenizer.json to name the special tokens.
+_BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
+_EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json`` file.
+
+    bos/eos come from ``tokenizer_config.json`` in the same folder when it exists (its
+    ``bos_token``/``eos_token``, which may be null), otherwise from well-known special token names
+    (``<|begin_of_text|>``, ``<s>``, ``<|end_of_text|>``, ``</s>``, ...). ``encode`` never adds
+    special tokens itself: the packer adds bos/eos around each document.
+    """
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as _RustTokenizer
+
+        self.path = path
+        try:
+            self._tok = _RustTokenizer.from_file(path)
+        except Exception as e:  # the Rust side raises plain Exception subclasses with long messages
+            raise ConfigError(f"training.tokenizer_path {path!r} is not a valid Hugging Face tokenizer.json: "
+                              f"{_one_line(e)}") from e
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        # Ids can have holes; the model must cover the largest one.
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+        self.bos_id, self.eos_id = self._special_ids(path)
+
+    def _special_ids(self, path: str) -> tuple[int | None, int | None]:
+        config_path = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            try:
+                with open(config_path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"cannot read {config_path}: {_one_line(e)}") from e
+            if "bos_token" in config or "eos_token" in config:
+                return self._config_token(config.get("bos_token")), self._config_token(config.get("eos_token"))
+        return self._first_known(_BOS_CANDIDATES), self._first_known(_EOS_CANDIDATES)
+
+    def _config_token(self, entry) -> int | None:
+        # tokenizer_config.json writes a special token either as a string or as {"content": ...}.
+        if isinstance(entry, dict):
+            entry = entry.get("content")
+        return self._tok.token_to_id(entry) if isinstance(entry, str) else None
+
+    def _first_known(self, names: tuple[str, ...]) -> int | None:
+        for name in names:
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without the tokenizer's own special-token template."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` (special tokens skipped)."""
+        return self._tok.decode(ids)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
+
+
+def build_tokenizer(tokenizer_path: str) -> Tokenizer:
+    """Build the tokenizer named by ``training.tokenizer_path``.
+
+    ``""`` or ``"bytes"`` gives :class:`ByteTokenizer`; a path to a Hugging Face ``tokenizer.json``
+    (or to a folder containing one) gives :class:`HFTokenizer`. Anything else is a ConfigError.
+    """
+    if tokenizer_path in ("", "bytes"):
+        return ByteTokenizer()
+    path = os.path.expanduser(tokenizer_path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"training.tokenizer_path {tokenizer_path!r} does not exist; give '' or 'bytes' for the "
+                          f"built-in byte tokenizer, or the path of a Hugging Face tokenizer.json (or its folder)")
+    return HFTokenizer(path)
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    """``error`` as one short line: library messages can span many lines."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _with_specials(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+    """``[bos] + ids + [eos]``, each special token only if the tokenizer has it."""
+    if tokenizer.bos_id is not None:
+        ids = [tokenizer.bos_id] + ids
+    if tokenizer.eos_id is not None:
+        ids.append(tokenizer.eos_id)
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic corpus
+# --------------------------------------------------------------------------------------------
+
+# A tiny closed vocabulary: a small model first learns the spelling of these words (byte level),
+# then the sentence templates, then the arithmetic and the in-document repetitions.
+_NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy")
+_ADJECTIVES = ("small", "red", "old", "quick", "quiet", "happy", "green", "tall", "lazy", "brave")
+_NOUNS = ("cat", "dog", "bird", "fox", "robot", "farmer", "teacher", "child", "king", "horse")
+_VERBS = ("sees", "likes", "follows", "helps", "finds", "calls", "feeds", "paints", "meets", "hears")
+_OBJECTS = ("ball", "apple", "river", "house", "book", "tree", "garden", "letter", "boat", "song")
+_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+                 "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
+                 "nineteen", "twenty")
+
+_MASK64 = (1 << 64) - 1
+
+
+def _doc_seed(seed: int, index: int) -> int:
+    """A well-mixed 64-bit seed for document ``index`` (splitmix64 finaliser; no global RNG)."""
+    x = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def synthetic_document(seed: int, index: int) -> str:
+    """Text of synthetic document ``index``: a pure function of ``(seed, index)``.
+
+    A document is 4 to 12 sentences about a small cast (two names, three nouns, three objects drawn
+    per document, so context helps prediction): subject-verb-object sentences, correct additions and
+    subtractions ("12 plus 7 is 19."), counting runs, number words, and exact repeats of an earlier
+    sentence of the same document ("again, ...").
+    """
+    # Only Random(int) seeding and random() are promised to stay the same across Python versions,
+    # so every draw is built from random() (which is also several times cheaper than randrange).
+    uniform = random.Random(_doc_seed(seed, index)).random
+
+    def below(n: int) -> int:
+        return int(uniform() * n)
+
+    def pick(options):
+        return options[int(uniform() * len(options))]
+
+    def distinct(options, k: int) -> list:
+        pool = list(options)
+        return [pool.pop(below(len(pool))) for _ in range(k)]
+
+    names, nouns, objects = distinct(_NAMES, 2), distinct(_NOUNS, 3), distinct(_OBJECTS, 3)
+    sentences: list[str] = []
+    for _ in range(4 + below(9)):
+        kind = below(10)
+        if kind < 3:
+            s = f"the {pick(_ADJECTIVES)} {pick(nouns)} {pick(_VERBS)} the {pick(objects)}."
+        elif kind < 4:
+            s = f"{pick(names)} {pick(_VERBS)} the {pick(nouns)} and the {pick(objects)}."
+        elif kind < 6:
+            a, b = below(50), below(50)
+            s = f"{a} plus {b} is {a + b}."
+        elif kind < 7:
+            a, b = below(50), below(50)
+            a, b = max(a, b), min(a, b)
+            s = f"{a} minus {b} is {a - b}."
+        elif kind < 8:
+            start = below(30)
+            s = "counting: " + " ".join(str(n) for n in range(start, start + 3 + below(5))) + "."
+        elif kind < 9:
+            n = below(len(_NUMBER_WORDS))
+            s = f"{_NUMBER_WORDS[n]} is {n}."
+        elif sentences:
+            s = "again, " + pick(sentences)
+        else:
+            s = f"{pick(names)} has {2 + below(8)} {pick(objects)}s."
+        sentences.append(s)
+    return " ".join(sentences) + "\n"
+
+
+class _SyntheticDocuments:
+    """The endless synthetic corpus as token lists (document ``i`` is ``synthetic_document(seed, i)``)."""
+
+    num_docs = None  # infinite: there are no epochs
+
+    def __init__(self, seed: int, tokenizer: Tokenizer):
+        self._seed = seed
+        self._tokenizer = tokenizer
+
+    def tokens(self, index: int) -> list[int]:
+        """Token ids of document ``index`` with bos/eos."""
+        return _with_specials(self._tokenizer, self._tokenizer.encode(synthetic_document(self._seed, index)))
+
+
+# --------------------------------------------------------------------------------------------
+# Files and Hugging Face datasets
+# --------------------------------------------------------------------------------------------
+
+_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+_CHUNK_DOCS = 256  # documents read from Arrow at a time: bounded memory, few slow per-row calls
+
+
+class _HFDocuments:
+    """Documents of a map-style ``datasets.Dataset``, read lazily in chunks; index ``i`` is row ``i % n``.
+
+    Arrow tables are memory-mapped, so nothing is loaded beyond the current chunk, and resuming jumps
+    straight to a row instead of replaying the corpus.
+    """
+
+    def __init__(self, ds, text_field: str, tokenizer: Tokenizer, name: str, strip_newlines: bool):
+        columns = list(ds.column_names)
+        if text_field not in columns:
+            raise ConfigError(f"training.text_field {text_field!r} is not a column of dataset {name!r}; "
+                              f"its columns are {columns}")
+        self.num_docs = len(ds)
+        if self.num_docs == 0:
+            raise ConfigError(f"dataset {name!r} has no rows")
+        self._ds = ds.select_columns([text_field])
+        self._field = text_field
+        self._name = name
+        self._tokenizer = tokenizer
+        self._strip = strip_newlines
+        self._chunk_start = -1
+        self._chunk: list = []
+
+    def tokens(self, index: int) -> list[int]:
+        """Token ids of row ``index % num_docs`` with bos/eos; ``[]`` for an empty or null text."""
+        row = index % self.num_docs
+        if not 0 <= row - self._chunk_start < len(self._chunk):
+            self._chunk_start = row - row % _CHUNK_DOCS
+            self._chunk = self._ds[self._chunk_start : self._chunk_start + _CHUNK_DOCS][self._field]
+        text = self._chunk[row - self._chunk_start]
+        if text is None:
+            return []
+        if not isinstance(text, str):
+            raise ConfigError(f"training.text_field {self._field!r} of dataset {self._name!r} holds "
+                              f"{type(text).__name__} values (row {row}); it must hold strings")
+        if self._strip:
+            text = text.strip("\n")
+        if not text:
+            return []  # an empty document carries nothing to learn, not even a bos/eos pair
+        return _with_specials(self._tokenizer, self._tokenizer.encode(text))
+
+
+def _is_local_path(dataset: str) -> bool:
+    """Whether ``dataset`` names a local file/folder rather than a hub dataset such as "org/name"."""
+    if os.path.exists(os.path.expanduser(dataset)):
+        return True
+    return (os.path.isabs(dataset) or dataset.startswith((".", "~"))
+            or os.path.splitext(dataset)[1].lower() in _BUILDERS)
+
+
+def _local_data_files(dataset: str) -> tuple[str, list[str]]:
+    """The ``datasets`` builder name and the sorted files of a local file or folder."""
+    path = os.path.expanduser(dataset)
+    allowed = ", ".join(sorted(_BUILDERS))
+    if not os.path.exists(path):
+        raise ConfigError(f"training.dataset path {dataset!r} does not exist; give 'synthetic', an existing "
+                          f"{allowed} file or folder of them, or a Hugging Face hub dataset name")
+    if os.path.isdir(path):
+        files = []
+        for root, dirs, names in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # skip .cache and the like
+            files += [os.path.join(root, n) for n in names
+                      if not n.startswith(".") and os.path.splitext(n)[1].lower() in _BUILDERS]
+        files.sort()
+        if not files:
+            raise ConfigError(f"training.dataset folder {dataset!r} holds no {allowed} files")
+    else:
+        files = [path]
+    builders = {_BUILDERS.get(os.path.splitext(f)[1].lower()) for f in files}
+    if None in builders:
+        raise ConfigError(f"training.dataset file {dataset!r} has an unsupported extension; allowed: {allowed}")
+    if len(builders) > 1:
+        raise ConfigError(f"training.dataset folder {dataset!r} mixes file types ({sorted(builders)}); "
+                          f"keep one of {allowed} per folder")
+    return builders.pop(), files
+
+
+def _load_hf_documents(dataset: str, split: str, text_field: str, tokenizer: Tokenizer) -> _HFDocuments:
+    """Open a local file/folder or a hub dataset as a lazy document source."""
+    import datasets
+
+    if _is_local_path(dataset):
+        builder, files = _local_data_files(dataset)
+        # Name the files after the requested split so any split name (and slicing such as
+        # "train[:10%]") works on local data.
+        kwargs = {"data_files": {split.split("[")[0]: files}}
+        if builder == "text":
+            kwargs["sample_by"] = "paragraph"  # a blank-line separated paragraph is one document
+        what = f"training.dataset {dataset!r}"
+    else:
+        builder, kwargs = dataset, {}
+        what = f"Hugging Face dataset {dataset!r} (hub datasets need network access or a copy in the HF cache)"
+    try:
+        ds = datasets.load_dataset(builder, split=split, **kwargs)
+    except ConfigError:
+        raise
+    except Exception as e:  # datasets raises many unrelated types for bad files, splits and names
+        raise ConfigError(f"cannot load {what} with split {split!r}: {_one_line(e)}") from e
+    if not isinstance(ds, datasets.Dataset):
+        raise ConfigError(f"{what} with split {split!r} did not give a single table but {type(ds).__name__}")
+    return _HFDocuments(ds, text_field, tokenizer, dataset, strip_newlines=builder == "text")
+
+
+# --------------------------------------------------------------------------------------------
+# Packing and batching
+# --------------------------------------------------------------------------------------------
+
+
+class _PackedStream:
+    """A cursor over the concatenation of all documents' tokens, at (document ``doc``, token ``offset``)."""
+
+    def __init__(self, documents, name: str):
+        self._documents = documents
+        self._name = name
+        self.doc = 0
+        self.offset = 0
+        self._cached_doc = -1
+        self._cached: list[int] = []
+
+    def seek(self, doc: int, offset: int) -> None:
+        """Move the cursor to token ``offset`` of document ``doc``."""
+        self.doc, self.offset = doc, offset
+
+    def _current(self) -> list[int]:
+        if self._cached_doc != self.doc:
+            self._cached, self._cached_doc = self._documents.tokens(self.doc), self.doc
+        return self._cached
+
+    def read(self, n: int, out: array.array | list[int] | None) -> None:
+        """Advance by ``n`` tokens, appending them to ``out`` (or dropping them when ``out`` is None)."""
+        empty_run = 0
+        limit = self._documents.num_docs
+        while n > 0:
+            tokens = self._current()
+            available = len(tokens) - self.offset
+            if available <= 0:
+                empty_run += 1
+                # A whole epoch without a token would loop forever.
+                if limit is not None and empty_run >= limit:
+                    raise ConfigError(f"dataset {self._name!r} yields no tokens: every document is empty")
+                self.doc, self.offset = self.doc + 1, 0
+                continue
+            empty_run = 0
+            take = min(n, available)
+            if out is not None:
+                out.extend(tokens[self.offset : self.offset + take])
+            self.offset += take
+            n -= take
+            if self.offset == len(tokens):
+                self.doc, self.offset = self.doc + 1, 0
+
+
+class TokenBatchLoader:
+    """Endless iterator of ``(tokens, labels)`` int64 CPU batches of shape ``[local_batch_size, seq_len]``.
+
+    See the module docstring for the packing, the data-parallel sharding rule and the resume state.
+    ``iter()`` returns the loader itself, so all iterators share one position.
+    """
+
+    _STATE_VERSION = 1
+
+    def __init__(self, stream: _PackedStream, *, stream_id: str, seq_len: int, local_batch_size: int,
+                 dp_rank: int, dp_degree: int):
+        self._stream = stream
+        self._stream_id = stream_id
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+        self._step = 0
+
+    def __iter__(self) -> TokenBatchLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.seq_len + 1
+        rows = self.local_batch_size
+        # Global windows of this step: ranks 0..D-1 take consecutive blocks of `rows` windows.
+        self._stream.read(self.dp_rank * rows * window, None)
+        flat = array.array("q")  # int64 buffer: turning it into a tensor is ~5x faster than a list
+        self._stream.read(rows * window, flat)
+        self._stream.read((self.dp_degree - 1 - self.dp_rank) * rows * window, None)
+        self._step += 1
+        batch = torch.frombuffer(flat, dtype=torch.int64).view(rows, window)
+        # Contiguous copies: a traced step should not see two overlapping strided views.
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:
+        """Small picklable state to resume exactly after the last batch produced (same on every rank)."""
+        return {"version": self._STATE_VERSION, "stream": self._stream_id, "step": self._step,
+                "doc": self._stream.doc, "offset": self._stream.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`): the next batch is the one that followed it."""
+        missing = [k for k in ("version", "stream", "step", "doc", "offset") if k not in state]
+        if missing:
+            raise ConfigError(f"data loader state lacks {missing}; it must come from TokenBatchLoader.state_dict()")
+        if state["version"] != self._STATE_VERSION:
+            raise ConfigError(f"data loader state has version {state['version']}; this build reads version "
+                              f"{self._STATE_VERSION}")
+        if state["stream"] != self._stream_id:
+            raise ConfigError(f"data loader state was saved for {state['stream']!r} but this run reads "
+                              f"{self._stream_id!r}; resume with the same dataset, seed and tokenizer")
+        self._step = int(state["step"])
+        self._stream.seek(int(state["doc"]), int(state["offset"]))
+
+
+def build_dataloader(*, dataset: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
+                     dp_rank: int, dp_degree: int, seed: int, vocab_size: int,
+                     dataset_split: str = "train", text_field: str = "text") -> TokenBatchLoader:
+    """Build the loader for ``training.dataset``.
+
+    ``dataset`` is ``"synthetic"`` (the built-in corpus, a pure function of ``seed``), a local
+    ``.json``/``.jsonl``/``.parquet``/``.txt`` file or folder of such files (read with
+    ``datasets.load_dataset``; a ``.txt`` document is a blank-line separated paragraph), or a Hugging
+    Face hub dataset name (needs network or the HF cache). Documents come from column ``text_field``
+    in order; the dataset repeats forever. ``seed`` only affects the synthetic corpus. Rank
+    ``dp_rank`` of ``dp_degree`` gets its share of each step by the rule in the module docstring.
+    Token ids are checked to fit the model's ``vocab_size``.
+    """
+    for name, value, low in (("training.seq_len", seq_len, 1), ("training.local_batch_size", local_batch_size, 1),
+                             ("dp_degree", dp_degree, 1)):
+        if not isinstance(value, int) or value < low:
+            raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_degree:
+        raise ConfigError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank!r}")
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids but model.flavor vocab_size is {vocab_size}; "
+                          f"choose a flavor with vocab_size >= {tokenizer.vocab_size} or a smaller tokenizer")
+    if not dataset:
+        raise ConfigError("training.dataset is empty; give 'synthetic', a local .json/.jsonl/.parquet/.txt file "
+                          "or folder, or a Hugging Face hub dataset name")
+    # Not repr(tokenizer): a user tokenizer's default repr holds a memory address.
+    tok_id = f"{type(tokenizer).__name__}(vocab_size={tokenizer.vocab_size}, bos={tokenizer.bos_id}, eos={tokenizer.eos_id})"
+    if dataset == "synthetic":
+        documents = _SyntheticDocuments(seed, tokenizer)
+        stream_id = f"synthetic seed={seed} tokenizer={tok_id}"
+    else:
+        documents = _load_hf_documents(dataset, dataset_split, text_field, tokenizer)
+        stream_id = f"{dataset} split={dataset_split} field={text_field} tokenizer={tok_id}"
+    return TokenBatchLoader(_PackedStream(documents, dataset), stream_id=stream_id, seq_len=seq_len,
+                            local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)

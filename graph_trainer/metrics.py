@@ -1,0 +1,382 @@
+"""Training metrics: the per-step loss file, periodic log lines, TensorBoard scalars.
+
+What is measured, and how:
+
+* ``losses.txt`` gets one ``"<step> <repr(loss)>"`` line for every step, flushed at
+  once, so two runs can be compared bit for bit (``float(text) == loss``).
+* Every ``log_freq`` steps (and at step 1) one INFO line summarises the step:
+  loss, gradient norm, learning rate, throughput, MFU, peak memory, step time.
+  The same numbers go to TensorBoard (``<dump_folder>/tb``) when enabled.
+* Throughput is measured over a *window*: all steps recorded since the previous
+  logged step, divided by the wall time the window covered (read from ``clock``).
+  So it includes data loading and everything else the loop does between steps.
+* MFU (model FLOPs utilisation) relates the model FLOPs that throughput implies
+  to the device's peak dense FLOP/s; with no known peak (CPU) it is ``n/a``.
+
+Only rank 0 writes anything (files, TensorBoard); the other ranks compute the
+same numbers, return them, and log them at DEBUG level only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from graph_trainer.errors import ConfigError
+
+__all__ = [
+    "MetricsLogger",
+    "StepTimer",
+    "peak_flops_per_device",
+    "peak_memory_bytes",
+    "setup_logging",
+]
+
+LOGGER_NAME = "graph_trainer"
+"""Name of the project logger that :func:`setup_logging` configures."""
+
+_GIB = float(1 << 30)
+
+
+class _RankFormatter(logging.Formatter):
+    """Formats records as ``[rank<r>] HH:MM:SS LEVEL message``."""
+
+    def __init__(self, rank: int):
+        super().__init__(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+def setup_logging(rank: int, level: int = logging.INFO) -> logging.Logger:
+    """Configure and return the project logger ``"graph_trainer"``.
+
+    Rank 0 logs at ``level``. Other ranks log WARNING and above only, unless
+    ``level`` is DEBUG (or lower), in which case every rank logs everything; this
+    keeps multi-process output readable while still allowing per-rank debugging.
+
+    Safe to call repeatedly: the logger owns exactly one handler of ours (writing to
+    stderr), whose format and level are updated in place on later calls (e.g. once
+    the real rank is known). The logger does not propagate to the root logger, so
+    a root handler installed by another library cannot duplicate the lines.
+    """
+    log = logging.getLogger(LOGGER_NAME)
+    if rank != 0 and level > logging.DEBUG:
+        level = max(level, logging.WARNING)
+    handler = next((h for h in log.handlers if getattr(h, "_graph_trainer_handler", False)), None)
+    if handler is None:
+        handler = logging.StreamHandler(sys.stderr)
+        handler._graph_trainer_handler = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+    handler.setFormatter(_RankFormatter(rank))
+    handler.setLevel(level)
+    log.setLevel(level)
+    log.propagate = False
+    return log
+
+
+def peak_flops_per_device(device: torch.device, configured_tflops: float | None) -> float | None:
+    """Peak dense FLOP/s of one device, used as the MFU denominator.
+
+    * ``configured_tflops`` (config ``metrics.peak_tflops``), when given and > 0,
+      wins: it is returned converted to FLOP/s (``tflops * 1e12``). A value of 0 or
+      None means "not configured"; a negative value is a :class:`ConfigError`.
+    * On CUDA devices, torchtitan's table is consulted with the device's name
+      (e.g. H100 SXM -> 989e12 bf16 dense). Note that table inspects ``lspci``
+      first and falls back to the A100 figure for GPUs it does not know.
+    * Anything else (CPU) has no meaningful peak: returns None, so MFU is "n/a".
+    """
+    if configured_tflops is not None:
+        if configured_tflops < 0 or math.isnan(configured_tflops):
+            raise ConfigError(f"metrics.peak_tflops must be >= 0, got {configured_tflops}")
+        if configured_tflops > 0:
+            return float(configured_tflops) * 1e12
+    device = torch.device(device)
+    if device.type == "cuda":
+        # Imported here: importing torchtitan is slow and only needed on GPUs.
+        from torchtitan.tools.utils import get_peak_flops
+
+        return float(get_peak_flops(torch.cuda.get_device_name(device)))
+    return None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process on ``device``, in bytes.
+
+    CUDA: the caching allocator's peak of allocated tensor memory
+    (``torch.cuda.max_memory_allocated``). Otherwise: the process's peak resident
+    set size from ``getrusage`` (reported in KiB on Linux, in bytes on macOS), which
+    covers everything the process touched, not only tensors.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss) if sys.platform == "darwin" else int(maxrss) * 1024
+
+
+class StepTimer:
+    """Wall-clock timer for one block of work, usable as a context manager.
+
+    ``with StepTimer() as t: ...`` leaves the elapsed seconds in ``t.seconds``;
+    ``t.elapsed()`` reads the running time while still inside the block.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        """Zero-argument function returning the current time in seconds."""
+        self.start: float | None = None
+        """Clock reading when the block was entered (None before)."""
+        self.seconds: float | None = None
+        """Elapsed seconds of the finished block (None until it exits)."""
+
+    def __enter__(self) -> StepTimer:
+        self.start = self.clock()
+        self.seconds = None
+        return self
+
+    def elapsed(self) -> float:
+        """Seconds since the block was entered (the final value once it exited)."""
+        if self.seconds is not None:
+            return self.seconds
+        if self.start is None:
+            raise RuntimeError("StepTimer has not been started")
+        return self.clock() - self.start
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.seconds = self.elapsed()
+
+
+def _format_value(value: Any) -> str:
+    """Human-readable rendering of one :meth:`MetricsLogger.log_event` value."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, numbers.Integral):
+        return f"{int(value):,}"
+    if isinstance(value, numbers.Real):
+        return f"{float(value):.4g}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_format_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _numeric_scalars(name: str, value: Any) -> list[tuple[str, float]]:
+    """(tag, number) pairs for TensorBoard; mappings are flattened as ``name/key``."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, numbers.Real):
+        return [(name, float(value))]
+    if isinstance(value, Mapping):
+        pairs: list[tuple[str, float]] = []
+        for key, sub in value.items():
+            pairs.extend(_numeric_scalars(f"{name}/{key}", sub))
+        return pairs
+    return []
+
+
+class MetricsLogger:
+    """Records per-step training metrics; see the module docstring for the definitions.
+
+    Rank 0 creates ``dump_folder``, the loss file ``<dump_folder>/losses.txt``
+    (truncated unless ``append_losses``, which resumed runs should pass) and, when
+    ``enable_tensorboard``, a TensorBoard writer in ``<dump_folder>/tb``. Other ranks
+    create nothing. Use :meth:`close` (or a ``with`` block) when done.
+
+    Args:
+        dump_folder: Output folder of the job.
+        log_freq: Log a line (and TensorBoard scalars) at step 1 and whenever
+            ``step % log_freq == 0``; must be >= 1.
+        enable_tensorboard: Write TensorBoard events (rank 0 only).
+        rank: Global rank of this process.
+        device: Training device; selects how peak memory is measured.
+        flops_per_token: Model FLOPs (forward + backward) per trained token.
+        peak_flops: Peak FLOP/s of one device (:func:`peak_flops_per_device`);
+            None reports MFU as "n/a" and omits it from the scalars.
+        num_devices_per_replica: Devices that jointly process the *same* tokens
+            (e.g. the tensor-parallel group). Each rank passes the tokens of the
+            batch it fed as ``ntokens``; dividing by this number attributes them
+            to the devices that shared the work. 1 for pure data parallelism.
+        logger: Where lines go; defaults to the ``"graph_trainer"`` logger.
+        clock: Zero-argument time source in seconds (tests pass a fake one).
+        append_losses: Append to an existing ``losses.txt`` instead of truncating.
+    """
+
+    def __init__(
+        self,
+        *,
+        dump_folder: str,
+        log_freq: int,
+        enable_tensorboard: bool,
+        rank: int,
+        device: torch.device,
+        flops_per_token: int,
+        peak_flops: float | None,
+        num_devices_per_replica: int = 1,
+        logger: logging.Logger | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        append_losses: bool = False,
+    ):
+        if log_freq < 1:
+            raise ConfigError(f"metrics.log_freq must be >= 1, got {log_freq}")
+        if num_devices_per_replica < 1:
+            raise ValueError(f"num_devices_per_replica must be >= 1, got {num_devices_per_replica}")
+        self.dump_folder = dump_folder
+        """Output folder (written to by rank 0 only)."""
+        self.log_freq = log_freq
+        """Logging interval in steps."""
+        self.rank = rank
+        """Global rank of this process; only rank 0 writes."""
+        self.device = torch.device(device)
+        """Training device (selects the peak-memory measure)."""
+        self.flops_per_token = flops_per_token
+        """Model training FLOPs per token (MFU numerator per token)."""
+        self.peak_flops = peak_flops if peak_flops and peak_flops > 0 else None
+        """Peak FLOP/s of one device, or None when unknown (MFU "n/a")."""
+        self.num_devices_per_replica = num_devices_per_replica
+        """Devices that share the same tokens; divides the measured token rate."""
+        self.logger = logger or logging.getLogger(LOGGER_NAME)
+        """Destination of the log lines."""
+        self.clock = clock
+        """Time source in seconds."""
+        self.losses_path = os.path.join(dump_folder, "losses.txt")
+        """Path of the per-step loss file (only created on rank 0)."""
+        self.tb_dir = os.path.join(dump_folder, "tb")
+        """TensorBoard event folder (only created on rank 0 when enabled)."""
+
+        self._window_start: float | None = None  # set by the first recorded step
+        self._window_tokens = 0
+        self._closed = False
+        self._loss_file = None
+        self._writer = None
+        if rank == 0:
+            os.makedirs(dump_folder, exist_ok=True)
+            self._loss_file = open(self.losses_path, "a" if append_losses else "w", encoding="utf-8")
+            if enable_tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(log_dir=self.tb_dir)
+
+    @property
+    def writes(self) -> bool:
+        """True on the rank that writes files and TensorBoard events (rank 0)."""
+        return self.rank == 0
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("MetricsLogger is closed")
+
+    def should_log(self, step: int) -> bool:
+        """Whether ``step`` is a logged step: step 1 and every multiple of ``log_freq``."""
+        return step == 1 or step % self.log_freq == 0
+
+    def record_step(
+        self, *, step: int, loss: float, grad_norm: float, lr: float, ntokens: int, step_time_s: float
+    ) -> dict[str, float] | None:
+        """Record one finished training step; call it once per step, in order.
+
+        Args:
+            step: 1-based step number.
+            loss: The step's loss (written to ``losses.txt`` with full precision).
+            grad_norm: Total gradient norm before clipping.
+            lr: Learning rate used by the step.
+            ntokens: Tokens this rank fed to the model in this step (batch x sequence).
+            step_time_s: Seconds the step itself took (shown as is).
+
+        Throughput on a logged step is ``sum(ntokens over the window) / window
+        seconds / num_devices_per_replica``. The window starts at the previous
+        logged step's call of this method; the very first window starts at the
+        beginning of the first recorded step (its call time minus ``step_time_s``),
+        so setup before the first step is not counted but its trace is. MFU in % is
+        ``100 * flops_per_token * tokens_per_sec_per_device / peak_flops``.
+
+        Returns:
+            On logged steps the scalars logged (keys ``loss``, ``grad_norm``, ``lr``,
+            ``tokens_per_sec_per_device``, ``mfu_percent`` when the peak is known,
+            ``memory_gib``, ``step_time_s``), on every rank; None on other steps.
+        """
+        self._check_open()
+        now = self.clock()
+        loss = float(loss)
+        if self._loss_file is not None:
+            self._loss_file.write(f"{step} {loss!r}\n")
+            self._loss_file.flush()
+        if self._window_start is None:
+            self._window_start = now - step_time_s
+        self._window_tokens += int(ntokens)
+        if not self.should_log(step):
+            return None
+
+        elapsed = now - self._window_start
+        tokens_per_sec = (
+            self._window_tokens / elapsed / self.num_devices_per_replica if elapsed > 0 else math.nan
+        )
+        self._window_start = now
+        self._window_tokens = 0
+
+        scalars: dict[str, float] = {
+            "loss": loss,
+            "grad_norm": float(grad_norm),
+            "lr": float(lr),
+            "tokens_per_sec_per_device": tokens_per_sec,
+        }
+        if self.peak_flops is not None:
+            scalars["mfu_percent"] = 100.0 * self.flops_per_token * tokens_per_sec / self.peak_flops
+        scalars["memory_gib"] = peak_memory_bytes(self.device) / _GIB
+        scalars["step_time_s"] = float(step_time_s)
+
+        mfu = f"{scalars['mfu_percent']:.2f}%" if "mfu_percent" in scalars else "n/a"
+        mem_kind = "peak alloc" if self.device.type == "cuda" else "peak rss"
+        line = (
+            f"step {step} | loss {loss:.6f} | grad_norm {scalars['grad_norm']:.4f} | "
+            f"lr {scalars['lr']:.2e} | tok/s/dev {tokens_per_sec:,.0f} | mfu {mfu} | "
+            f"mem {scalars['memory_gib']:.2f} GiB ({mem_kind}) | step {step_time_s:.3f}s"
+        )
+        self.logger.log(logging.INFO if self.writes else logging.DEBUG, line)
+        if self._writer is not None:
+            for tag, value in scalars.items():
+                self._writer.add_scalar(tag, value, global_step=step)
+            self._writer.flush()
+        return scalars
+
+    def log_event(self, message: str, **scalars: Any) -> None:
+        """Log one-off information, e.g. ``log_event("trace", trace_seconds=3.2, graph_nodes=5120)``.
+
+        Rank 0 logs one INFO line ``"<message> | name value | ..."``. Numeric values
+        (and numeric values inside mappings, flattened as ``name/key``, e.g.
+        collective counts by type) also go to TensorBoard as ``setup/<name>`` at
+        step 0. Non-numeric values only appear in the line. Other ranks do nothing.
+        """
+        self._check_open()
+        if not self.writes:
+            return
+        parts = [message] + [f"{name} {_format_value(value)}" for name, value in scalars.items()]
+        self.logger.info(" | ".join(parts))
+        if self._writer is not None:
+            for name, value in scalars.items():
+                for tag, number in _numeric_scalars(name, value):
+                    self._writer.add_scalar(f"setup/{tag}", number, global_step=0)
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the loss file and the TensorBoard writer; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loss_file is not None:
+            self._loss_file.close()
+            self._loss_file = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,89 @@
+"""Optimizer, learning-rate schedule and gradient clipping.
+
+The same code runs after the traced step and after the eager step, so graph and eager
+runs differ only in how the gradients were computed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from graph_trainer.config import Training
+
+
+def build_optimizer(params: list[torch.nn.Parameter], t: Training) -> torch.optim.AdamW:
+    """AdamW with the job's hyper-parameters (single-tensor implementation: one code path everywhere)."""
+    return torch.optim.AdamW(
+        params,
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        weight_decay=t.weight_decay,
+        foreach=False,
+    )
+
+
+def lr_multiplier(step: int, t: Training) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based count of steps taken).
+
+    Linear warmup over ``warmup_steps`` (never starting at 0), then ``decay_type`` down to
+    ``min_lr_ratio`` at the last step.
+    """
+    if step < t.warmup_steps:
+        return (step + 1) / (t.warmup_steps + 1)
+    decay_steps = t.steps - t.warmup_steps
+    if t.decay_type == "constant" or decay_steps <= 1:
+        return 1.0
+    progress = min((step - t.warmup_steps) / (decay_steps - 1), 1.0)
+    if t.decay_type == "linear":
+        remaining = 1.0 - progress
+    else:  # cosine
+        remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * remaining
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, t: Training) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, t))
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global sum of squared gradient entries, over every rank holding a piece.
+
+    Plain tensors count as they are. DTensor gradients are grouped by (mesh, placements);
+    each group's local sums are added, then reduced once over the mesh dimensions where the
+    gradient is sharded (replicated dimensions already hold the full value).
+    """
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        if isinstance(g, DTensor):
+            groups[(g.device_mesh, tuple(g.placements))].append(g.to_local())
+        else:
+            total = total + g.detach().float().pow(2).sum()
+    for (mesh, placements), locals_ in groups.items():
+        if any(isinstance(p, Partial) for p in placements):
+            raise RuntimeError(f"gradient with unreduced placement {placements}: reduce it before clipping")
+        local_sum = sum(t.detach().float().pow(2).sum() for t in locals_)
+        partial = [Partial("sum") if isinstance(p, Shard) else Replicate() for p in placements]
+        summed = DTensor.from_local(local_sum, mesh, partial, run_check=False).full_tensor()
+        total = total + summed.to(total.device)
+    return total
+
+
+def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale gradients in place so their global L2 norm is at most ``max_norm`` (0: no clipping).
+
+    Returns the norm before clipping (a 0-d float32 tensor).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = _sum_of_squares(grads).sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(coef.to(local.device, local.dtype))
+    return norm

@@ -1,0 +1,37 @@
+"""The private PyTorch APIs graph_trainer depends on, in one place.
+
+Everything here reaches below PyTorch's public surface. ``tests/test_torch_compat.py``
+checks each entry against the installed PyTorch so that an upgrade that changes one fails
+loudly there, not deep inside a training run.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.fx.traceback as fx_traceback
+
+
+def tag_backward_with_forward_seq_nr(loss: torch.Tensor) -> None:
+    """Make nodes traced during backward carry the sequence number of their forward op.
+
+    Each autograd node remembers the sequence number of the forward op that created it
+    (``_sequence_nr()``). Pre/post hooks on every node of ``loss``'s autograd graph push and
+    pop that number into the FX tracing metadata (``fx.traceback.set_grad_fn_seq_nr``), so
+    backward FX nodes get ``meta["seq_nr"]`` equal to their forward node's. The tracer then
+    copies the forward ``module_fqn`` across. Needs ``fx.traceback.preserve_node_meta()``.
+    """
+    if loss.grad_fn is None:
+        return
+    seen: set = set()
+    queue = collections.deque([loss.grad_fn])
+    while queue:
+        node = queue.popleft()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        seq_nr = node._sequence_nr()
+        node.register_prehook(lambda grad_outputs, seq_nr=seq_nr: fx_traceback.set_grad_fn_seq_nr(seq_nr))
+        node.register_hook(lambda grad_inputs, grad_outputs: fx_traceback.reset_grad_fn_seq_nr())
+        queue.extend(fn for fn, _ in node.next_functions)

@@ -1,0 +1,371 @@
+"""Capture a whole training step as one aten FX graph, and run it.
+
+``trace_train_step`` traces ``step(params, buffers, tokens, labels) -> (loss, grads)`` with
+``make_fx`` under a ``FakeTensorMode``: the model forward, the loss and
+``torch.autograd.grad`` become ONE graph of aten ops (and ``_c10d_functional`` collectives
+when parameters are DTensors). No real memory is touched while tracing, so real-size
+models trace on one CPU.
+
+The graph boundary is flat and plain. Tensor subclasses (DTensor) are unwrapped into their
+inner tensors with ``__tensor_flatten__`` before tracing; inside the traced function they
+are rebuilt with ``__tensor_unflatten__``, so DTensor dispatch happens during tracing and
+the graph sees only plain tensors and collectives. Gradients are unwrapped the same way on
+the way out and rewrapped by ``TracedStep.__call__`` (``TensorLayout`` records how).
+
+Graph inputs, in order: the inner tensors of every parameter (``named_parameters`` order),
+of every buffer, then ``tokens`` and ``labels``. Outputs: the loss, then the inner tensors of
+every parameter's gradient, in parameter order.
+
+Node metadata written here (the contract passes rely on), in ``node.meta["custom"]``:
+
+- ``phase``: ``"input"`` (placeholders), ``"forward"``, ``"loss"``, ``"backward"``,
+  ``"output"``.
+- ``module_fqn``: the innermost module whose forward produced the node (``"layers.3.attention"``,
+  ``"output"``; ``"loss"`` for the loss). Backward nodes get the FQN of the forward op they
+  differentiate (matched through autograd sequence numbers). Placeholders get the FQN of the
+  module owning the parameter or buffer (``""`` for tokens and labels); the output node gets
+  ``""``. Parametrization modules are never named: their ops belong to the owning module.
+- ``input_fqn`` (placeholders only): the parameter or buffer name (``"layers.0.attention.wq.weight"``),
+  or ``"tokens"`` / ``"labels"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+import torch.fx.experimental.symbolic_shapes  # noqa: F401  (make_fx needs it imported first)
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from graph_trainer import torch_compat
+from graph_trainer.analysis.collectives import collective_counts
+
+logger = logging.getLogger("graph_trainer")
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------
+# The flat boundary
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """How a user-level tensor maps onto its flat graph tensors.
+
+    Plain tensors have ``subclass=None`` and one inner tensor. Traceable wrapper subclasses
+    (DTensor) record their class, flatten context and outer size/stride, enough to rebuild
+    the wrapper around new inner tensors.
+    """
+
+    subclass: type | None
+    inner_names: tuple[str, ...]
+    context: Any
+    outer_size: torch.Size
+    outer_stride: tuple[int, ...]
+
+    @property
+    def num_inner(self) -> int:
+        return len(self.inner_names)
+
+
+def flatten_tensor(t: torch.Tensor) -> tuple[list[torch.Tensor], TensorLayout]:
+    """Inner plain tensors of ``t`` and the layout to rebuild it (one level of subclass)."""
+    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        plain = t.data if isinstance(t, nn.Parameter) else t
+        return [plain], TensorLayout(None, ("",), None, t.shape, t.stride())
+    names, context = t.__tensor_flatten__()
+    inners = [getattr(t, name) for name in names]
+    if any(hasattr(i, "__tensor_flatten__") and type(i) is not torch.Tensor for i in inners):
+        raise NotImplementedError(f"nested tensor subclasses are not supported: {type(t).__name__}")
+    return inners, TensorLayout(type(t), tuple(names), context, t.shape, t.stride())
+
+
+def unflatten_tensor(inners: list[torch.Tensor], layout: TensorLayout) -> torch.Tensor:
+    """Rebuild a tensor from its inner tensors (the inverse of ``flatten_tensor``)."""
+    if layout.subclass is None:
+        return inners[0]
+    return layout.subclass.__tensor_unflatten__(
+        dict(zip(layout.inner_names, inners)), layout.context, layout.outer_size, layout.outer_stride
+    )
+
+
+def _split(flat: list[Any], layouts: list[TensorLayout]) -> list[list[Any]]:
+    out, i = [], 0
+    for layout in layouts:
+        out.append(flat[i : i + layout.num_inner])
+        i += layout.num_inner
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Module FQN annotation
+
+
+def _owner_fqn(name: str) -> str:
+    """FQN of the module owning a parameter or buffer.
+
+    'layers.0.attention.wq.weight' -> 'layers.0.attention.wq'; a parametrized parameter
+    'layers.0.attention.wq.parametrizations.weight.original' -> 'layers.0.attention.wq'.
+    """
+    if ".parametrizations." in name:
+        return name.split(".parametrizations.")[0]
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+@contextlib.contextmanager
+def annotate_module_fqns(model: nn.Module) -> Iterator[None]:
+    """While active, ops run inside a submodule's forward are tagged with its FQN."""
+    handles = []
+    stack: list[contextlib.AbstractContextManager] = []
+
+    def enter(fqn: str) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            cm = torch.fx.traceback.annotate({"module_fqn": fqn})
+            cm.__enter__()
+            stack.append(cm)
+
+        return hook
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        stack.pop().__exit__(None, None, None)
+
+    for fqn, module in model.named_modules():
+        if not fqn or ".parametrizations" in fqn or fqn.startswith("parametrizations"):
+            continue
+        handles.append(module.register_forward_pre_hook(enter(fqn)))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
+    """Give every backward node the module_fqn of the forward op it differentiates."""
+    fqn_by_seq: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom", {})
+        if custom.get("phase") in ("forward", "loss"):
+            fqn_by_seq.setdefault(node.meta.get("seq_nr", -1), custom.get("module_fqn", ""))
+    for node in gm.graph.nodes:
+        custom = node.meta.setdefault("custom", {})
+        if custom.get("phase") == "backward":
+            custom["module_fqn"] = fqn_by_seq.get(node.meta.get("seq_nr", -1), "loss")
+
+
+def _finalize_meta(gm: fx.GraphModule, input_fqns: list[str]) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(input_fqns), (len(placeholders), len(input_fqns))
+    for node, fqn in zip(placeholders, input_fqns):
+        owner = "" if fqn in ("tokens", "labels") else _owner_fqn(fqn)
+        node.meta["custom"] = {"phase": "input", "module_fqn": owner, "input_fqn": fqn}
+    _copy_forward_meta_to_backward(gm)
+    for node in gm.graph.nodes:
+        custom = node.meta.setdefault("custom", {})
+        if node.op == "output":
+            custom.update(phase="output", module_fqn="")
+        # Nodes made between annotated regions (e.g. detach of inputs) belong to the forward.
+        custom.setdefault("phase", "forward")
+        custom.setdefault("module_fqn", "")
+
+
+# --------------------------------------------------------------------------------------
+# Tracing
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, computed in float32."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def batch_signature(tokens: torch.Tensor, labels: torch.Tensor) -> tuple:
+    """What a traced graph is specialised to: shapes, dtypes and device of the batch."""
+    return tuple((tuple(t.shape), t.dtype, t.device.type) for t in (tokens, labels))
+
+
+@dataclass
+class TracedStep:
+    """A traced training step and everything needed to call it with live tensors."""
+
+    gm: fx.GraphModule
+    param_names: list[str]
+    buffer_names: list[str]
+    input_layouts: list[TensorLayout]
+    """Layouts of parameters then buffers (tokens and labels are plain)."""
+    grad_layouts: list[TensorLayout]
+    signature: tuple
+    trace_seconds: float
+
+    def flat_inputs(self, params: list[torch.Tensor], buffers: list[torch.Tensor],
+                    tokens: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        flat: list[torch.Tensor] = []
+        for t in (*params, *buffers):
+            flat.extend(flatten_tensor(t)[0])
+        return flat + [tokens, labels]
+
+    def __call__(self, params: list[torch.Tensor], buffers: list[torch.Tensor],
+                 tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if batch_signature(tokens, labels) != self.signature:
+            raise RuntimeError(
+                f"batch {batch_signature(tokens, labels)} does not match the traced graph {self.signature}"
+            )
+        with torch.no_grad():
+            outs = self.gm(*self.flat_inputs(params, buffers, tokens, labels))
+        loss, flat_grads = outs[0], list(outs[1:])
+        grads = [unflatten_tensor(inner, layout)
+                 for inner, layout in zip(_split(flat_grads, self.grad_layouts), self.grad_layouts)]
+        return loss, grads
+
+
+def _fake_like(t: torch.Tensor, mode: FakeTensorMode, device: torch.device | None) -> torch.Tensor:
+    """A fake tensor with ``t``'s metadata; meta tensors become fake tensors on ``device``."""
+    if t.device.type == "meta":
+        target = device if device is not None else t.device
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
+    return mode.from_tensor(t)
+
+
+def trace_train_step(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    loss_fn: LossFn = cross_entropy_loss,
+    *,
+    grad_scale: float = 1.0,
+    fake_device: torch.device | None = None,
+) -> TracedStep:
+    """Trace forward + loss + backward of ``model`` on a batch of this shape into one graph.
+
+    Gradients are those of ``loss * grad_scale`` (data parallelism passes 1/dp_size); the
+    returned loss is unscaled. Parameters and buffers may be real, meta (then ``fake_device``
+    says which device the graph is for) or DTensors of either. Nothing is computed on real data.
+    """
+    start = time.perf_counter()
+    named_params = list(model.named_parameters())
+    named_buffers = list(model.named_buffers())
+    param_names = [n for n, _ in named_params]
+    buffer_names = [n for n, _ in named_buffers]
+
+    layouts: list[TensorLayout] = []
+    flat: list[torch.Tensor] = []
+    for _, t in (*named_params, *named_buffers):
+        inners, layout = flatten_tensor(t)
+        flat.extend(inners)
+        layouts.append(layout)
+    param_layouts, buffer_layouts = layouts[: len(named_params)], layouts[len(named_params):]
+    grad_layouts: list[TensorLayout] = []
+
+    def step(*flat_args: torch.Tensor) -> list[torch.Tensor]:
+        *state, tok, lab = flat_args
+        groups = _split(list(state), layouts)
+        params = []
+        for inner, layout in zip(groups[: len(param_layouts)], param_layouts):
+            p = unflatten_tensor([i.detach() for i in inner], layout)
+            params.append(p.requires_grad_(True))
+        buffers = [unflatten_tensor(inner, layout)
+                   for inner, layout in zip(groups[len(param_layouts):], buffer_layouts)]
+        tensors = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
+        with torch.fx.traceback.annotate({"phase": "forward"}):
+            logits = torch.func.functional_call(model, tensors, (tok,))
+        with torch.fx.traceback.annotate({"phase": "loss", "module_fqn": "loss"}):
+            loss = loss_fn(logits, lab)
+        with torch.fx.traceback.annotate({"phase": "loss", "module_fqn": "loss"}):
+            scaled = loss * grad_scale if grad_scale != 1.0 else loss
+        torch_compat.tag_backward_with_forward_seq_nr(scaled)
+        with torch.fx.traceback.annotate({"phase": "backward"}):
+            grads = torch.autograd.grad(scaled, params)
+        out = [loss]
+        grad_layouts.clear()
+        for g in grads:
+            inners, layout = flatten_tensor(g)
+            out.extend(inners)
+            grad_layouts.append(layout)
+        return out
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    fake_inputs = [_fake_like(t, fake_mode, fake_device) for t in (*flat, tokens, labels)]
+    with (
+        torch.fx.traceback.preserve_node_meta(),
+        annotate_module_fqns(model),
+        torch.autograd.set_multithreading_enabled(False),  # keep backward on this thread
+        fake_mode,
+    ):
+        gm = make_fx(step, record_stack_traces=False)(*fake_inputs)
+
+    input_fqns = []
+    for (name, _), layout in zip((*named_params, *named_buffers), layouts):
+        input_fqns.extend([name] * layout.num_inner)
+    _finalize_meta(gm, input_fqns + ["tokens", "labels"])
+    gm.recompile()
+    return TracedStep(
+        gm=gm,
+        param_names=param_names,
+        buffer_names=buffer_names,
+        input_layouts=layouts,
+        grad_layouts=list(grad_layouts),
+        signature=batch_signature(tokens, labels),
+        trace_seconds=time.perf_counter() - start,
+    )
+
+
+class GraphStep:
+    """Runs the training step through traced graphs, one per batch shape.
+
+    The first batch of a shape triggers a trace (logged) and the optional ``post_trace``
+    hook (the pass pipeline); later batches of that shape reuse the graph. A batch of a new
+    shape retraces instead of running a graph made for another shape.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn = cross_entropy_loss, grad_scale: float = 1.0,
+                 post_trace: Callable[[TracedStep], TracedStep] | None = None):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.grad_scale = grad_scale
+        self.post_trace = post_trace
+        self.graphs: dict[tuple, TracedStep] = {}
+
+    def get(self, tokens: torch.Tensor, labels: torch.Tensor) -> TracedStep:
+        sig = batch_signature(tokens, labels)
+        if sig not in self.graphs:
+            if self.graphs:
+                logger.info("batch shape %s is new: retracing", sig)
+            logger.info("tracing the training step (forward + loss + backward) ...")
+            traced = trace_train_step(self.model, tokens, labels, self.loss_fn, grad_scale=self.grad_scale)
+            counts = collective_counts(traced.gm.graph)
+            logger.info(
+                "traced in %.2fs: %d nodes, collectives: %s",
+                traced.trace_seconds,
+                len(traced.gm.graph.nodes),
+                " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none",
+            )
+            if self.post_trace is not None:
+                traced = self.post_trace(traced)
+            self.graphs[sig] = traced
+        return self.graphs[sig]
+
+    def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        traced = self.get(tokens, labels)
+        params = [p for _, p in self.model.named_parameters()]
+        buffers = [b for _, b in self.model.named_buffers()]
+        return traced(params, buffers, tokens, labels)
+
+
+def eager_step(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
+               loss_fn: LossFn = cross_entropy_loss, grad_scale: float = 1.0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The same step without tracing: the numerics baseline for ``GraphStep``."""
+    params = [p for _, p in model.named_parameters()]
+    loss = loss_fn(model(tokens), labels)
+    scaled = loss * grad_scale if grad_scale != 1.0 else loss
+    grads = torch.autograd.grad(scaled, params)
+    return loss.detach(), list(grads)

@@ -1,0 +1,158 @@
+"""The training loop: build -> trace (first step) -> run the graph -> clip -> AdamW -> schedule.
+
+``Trainer(cfg)`` builds everything from a validated ``JobConfig``; ``Trainer.train()`` runs
+``training.steps`` steps and returns the per-step losses. In ``compile.mode = "graph"`` the
+step is the traced GraphModule (``graph_trainer.tracer.GraphStep``) after the pass pipeline;
+in ``"eager"`` it is the same model run directly (``eager_step``), the numerics baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from graph_trainer.build import build_model
+from graph_trainer.config import JobConfig
+from graph_trainer.data import build_dataloader, build_tokenizer
+from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
+from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from graph_trainer.passes import PassContext, run_passes
+from graph_trainer.tracer import GraphStep, TracedStep, eager_step
+from models.registry import MODEL_SPECS
+
+logger = logging.getLogger("graph_trainer")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: rank, world size and its device."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+def setup_distributed(cfg: JobConfig) -> DistInfo:
+    """Read torchrun's environment, choose the device and start the process group if needed."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    kind = cfg.job.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo", device_id=device if kind == "cuda" else None)
+    return DistInfo(rank, local_rank, world_size, device)
+
+
+def _set_determinism(cfg: JobConfig) -> None:
+    if cfg.debug.num_threads > 0:
+        torch.set_num_threads(cfg.debug.num_threads)
+    if cfg.debug.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, dist_info: DistInfo | None = None):
+        self.cfg = cfg
+        self.dist = dist_info or setup_distributed(cfg)
+        self.logger = setup_logging(self.dist.rank, getattr(logging, cfg.debug.log_level.upper()))
+        _set_determinism(cfg)
+        t = cfg.training
+        spec = MODEL_SPECS[cfg.model.name]
+        self.model_args = spec.flavors[cfg.model.flavor]
+
+        start = time.perf_counter()
+        logger.info("building %s %s on %s ...", cfg.model.name, cfg.model.flavor, self.dist.device)
+        self.model = build_model(spec.build, self.model_args, self.dist.device, t.seed)
+        self.params = [p for p in self.model.parameters()]
+        n_params = sum(p.numel() for p in self.params)
+        logger.info("model built in %.2fs: %s parameters", time.perf_counter() - start, f"{n_params:,}")
+
+        self.optimizer = build_optimizer(self.params, t)
+        self.scheduler = build_lr_scheduler(self.optimizer, t)
+        tokenizer = build_tokenizer(t.tokenizer_path)
+        self.dataloader = build_dataloader(
+            dataset=t.dataset,
+            tokenizer=tokenizer,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            dp_rank=0,
+            dp_degree=1,
+            seed=t.seed,
+            vocab_size=self.model_args.vocab_size,
+            dataset_split=t.dataset_split,
+            text_field=t.text_field,
+        )
+        self.metrics = MetricsLogger(
+            dump_folder=cfg.job.dump_folder,
+            log_freq=cfg.metrics.log_freq,
+            enable_tensorboard=cfg.metrics.enable_tensorboard,
+            rank=self.dist.rank,
+            device=self.dist.device,
+            flops_per_token=spec.flops_per_token(self.model_args, t.seq_len),
+            peak_flops=peak_flops_per_device(self.dist.device, cfg.metrics.peak_tflops or None),
+            logger=self.logger,
+        )
+        if cfg.compile.mode == "graph":
+            self.step_fn = GraphStep(self.model, post_trace=self._run_passes)
+        else:
+            self.step_fn = lambda tokens, labels: eager_step(self.model, tokens, labels)
+        self.step = 0
+
+    def _run_passes(self, traced: TracedStep) -> TracedStep:
+        self.metrics.log_event(
+            "trace", trace_seconds=traced.trace_seconds, graph_nodes=len(traced.gm.graph.nodes)
+        )
+        context = PassContext(config=self.cfg, degrees={"dp_replicate": 1, "dp_shard": 1, "tp": 1, "ep": 1})
+        traced.gm = run_passes(traced.gm, context, self.cfg.compile.passes, self.cfg.compile.dump_graphs)
+        return traced
+
+    def train_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+        """One optimizer step on one batch; returns (loss, grad norm before clipping)."""
+        tokens = tokens.to(self.dist.device, non_blocking=True)
+        labels = labels.to(self.dist.device, non_blocking=True)
+        loss, grads = self.step_fn(tokens, labels)
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss.item(), grad_norm.item()
+
+    def train(self) -> list[float]:
+        """Run the remaining steps; returns this run's losses in step order."""
+        t = self.cfg.training
+        losses: list[float] = []
+        data = iter(self.dataloader)
+        while self.step < t.steps:
+            self.step += 1
+            start = time.perf_counter()
+            tokens, labels = next(data)
+            lr = self.scheduler.get_last_lr()[0]
+            loss, grad_norm = self.train_step(tokens, labels)
+            elapsed = time.perf_counter() - start
+            if self.step == 1:
+                logger.info("first step (including trace and passes) took %.2fs", elapsed)
+            losses.append(loss)
+            self.metrics.record_step(
+                step=self.step, loss=loss, grad_norm=grad_norm, lr=lr,
+                ntokens=tokens.numel(), step_time_s=elapsed,
+            )
+        self.metrics.close()
+        return losses

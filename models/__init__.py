@@ -1,0 +1,1 @@
+"""Model families the graph trainer can build (see ``models.registry``)."""

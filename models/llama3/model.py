@@ -1,0 +1,263 @@
+"""The LLaMA-3 transformer, written to be traced into one aten graph.
+
+Parameter names follow torchtitan's classic llama3 layout (``tok_embeddings``,
+``layers.{i}.attention.wq`` ..., ``layers.{i}.feed_forward.w1`` ..., ``norm``, ``output``),
+so tensor-parallel plans and checkpoints keyed by those names apply unchanged.
+
+Choices made for tracing and sharding:
+
+- RoPE uses real cos/sin tables, not complex tensors (complex dtypes trace badly); the pair
+  rotation is exactly the one Meta's complex implementation performs on (x[2i], x[2i+1]).
+- Head counts in attention come from the activations' shapes at run time, so the module
+  works unchanged when wq/wk/wv/wo are sharded over heads by tensor parallel.
+- Initialisation is described per parameter (``init_rules``) and replayed from a generator
+  seeded by (seed, fqn), so it does not depend on how parameters are later sharded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.init_rules import InitRule, materialize_init, stable_seed
+from models.llama3.flavors import Llama3Args
+
+# --------------------------------------------------------------------------------------
+# Rotary position embedding
+
+# LLaMA-3.1 frequency scaling constants (Meta's reference values).
+_SCALE_FACTOR = 8.0
+_LOW_FREQ_FACTOR = 1.0
+_HIGH_FREQ_FACTOR = 4.0
+_ORIGINAL_CONTEXT = 8192
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: bool) -> torch.Tensor:
+    """The ``head_dim // 2`` rotation frequencies (radians per position), float64.
+
+    With ``scaling`` (LLaMA-3.1), long wavelengths (beyond the original context / 1) are
+    slowed down 8x, short ones (below the original context / 4) are kept, and the band
+    in between is interpolated smoothly between the two.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    freqs = 1.0 / (theta ** exponents)
+    if not scaling:
+        return freqs
+    wavelen = 2 * math.pi / freqs
+    low_freq_wavelen = _ORIGINAL_CONTEXT / _LOW_FREQ_FACTOR
+    high_freq_wavelen = _ORIGINAL_CONTEXT / _HIGH_FREQ_FACTOR
+    smooth = (_ORIGINAL_CONTEXT / wavelen - _LOW_FREQ_FACTOR) / (_HIGH_FREQ_FACTOR - _LOW_FREQ_FACTOR)
+    blended = (1 - smooth) * freqs / _SCALE_FACTOR + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / _SCALE_FACTOR, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, scaling: bool,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """``[max_seq_len, head_dim]`` float32: cos of the angles in the first half of the last
+    dim, sin in the second half (angle[p, i] = p * freq[i]).
+
+    Angles are formed in float64 and only the cos/sin are rounded to float32, so positions
+    in the thousands keep full float32 accuracy.
+    """
+    freqs = rope_frequencies(head_dim, theta, scaling).to(device)
+    positions = torch.arange(max_seq_len, dtype=torch.float64, device=device)
+    angles = torch.outer(positions, freqs)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[..., 2i], x[..., 2i+1]) of ``x`` [B, S, H, head_dim] by the angle
+    of (position, i); ``table`` is ``rope_table(...)[:S]``. Computed in float32, returned
+    in ``x``'s dtype.
+
+    Same as multiplying the complex number x[2i] + j*x[2i+1] by exp(j*angle).
+    """
+    half = x.shape[-1] // 2
+    cos = table[:, :half].view(1, x.shape[1], 1, half)
+    sin = table[:, half:].view(1, x.shape[1], 1, half)
+    pairs = x.float().reshape(*x.shape[:-1], half, 2)
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+# --------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, normalised in float32 for stability in bf16."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE on queries and keys."""
+
+    def __init__(self, args: Llama3Args):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # "-1" heads: under tensor parallel wq/wk/wv are column-sharded and their outputs
+        # hold only this rank's heads, so the head counts are read from the shapes here.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+
+        n_heads, n_kv_heads = q.shape[2], k.shape[2]
+        if n_heads != n_kv_heads:
+            # GQA: query head h reads kv head h // n_rep (each kv head repeated n_rep times
+            # in a row), so SDPA sees equal head counts.
+            n_rep = n_heads // n_kv_heads
+            k = k.unsqueeze(3).expand(batch, seq, n_kv_heads, n_rep, self.head_dim).reshape(
+                batch, seq, n_heads, self.head_dim)
+            v = v.unsqueeze(3).expand(batch, seq, n_kv_heads, n_rep, self.head_dim).reshape(
+                batch, seq, n_heads, self.head_dim)
+
+        # SDPA wants [B, H, S, head_dim].
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True)
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention, then the feed-forward, each on a normed input."""
+
+    def __init__(self, layer_id: int, args: Llama3Args):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+# --------------------------------------------------------------------------------------
+# The model
+
+
+class Transformer(nn.Module):
+    """LLaMA-3: token embedding, ``n_layers`` blocks, final RMSNorm, untied output projection.
+
+    Buffers: ``rope_cache`` [max_seq_len, head_dim] float32, NON-persistent (not in the
+    state dict; it is a pure function of the args): cos of the RoPE angles in
+    ``[:, :head_dim // 2]``, sin in ``[:, head_dim // 2:]``. After building on the meta
+    device and ``to_empty``, call ``init_buffers(device)`` to fill it. Cast parameters,
+    not the whole module, to lower precision: ``model.to(torch.bfloat16)`` would round
+    this table too.
+    """
+
+    def __init__(self, args: Llama3Args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed "0".."N-1" keeps FQNs "layers.3...." and lets pipeline
+        # stages delete blocks without renumbering the rest.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope_cache", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute ``rope_cache`` on ``device`` (default: where it lives now)."""
+        if device is None:
+            device = self.rope_cache.device
+        a = self.args
+        self.rope_cache = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` [B, S] int64 at positions 0..S-1 -> logits [B, S, vocab] in the
+        output weight's dtype (callers upcast for the loss)."""
+        seq = tokens.shape[1]
+        if seq > self.args.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {self.args.max_seq_len}")
+        rope = self.rope_cache[:seq]
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, rope)
+        return self.output(self.norm(h))
+
+    def init_rules(self) -> dict[str, InitRule]:
+        """How every parameter (FQN of the unwrapped model) is initialised.
+
+        Embedding N(0, 1); norms ones; wq/wk/wv/w1 truncated normal std 0.02; wo/w2/w3
+        (the projections writing into the residual stream, plus w3) std 0.02 / sqrt(2 *
+        (layer_id + 1)), so deeper blocks start with smaller updates; output truncated
+        normal std dim**-0.5 cut at +-3 std.
+        """
+        ones = InitRule("ones")
+        base = InitRule("trunc_normal", std=0.02)
+        rules = {"tok_embeddings.weight": InitRule("normal", std=1.0)}
+        for name, block in self.layers.items():
+            deep = InitRule("trunc_normal", std=0.02 / math.sqrt(2 * (block.layer_id + 1)))
+            prefix = f"layers.{name}."
+            rules.update({
+                prefix + "attention.wq.weight": base,
+                prefix + "attention.wk.weight": base,
+                prefix + "attention.wv.weight": base,
+                prefix + "attention.wo.weight": deep,
+                prefix + "feed_forward.w1.weight": base,
+                prefix + "feed_forward.w2.weight": deep,
+                prefix + "feed_forward.w3.weight": deep,
+                prefix + "attention_norm.weight": ones,
+                prefix + "ffn_norm.weight": ones,
+            })
+        out_std = self.args.dim ** -0.5
+        rules["norm.weight"] = ones
+        rules["output.weight"] = InitRule("trunc_normal", std=out_std, a=-3 * out_std, b=3 * out_std)
+        return rules
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise a plain (unsharded, materialised) model in place from ``seed``.
+
+        Draws each parameter in float32 from a generator seeded by ``stable_seed(seed,
+        fqn)``, exactly as the trainer does before sharding, then fills the RoPE buffer.
+        """
+        rules = self.init_rules()
+        for fqn, param in self.named_parameters():
+            generator = torch.Generator(device=param.device).manual_seed(stable_seed(seed, fqn))
+            param.copy_(materialize_init(rules[fqn], param.shape, torch.float32, generator, param.device))
+        self.init_buffers(self.output.weight.device)
+
+
+__all__ = ["Attention", "FeedForward", "RMSNorm", "Transformer", "TransformerBlock",
+           "apply_rope", "rope_frequencies", "rope_table"]

@@ -1,0 +1,103 @@
+"""Config loading (TOML + command line) and validation errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from graph_trainer.config import JobConfig, load_config, validate_config
+from graph_trainer.errors import ConfigError
+from tests.conftest import ROOT
+
+DEBUG_TOML = os.path.join(ROOT, "configs", "llama3_debug.toml")
+
+
+def test_toml_then_cli_override():
+    cfg = load_config(["--job.config_file", DEBUG_TOML, "--training.steps", "3", "--compile.mode", "eager"])
+    assert cfg.model.flavor == "debugmodel"
+    assert cfg.training.steps == 3  # the command line wins over the file's value
+    assert cfg.compile.mode == "eager"
+    assert cfg.training.seq_len == 128  # from the file
+    validate_config(cfg)
+
+
+def test_pass_list_accepts_commas_and_spaces(tmp_path):
+    cfg = load_config(["--compile.passes", "a,b", "c"])
+    assert cfg.compile.passes == ["a", "b", "c"]
+    toml = tmp_path / "j.toml"
+    toml.write_text('[compile]\npasses = "x,y"\n')
+    assert load_config(["--job.config_file", str(toml)]).compile.passes == ["x", "y"]
+
+
+@pytest.mark.parametrize(
+    "toml_text, message",
+    [
+        ("[training]\nstepz = 3\n", "unknown key 'stepz' in section [training]"),
+        ("[trainin]\nsteps = 3\n", "unknown section [trainin]"),
+        ("[training]\nsteps = 'many'\n", "wrong type"),
+        ("[training\n", "is not valid TOML"),
+    ],
+)
+def test_bad_toml(tmp_path, toml_text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml_text)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_config(["--job.config_file", str(path)])
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("training.steps", "-1", "training.steps = -1 must be >= 1"),
+        ("model.flavor", "9B", "model.flavor (for llama3) = '9B' is not allowed"),
+        ("model.name", "gpt2", "model.name = 'gpt2' is not allowed"),
+        ("compile.passes", "no_such_pass", "unknown pass 'no_such_pass'"),
+        ("compile.mode", "jit", "compile.mode = 'jit' is not allowed"),
+        ("training.seq_len", "100000", "training.seq_len = 100000 must be between"),
+        ("training.mixed_precision_param", "fp8", "training.mixed_precision_param = 'fp8'"),
+    ],
+)
+def test_validation_messages(field, value, message):
+    cfg = load_config([f"--{field}", value])
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    assert message in str(info.value)
+
+
+def test_degrees_must_match_world_size():
+    cfg = JobConfig()
+    cfg.parallelism.tp = 3
+    with pytest.raises(ConfigError, match="not divisible"):
+        validate_config(cfg, world_size=4)
+
+
+def _run_train(*args):
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--compile.passes", "warp_speed"], "unknown pass 'warp_speed'"),
+        (["--job.config_file", "configs/does_not_exist.toml"], "does not exist"),
+        (["--training.steps", "-1"], "training.steps = -1 must be >= 1"),
+    ],
+)
+def test_train_py_exits_2_with_one_line(args, message):
+    result = _run_train(*args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_train_py_unknown_toml_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[model]\nflavour = '8B'\n")
+    result = _run_train("--job.config_file", str(path))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown key 'flavour' in section [model]" in lines[0], result.stderr

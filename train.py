@@ -1,0 +1,49 @@
+"""Entry point: parse the config, build, trace, run passes, train.
+
+    torchrun --nproc_per_node N train.py --job.config_file configs/llama3_debug.toml [--section.key value ...]
+
+User errors (bad config, missing files) print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from graph_trainer.errors import ConfigError
+
+
+def _report(message: str) -> None:
+    # Every rank hits the same configuration error; one line from rank 0 is enough.
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from graph_trainer.config import load_config, validate_config
+
+    try:
+        cfg = load_config(argv)
+        validate_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    except ConfigError as e:
+        _report(str(e))
+        return 2
+
+    import torch.distributed as dist
+
+    from graph_trainer.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg)
+        trainer.train()
+    except ConfigError as e:  # problems only found while building (dataset path, checkpoint, ...)
+        _report(str(e))
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
