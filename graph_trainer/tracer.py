@@ -63,7 +63,9 @@ class TensorLayout:
 
     Plain tensors have ``subclass=None`` and one inner tensor. Traceable wrapper subclasses
     (DTensor) record their class, flatten context and outer size/stride, enough to rebuild
-    the wrapper around new inner tensors.
+    the wrapper around new inner tensors. Inner attributes that are not tensors (DTensor
+    flattens its ``device_mesh`` this way) are not graph inputs: they are kept here, in
+    ``opaque_inners``, and handed back unchanged when the wrapper is rebuilt.
     """
 
     subclass: type | None
@@ -71,6 +73,7 @@ class TensorLayout:
     context: Any
     outer_size: torch.Size
     outer_stride: tuple[int, ...]
+    opaque_inners: tuple[tuple[str, Any], ...] = ()
 
     @property
     def num_inner(self) -> int:
@@ -83,10 +86,12 @@ def flatten_tensor(t: torch.Tensor) -> tuple[list[torch.Tensor], TensorLayout]:
         plain = t.data if isinstance(t, nn.Parameter) else t
         return [plain], TensorLayout(None, ("",), None, t.shape, t.stride())
     names, context = t.__tensor_flatten__()
-    inners = [getattr(t, name) for name in names]
+    tensor_names = tuple(n for n in names if isinstance(getattr(t, n), torch.Tensor))
+    opaque = tuple((n, getattr(t, n)) for n in names if n not in tensor_names)
+    inners = [getattr(t, name) for name in tensor_names]
     if any(hasattr(i, "__tensor_flatten__") and type(i) is not torch.Tensor for i in inners):
         raise NotImplementedError(f"nested tensor subclasses are not supported: {type(t).__name__}")
-    return inners, TensorLayout(type(t), tuple(names), context, t.shape, t.stride())
+    return inners, TensorLayout(type(t), tensor_names, context, t.shape, t.stride(), opaque)
 
 
 def unflatten_tensor(inners: list[torch.Tensor], layout: TensorLayout) -> torch.Tensor:
@@ -94,7 +99,8 @@ def unflatten_tensor(inners: list[torch.Tensor], layout: TensorLayout) -> torch.
     if layout.subclass is None:
         return inners[0]
     return layout.subclass.__tensor_unflatten__(
-        dict(zip(layout.inner_names, inners)), layout.context, layout.outer_size, layout.outer_stride
+        {**dict(zip(layout.inner_names, inners)), **dict(layout.opaque_inners)},
+        layout.context, layout.outer_size, layout.outer_stride,
     )
 
 

@@ -17,11 +17,13 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer.build import build_model
-from graph_trainer.config import JobConfig
+from graph_trainer.config import JobConfig, resolve_parallel_degrees
 from graph_trainer.data import build_dataloader, build_tokenizer
 from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
 from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from graph_trainer.parallel import ParallelDims, average_over_dp, build_mesh, dp_rank
 from graph_trainer.passes import PassContext, run_passes
+from graph_trainer.simple_fsdp import MixedPrecision
 from graph_trainer.tracer import GraphStep, TracedStep, eager_step
 from models.registry import MODEL_SPECS
 
@@ -66,6 +68,11 @@ def _set_determinism(cfg: JobConfig) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def _describe(dims: ParallelDims) -> str:
+    parts = [f"{k}={v}" for k, v in dims.as_dict().items() if v > 1]
+    return ", ".join(parts) + f" ({dims.fsdp_mode or 'tensor parallel only'})" if parts else "none (1 process)"
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig, dist_info: DistInfo | None = None):
         self.cfg = cfg
@@ -76,12 +83,23 @@ class Trainer:
         spec = MODEL_SPECS[cfg.model.name]
         self.model_args = spec.flavors[cfg.model.flavor]
 
+        self.dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, self.dist.world_size))
+        self.mesh = build_mesh(self.dims, self.dist.device.type)
+        mp = MixedPrecision(param_dtype=getattr(torch, t.mixed_precision_param),
+                            reduce_dtype=getattr(torch, t.mixed_precision_reduce))
+
         start = time.perf_counter()
-        logger.info("building %s %s on %s ...", cfg.model.name, cfg.model.flavor, self.dist.device)
-        self.model = build_model(spec.build, self.model_args, self.dist.device, t.seed)
+        logger.info("building %s %s on %s, parallelism %s ...", cfg.model.name, cfg.model.flavor,
+                    self.dist.device, _describe(self.dims))
+        self.model = build_model(spec.build, self.model_args, self.dist.device, t.seed,
+                                 parallelize=lambda m: spec.parallelize(m, self.mesh, self.dims, mp))
         self.params = [p for p in self.model.parameters()]
         n_params = sum(p.numel() for p in self.params)
         logger.info("model built in %.2fs: %s parameters", time.perf_counter() - start, f"{n_params:,}")
+        # Each data-parallel rank averages over its own batch; gradients are summed over
+        # ranks, so scaling by 1/dp makes the update that of the mean over the global batch.
+        self.grad_scale = 1.0 / self.dims.dp_size
+        self.bucket_plan = spec.bucket_plan(self.model)
 
         self.optimizer = build_optimizer(self.params, t)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
@@ -91,8 +109,8 @@ class Trainer:
             tokenizer=tokenizer,
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
-            dp_rank=0,
-            dp_degree=1,
+            dp_rank=dp_rank(self.mesh, self.dims),
+            dp_degree=self.dims.dp_size,
             seed=t.seed,
             vocab_size=self.model_args.vocab_size,
             dataset_split=t.dataset_split,
@@ -106,24 +124,28 @@ class Trainer:
             device=self.dist.device,
             flops_per_token=spec.flops_per_token(self.model_args, t.seq_len),
             peak_flops=peak_flops_per_device(self.dist.device, cfg.metrics.peak_tflops or None),
+            num_devices_per_replica=self.dims.tp,
             logger=self.logger,
         )
         if cfg.compile.mode == "graph":
-            self.step_fn = GraphStep(self.model, post_trace=self._run_passes)
+            self.step_fn = GraphStep(self.model, grad_scale=self.grad_scale, post_trace=self._run_passes)
         else:
-            self.step_fn = lambda tokens, labels: eager_step(self.model, tokens, labels)
+            self.step_fn = lambda tokens, labels: eager_step(self.model, tokens, labels,
+                                                             grad_scale=self.grad_scale)
         self.step = 0
 
     def _run_passes(self, traced: TracedStep) -> TracedStep:
         self.metrics.log_event(
             "trace", trace_seconds=traced.trace_seconds, graph_nodes=len(traced.gm.graph.nodes)
         )
-        context = PassContext(config=self.cfg, degrees={"dp_replicate": 1, "dp_shard": 1, "tp": 1, "ep": 1})
+        context = PassContext(config=self.cfg, degrees=self.dims.as_dict(),
+                              extras={"bucket_plan": self.bucket_plan})
         traced.gm = run_passes(traced.gm, context, self.cfg.compile.passes, self.cfg.compile.dump_graphs)
         return traced
 
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-        """One optimizer step on one batch; returns (loss, grad norm before clipping)."""
+        """One optimizer step on one batch; returns (loss averaged over data-parallel ranks,
+        grad norm before clipping)."""
         tokens = tokens.to(self.dist.device, non_blocking=True)
         labels = labels.to(self.dist.device, non_blocking=True)
         loss, grads = self.step_fn(tokens, labels)
@@ -133,7 +155,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return loss.item(), grad_norm.item()
+        return average_over_dp(loss, self.dims).item(), grad_norm.item()
 
     def train(self) -> list[float]:
         """Run the remaining steps; returns this run's losses in step order."""

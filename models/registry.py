@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from graph_trainer.errors import ConfigError
 from models import llama3
+from models.llama3 import parallelize as llama3_parallelize
 
 
 @dataclass(frozen=True)
@@ -26,16 +26,10 @@ class ModelSpec:
     """Training FLOPs per token (forward + backward) at a sequence length."""
     validate_parallelism: Callable[[Any, dict[str, int]], None]
     """Raise ConfigError if the resolved degrees do not fit the model."""
-
-
-def _llama3_parallelism(args: llama3.Llama3Args, degrees: dict[str, int]) -> None:
-    if degrees["ep"] > 1:
-        raise ConfigError("parallelism.ep > 1 needs a model with experts; llama3 is dense")
-    if any(degrees[k] > 1 for k in ("dp_replicate", "dp_shard", "tp")):
-        raise ConfigError(
-            "llama3 runs on one process only in this version (parallelism degrees must all be 1, "
-            f"got {degrees})"
-        )
+    parallelize: Callable[..., nn.Module]
+    """``parallelize(model, mesh, dims, mixed_precision) -> model``: TP/EP/SimpleFSDP on a meta model."""
+    bucket_plan: Callable[[nn.Module], list[list[str]]]
+    """Module FQN groups that form one communication bucket each (for bucketing passes)."""
 
 
 MODEL_SPECS: dict[str, ModelSpec] = {
@@ -44,6 +38,8 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         flavors=llama3.FLAVORS,
         build=llama3.Transformer,
         flops_per_token=llama3.flops_per_token,
-        validate_parallelism=_llama3_parallelism,
+        validate_parallelism=llama3_parallelize.validate_parallelism,
+        parallelize=llama3_parallelize.parallelize_llama3,
+        bucket_plan=llama3_parallelize.bucket_plan,
     ),
 }

@@ -1,0 +1,45 @@
+"""Run train.py as a real multi-process gloo job for tests, and read what it wrote.
+
+Every test that needs several processes goes through ``run_train``: it launches
+``torchrun --standalone`` (a free rendezvous port, so tests may run side by side) with one
+CPU thread per process and the small, fast debug settings below, and fails the test with
+the job's output if it exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+FAST_ARGS = [
+    "--job.config_file", os.path.join(ROOT, "configs", "llama3_debug.toml"),
+    "--training.seq_len", "64",
+    "--training.local_batch_size", "2",
+    "--metrics.enable_tensorboard", "False",
+    "--metrics.log_freq", "5",
+]
+"""Debug LLaMA-3 on 2x64-token batches: a step takes well under a second on CPU."""
+
+
+def run_train(nproc: int, dump_folder: Path, *args: str, timeout: float = 600,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc train.py FAST_ARGS --job.dump_folder dump_folder args``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           os.path.join(ROOT, "train.py"), *FAST_ARGS, "--job.dump_folder", str(dump_folder), *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)}\nexited {result.returncode}\n--- stderr (tail) ---\n{result.stderr[-6000:]}"
+        )
+    return result
+
+
+def read_losses(dump_folder: Path) -> list[tuple[int, float]]:
+    """The ``(step, loss)`` pairs of ``losses.txt``, exactly as written (repr round-trips)."""
+    lines = (Path(dump_folder) / "losses.txt").read_text().split("\n")
+    return [(int(s), float(v)) for s, v in (line.split() for line in lines if line.strip())]
