@@ -10,7 +10,7 @@ import math
 from collections import defaultdict
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from graph_trainer.config import Training
 
@@ -68,7 +68,9 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
         if any(isinstance(p, Partial) for p in placements):
             raise RuntimeError(f"gradient with unreduced placement {placements}: reduce it before clipping")
         local_sum = sum(t.detach().float().pow(2).sum() for t in locals_)
-        partial = [Partial("sum") if isinstance(p, Shard) else Replicate() for p in placements]
+        # Every non-replicated dim holds a different piece (Shard and _StridedShard, which is
+        # not a Shard subclass): the local sums add up over it.
+        partial = [Replicate() if p.is_replicate() else Partial("sum") for p in placements]
         summed = DTensor.from_local(local_sum, mesh, partial, run_check=False).full_tensor()
         total = total + summed.to(total.device)
     return total

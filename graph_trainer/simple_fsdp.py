@@ -45,6 +45,11 @@ from torch.nn.utils import parametrize
 
 MODES = ("fully_shard", "hybrid_shard", "replicate")
 
+UNSHARD = "unshard"
+"""``node.meta["custom"]["fsdp_role"]`` of the forward nodes that cast and gather a parameter."""
+REDUCE_GRAD = "reduce_grad"
+"""``fsdp_role`` of the backward nodes that reduce (and cast) that parameter's gradient."""
+
 
 @dataclass(frozen=True)
 class MixedPrecision:
@@ -57,9 +62,10 @@ class MixedPrecision:
 class ReplicateComputation(nn.Module):
     """The parametrization: gathered (and cast) parameter forward, reduced gradient backward."""
 
-    def __init__(self, dp_dims: int, tp_mesh: DeviceMesh | None, tp_placements: tuple[Placement, ...],
-                 mp: MixedPrecision):
+    def __init__(self, param_fqn: str, dp_dims: int, tp_mesh: DeviceMesh | None,
+                 tp_placements: tuple[Placement, ...], mp: MixedPrecision):
         super().__init__()
+        self.param_fqn = param_fqn
         self.dp_dims = dp_dims
         self.tp_mesh = tp_mesh
         self.tp_placements = tp_placements
@@ -68,11 +74,14 @@ class ReplicateComputation(nn.Module):
     def forward(self, param: DTensor) -> torch.Tensor:
         gathered = [Replicate()] * self.dp_dims + list(self.tp_placements)
         grad_placements = [Partial("sum")] * self.dp_dims + list(self.tp_placements)
-        full = param.redistribute(
-            placements=gathered,
-            forward_dtype=self.mp.param_dtype,
-            backward_dtype=self.mp.reduce_dtype,
-        ).to_local(grad_placements=grad_placements)
+        # The tag lets graph passes find this parameter's gather chain (and, through the
+        # tracer, the gradient reduction that differentiates it) without pattern matching.
+        with torch.fx.traceback.annotate({"fsdp_role": UNSHARD, "fsdp_param": self.param_fqn}):
+            full = param.redistribute(
+                placements=gathered,
+                forward_dtype=self.mp.param_dtype,
+                backward_dtype=self.mp.reduce_dtype,
+            ).to_local(grad_placements=grad_placements)
         if self.tp_mesh is None:
             return full
         # Hand tensor-parallel modules the tp-sharded DTensor they were written for.
@@ -100,7 +109,7 @@ def data_parallel(model: nn.Module, dp_mesh: DeviceMesh, mode: str, mp: MixedPre
     if mode not in MODES:
         raise ValueError(f"unknown data-parallel mode {mode!r}; choose one of {MODES}")
     dp_dims = dp_mesh.ndim
-    for module in list(model.modules()):
+    for module_fqn, module in list(model.named_modules()):
         for name, param in list(module.named_parameters(recurse=False)):
             if isinstance(param, DTensor):  # already sharded by tensor parallel
                 tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
@@ -118,8 +127,9 @@ def data_parallel(model: nn.Module, dp_mesh: DeviceMesh, mode: str, mp: MixedPre
             full = torch.empty(param.shape, dtype=param.dtype, device="meta")
             new = distribute_tensor(full, mesh, placements, src_data_rank=None)
             module.register_parameter(name, nn.Parameter(new, requires_grad=param.requires_grad))
+            param_fqn = f"{module_fqn}.{name}" if module_fqn else name
             parametrize.register_parametrization(
-                module, name, ReplicateComputation(dp_dims, tp_mesh, tp_placements, mp), unsafe=True
+                module, name, ReplicateComputation(param_fqn, dp_dims, tp_mesh, tp_placements, mp), unsafe=True
             )
     return model
 

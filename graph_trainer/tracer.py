@@ -47,6 +47,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graph_trainer import torch_compat
 from graph_trainer.analysis.collectives import collective_counts
+from graph_trainer.simple_fsdp import REDUCE_GRAD, UNSHARD
 
 logger = logging.getLogger("graph_trainer")
 
@@ -157,16 +158,24 @@ def annotate_module_fqns(model: nn.Module) -> Iterator[None]:
 
 
 def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
-    """Give every backward node the module_fqn of the forward op it differentiates."""
-    fqn_by_seq: dict[int, str] = {}
+    """Give every backward node the module_fqn of the forward op it differentiates.
+
+    Backward nodes of a SimpleFSDP gather chain (``fsdp_role`` unshard) are that
+    parameter's gradient reduction: they get ``fsdp_role`` reduce_grad and its ``fsdp_param``.
+    """
+    forward_by_seq: dict[int, dict] = {}
     for node in gm.graph.nodes:
         custom = node.meta.get("custom", {})
         if custom.get("phase") in ("forward", "loss"):
-            fqn_by_seq.setdefault(node.meta.get("seq_nr", -1), custom.get("module_fqn", ""))
+            forward_by_seq.setdefault(node.meta.get("seq_nr", -1), custom)
     for node in gm.graph.nodes:
         custom = node.meta.setdefault("custom", {})
-        if custom.get("phase") == "backward":
-            custom["module_fqn"] = fqn_by_seq.get(node.meta.get("seq_nr", -1), "loss")
+        if custom.get("phase") != "backward":
+            continue
+        forward = forward_by_seq.get(node.meta.get("seq_nr", -1), {"module_fqn": "loss"})
+        custom["module_fqn"] = forward.get("module_fqn", "")
+        if forward.get("fsdp_role") == UNSHARD:
+            custom.update(fsdp_role=REDUCE_GRAD, fsdp_param=forward["fsdp_param"])
 
 
 def _finalize_meta(gm: fx.GraphModule, input_fqns: list[str]) -> None:
@@ -299,7 +308,9 @@ def trace_train_step(
             grad_layouts.append(layout)
         return out
 
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    # Static shapes: a graph is made for one batch shape (see GraphStep). The ShapeEnv is still
+    # needed for data-dependent sizes (unbacked symbols), e.g. expert-parallel split sizes.
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=False)
     fake_inputs = [_fake_like(t, fake_mode, fake_device) for t in (*flat, tokens, labels)]
     with (
         torch.fx.traceback.preserve_node_meta(),

@@ -17,51 +17,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
-
 import torch.fx as fx
 
 from graph_trainer.analysis.collectives import collective_counts, format_counts
+from graph_trainer.passes.registry import PASS_REGISTRY, PassContext, PassError, PassSpec, register_pass
+from graph_trainer.passes.reshard_after_forward import reshard_after_forward
 
 logger = logging.getLogger("graph_trainer")
-
-
-class PassError(RuntimeError):
-    """A graph pass failed or left the graph invalid."""
-
-
-@dataclass
-class PassContext:
-    """What a pass may read besides the graph."""
-
-    config: Any = None
-    """The JobConfig of the run (None in unit tests that build graphs by hand)."""
-    degrees: dict[str, int] = field(default_factory=dict)
-    """Resolved parallel degrees: dp_replicate, dp_shard, tp, ep."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Model-provided information (e.g. the transformer block bucket plan)."""
-
-
-@dataclass(frozen=True)
-class PassSpec:
-    """A registered pass: its function and the config check run at validation time."""
-
-    name: str
-    fn: Callable[[fx.GraphModule, PassContext], fx.GraphModule]
-    description: str
-    check_config: Callable[[Any, dict[str, int]], None] = lambda cfg, degrees: None
-
-
-PASS_REGISTRY: dict[str, PassSpec] = {}
-"""User-selectable passes by name (``--compile.passes``)."""
-
-
-def register_pass(spec: PassSpec) -> PassSpec:
-    if spec.name in PASS_REGISTRY:
-        raise ValueError(f"pass {spec.name!r} registered twice")
-    PASS_REGISTRY[spec.name] = spec
-    return spec
 
 
 def remove_dead_code(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
@@ -71,10 +33,14 @@ def remove_dead_code(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule
     return gm
 
 
-DEFAULT_PASSES: list[PassSpec] = [
-    PassSpec("remove_dead_code", remove_dead_code, "drop unused pure nodes"),
-]
-"""Passes that always run first; each keeps every value bitwise."""
+def default_passes(context: PassContext) -> list[PassSpec]:
+    """Passes that run before the user's, chosen by the config; each keeps every value bitwise."""
+    specs = [PassSpec("remove_dead_code", remove_dead_code, "drop unused pure nodes")]
+    config = context.config
+    if config is None or config.parallelism.fsdp_reshard_after_forward == "always":
+        specs.append(PassSpec("reshard_after_forward", reshard_after_forward,
+                              "re-gather parameters for backward instead of keeping them from forward"))
+    return specs
 
 
 def _dump(gm: fx.GraphModule, folder: str, index: int, name: str, when: str) -> None:
@@ -98,7 +64,7 @@ def run_passes(
     dump_folder: str = "",
 ) -> fx.GraphModule:
     """Run the default passes, then the named user passes in order; returns the final graph."""
-    specs = list(DEFAULT_PASSES)
+    specs = default_passes(context)
     for name in names:
         if name not in PASS_REGISTRY:
             raise PassError(f"unknown pass {name!r}; available: {', '.join(sorted(PASS_REGISTRY))}")
@@ -127,3 +93,7 @@ def run_passes(
             format_counts(collective_counts(gm.graph)),
         )
     return gm
+
+
+__all__ = ["PASS_REGISTRY", "PassContext", "PassError", "PassSpec", "default_passes", "register_pass",
+           "remove_dead_code", "run_passes"]

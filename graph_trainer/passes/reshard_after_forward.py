@@ -1,0 +1,108 @@
+"""reshard_after_forward: backward re-gathers parameters instead of keeping them from forward.
+
+Contract
+--------
+Reads: ``node.meta["custom"]`` tags written by ``graph_trainer.simple_fsdp`` and the tracer:
+``fsdp_role == "unshard"`` marks the forward nodes that cast and all-gather one parameter
+(``fsdp_param`` names it), ``phase`` says which nodes belong to the backward.
+
+Changes: for every parameter whose gathered value is read by backward nodes, the whole
+gather chain (cast, ``all_gather_into_tensor``, ``wait_tensor``, views), extended by the
+forward view ops of the gathered tensor (e.g. the ``t`` of a linear layer, which autograd
+saves for the backward matmul; found by ``OpOverload.is_view``), is copied once, right
+before the first backward node that reads it, and the backward readers are pointed at the
+copy. The forward copy is then dead after its last forward use, so the unsharded parameter
+is freed after forward instead of living until backward: this is what makes SimpleFSDP
+save memory like FSDP. The copies are tagged ``phase = "backward"``, keep ``fsdp_role``
+and ``fsdp_param``, and get ``recomputed = True``. Graphs without tagged chains (one
+process, or DDP where nothing is gathered) are left as they are.
+
+Numerics: an all-gather concatenates the same shards in the same rank order every time and
+the cast is deterministic, so the backward sees bit-for-bit the tensor the forward saw.
+Losses and gradients are bitwise those of the graph without this pass.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from graph_trainer.passes.registry import PassContext, PassError
+from graph_trainer.simple_fsdp import UNSHARD
+
+
+def _custom(node: fx.Node) -> dict:
+    return node.meta.get("custom", {})
+
+
+def unshard_chains(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    """The forward gather-chain nodes of each parameter, in graph order, by ``fsdp_param``."""
+    chains: dict[str, list[fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        custom = _custom(node)
+        if custom.get("fsdp_role") == UNSHARD and custom.get("phase") == "forward":
+            if "fsdp_param" not in custom:
+                raise PassError(f"reshard_after_forward: gather node {node.name} has no fsdp_param tag")
+            chains[custom["fsdp_param"]].append(node)
+    return chains
+
+
+def _is_view(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def _with_forward_views(graph: fx.Graph, chain: list[fx.Node]) -> list[fx.Node]:
+    """``chain`` plus forward view ops of its values (transitively), in graph order.
+
+    A view shares the gathered storage: if the backward read the forward's view, the
+    unsharded parameter would stay alive anyway.
+    """
+    members = set(chain)
+    for node in graph.nodes:  # graph order: a view's input is seen before the view
+        if (node not in members and _is_view(node) and _custom(node).get("phase") == "forward"
+                and node.args and node.args[0] in members):
+            members.add(node)
+    return [node for node in graph.nodes if node in members]
+
+
+def _backward_readers(chain: list[fx.Node]) -> list[fx.Node]:
+    members = set(chain)
+    readers = {user for node in chain for user in node.users
+               if user not in members and _custom(user).get("phase") == "backward"}
+    return list(readers)
+
+
+def _recompute_for_backward(graph: fx.Graph, chain: list[fx.Node], readers: list[fx.Node],
+                            position: dict[fx.Node, int]) -> None:
+    """Copy ``chain`` before the earliest of ``readers`` and point the readers at the copy."""
+    first = min(readers, key=position.__getitem__)
+    readers_set = set(readers)
+    copies: dict[fx.Node, fx.Node] = {}
+    with graph.inserting_before(first):
+        for node in chain:
+            copy = graph.node_copy(node, lambda arg: copies.get(arg, arg))
+            copy.meta = dict(node.meta)
+            copy.meta["custom"] = {**_custom(node), "phase": "backward", "recomputed": True}
+            copies[node] = copy
+    for node, copy in copies.items():
+        node.replace_all_uses_with(copy, delete_user_cb=lambda user: user in readers_set)
+
+
+def reshard_after_forward(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+    graph = gm.graph
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    for chain in unshard_chains(graph).values():
+        chain = _with_forward_views(graph, chain)
+        readers = _backward_readers(chain)
+        if readers:
+            _recompute_for_backward(graph, chain, readers, position)
+    # Copies whose value no backward reader needed (e.g. a view only the forward used) are pure
+    # and go; the copied collectives are all needed by construction.
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+__all__ = ["reshard_after_forward", "unshard_chains"]
