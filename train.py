@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg)
         trainer.train()
+        if dist.is_initialized():
+            # Leave together: a rank tearing gloo down while its peer still talks to it
+            # can abort the peer at exit ("terminate called without an active exception").
+            dist.barrier()
     except ConfigError as e:  # problems only found while building (dataset path, checkpoint, ...)
         _report(str(e))
         return 2

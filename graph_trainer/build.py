@@ -43,12 +43,18 @@ def init_parameters(model: nn.Module, rules: dict, seed: int) -> None:
 
 def build_model(build_fn, args, device: torch.device, seed: int,
                 parallelize=None) -> nn.Module:
-    """Construct on meta, apply ``parallelize(model)`` (may be None), materialise on ``device``, init."""
+    """Construct on meta, apply ``parallelize(model)`` (may be None), materialise on ``device``, init.
+
+    ``device`` meta stops before materialising: the model is then only good for tracing on
+    fake tensors (``graph_trainer.analysis.fake_trace``), at any size, with no memory.
+    """
     with torch.device("meta"):
         model = build_fn(args)
     rules = model.init_rules()
     if parallelize is not None:
         model = parallelize(model)
+    if torch.device(device).type == "meta":
+        return model
     model.to_empty(device=device)
     init_parameters(model, rules, seed)
     model.init_buffers(device)

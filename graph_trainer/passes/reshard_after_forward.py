@@ -53,18 +53,22 @@ def _is_view(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
-def _with_forward_views(graph: fx.Graph, chain: list[fx.Node]) -> list[fx.Node]:
+def with_forward_views(chain: list[fx.Node], position: dict[fx.Node, int]) -> list[fx.Node]:
     """``chain`` plus forward view ops of its values (transitively), in graph order.
 
     A view shares the gathered storage: if the backward read the forward's view, the
     unsharded parameter would stay alive anyway.
     """
     members = set(chain)
-    for node in graph.nodes:  # graph order: a view's input is seen before the view
-        if (node not in members and _is_view(node) and _custom(node).get("phase") == "forward"
-                and node.args and node.args[0] in members):
-            members.add(node)
-    return [node for node in graph.nodes if node in members]
+    frontier = list(chain)
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if (user not in members and _is_view(user) and _custom(user).get("phase") == "forward"
+                    and user.args[0] is node):
+                members.add(user)
+                frontier.append(user)
+    return sorted(members, key=position.__getitem__)
 
 
 def _backward_readers(chain: list[fx.Node]) -> list[fx.Node]:
@@ -94,7 +98,7 @@ def reshard_after_forward(gm: fx.GraphModule, context: PassContext) -> fx.GraphM
     graph = gm.graph
     position = {node: i for i, node in enumerate(graph.nodes)}
     for chain in unshard_chains(graph).values():
-        chain = _with_forward_views(graph, chain)
+        chain = with_forward_views(chain, position)
         readers = _backward_readers(chain)
         if readers:
             _recompute_for_backward(graph, chain, readers, position)
@@ -105,4 +109,4 @@ def reshard_after_forward(gm: fx.GraphModule, context: PassContext) -> fx.GraphM
     return gm
 
 
-__all__ = ["reshard_after_forward", "unshard_chains"]
+__all__ = ["reshard_after_forward", "unshard_chains", "with_forward_views"]

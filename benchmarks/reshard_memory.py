@@ -1,0 +1,51 @@
+"""What reshard-after-forward buys: all-gathers and estimated peak memory, on and off.
+
+    python -m benchmarks.reshard_memory --world_size 8 [--section.key value ...]
+    python -m benchmarks.reshard_memory --world_size 8 --model.flavor 8B --training.seq_len 8192 \
+        --training.local_batch_size 1 --training.mixed_precision_param bfloat16
+
+Traces the job twice in this one process on the fake process group (no real memory, no
+communication), with ``parallelism.fsdp_reshard_after_forward`` never and always, and prints
+the collectives of each graph and the peak memory ``graph_trainer.analysis.memory`` estimates
+for one rank, with their difference.
+"""
+
+from __future__ import annotations
+
+import sys
+
+GIB = float(1 << 30)
+
+
+def main(argv: list[str]) -> int:
+    from graph_trainer.analysis.collectives import collective_counts, format_counts
+    from graph_trainer.analysis.fake_trace import fake_world, trace_job
+    from graph_trainer.analysis.memory import estimate_peak_memory
+    from graph_trainer.config import load_config, validate_config
+
+    world_size = 8
+    if "--world_size" in argv:
+        i = argv.index("--world_size")
+        world_size = int(argv[i + 1])
+        argv = argv[:i] + argv[i + 2:]
+    results = {}
+    for mode in ("never", "always"):
+        cfg = load_config([*argv, "--parallelism.fsdp_reshard_after_forward", mode])
+        validate_config(cfg, world_size)
+        with fake_world(world_size):
+            traced = trace_job(cfg, world_size)
+        results[mode] = (collective_counts(traced.gm.graph), estimate_peak_memory(traced.gm.graph))
+    t = cfg.training
+    print(f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "
+          f"{t.local_batch_size}x{t.seq_len}, param dtype {t.mixed_precision_param}")
+    for mode, (counts, mem) in results.items():
+        print(f"reshard_after_forward={mode:6s}: {format_counts(counts)}")
+        print(f"    estimated peak {mem.peak_bytes / GIB:.2f} GiB (inputs {mem.input_bytes / GIB:.2f} GiB, "
+              f"at node {mem.peak_node})")
+    never, always = results["never"][1].peak_bytes, results["always"][1].peak_bytes
+    print(f"peak always - never: {(always - never) / GIB:+.2f} GiB; always/never: {always / never:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
