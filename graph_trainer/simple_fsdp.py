@@ -40,7 +40,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
+
+from graph_trainer.torch_compat import StridedShard
 from torch.nn.utils import parametrize
 
 MODES = ("fully_shard", "hybrid_shard", "replicate")
@@ -94,7 +96,7 @@ def data_parallel_placements(mode: str, tp_placement: Placement | None, tp_degre
         return [Replicate()]
     shard: Placement = Shard(0)
     if isinstance(tp_placement, Shard) and tp_placement.dim == 0:
-        shard = _StridedShard(0, split_factor=tp_degree)
+        shard = StridedShard(0, split_factor=tp_degree)
     return [Replicate(), shard] if mode == "hybrid_shard" else [shard]
 
 

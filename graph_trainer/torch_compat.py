@@ -1,6 +1,8 @@
 """The private PyTorch APIs graph_trainer depends on, in one place.
 
-Everything here reaches below PyTorch's public surface. ``tests/test_torch_compat.py``
+Everything here reaches below PyTorch's public surface: fx tracing metadata hooks, autograd
+node sequence numbers, ``_StridedShard`` (the dp-over-tp placement SimpleFSDP needs),
+``OpOverload.is_view`` and the fake process group's store. ``tests/test_torch_compat.py``
 checks each entry against the installed PyTorch so that an upgrade that changes one fails
 loudly there, not deep inside a training run.
 """
@@ -10,7 +12,9 @@ from __future__ import annotations
 import collections
 
 import torch
+import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
 
 
 def tag_backward_with_forward_seq_nr(loss: torch.Tensor) -> None:
@@ -35,3 +39,15 @@ def tag_backward_with_forward_seq_nr(loss: torch.Tensor) -> None:
         node.register_prehook(lambda grad_outputs, seq_nr=seq_nr: fx_traceback.set_grad_fn_seq_nr(seq_nr))
         node.register_hook(lambda grad_inputs, grad_outputs: fx_traceback.reset_grad_fn_seq_nr())
         queue.extend(fn for fn, _ in node.next_functions)
+
+
+def is_view_op(node: fx.Node) -> bool:
+    """Whether ``node`` calls an aten op whose result aliases its input (``OpOverload.is_view``)."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def fake_store():
+    """A store for ``init_process_group("fake", ...)``: collectives are recorded, never run."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

@@ -14,3 +14,46 @@ def test_autograd_node_sequence_numbers():
     y = (x * 2).sum()
     assert isinstance(y.grad_fn._sequence_nr(), int)
     assert hasattr(y.grad_fn, "register_prehook") and hasattr(y.grad_fn, "next_functions")
+
+
+def test_strided_shard_placement():
+    from torch.distributed.tensor import Shard
+
+    from graph_trainer.torch_compat import StridedShard
+
+    p = StridedShard(0, split_factor=2)
+    assert p.dim == 0 and p.split_factor == 2
+    # graph_trainer.optim relies on it not being a Shard and not being replicated.
+    assert not isinstance(p, Shard) and not p.is_replicate()
+
+
+def test_is_view_op():
+    import torch.fx as fx
+
+    from graph_trainer.torch_compat import is_view_op
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    t = graph.call_function(torch.ops.aten.t.default, (x,))
+    mm = graph.call_function(torch.ops.aten.mm.default, (x, t))
+    assert is_view_op(t) and not is_view_op(mm) and not is_view_op(x)
+
+
+def test_dtensor_flattens_its_mesh_as_an_inner_attribute():
+    # The tracer keeps non-tensor inners (the mesh) out of the graph inputs.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from graph_trainer.torch_compat import fake_store
+
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=2)
+    try:
+        mesh = DeviceMesh("cpu", [0, 1])
+        d = DTensor.from_local(torch.ones(2), mesh, [Replicate()], run_check=False)
+        names, _ = d.__tensor_flatten__()
+        kinds = {n: type(getattr(d, n)) for n in names}
+        assert kinds.get("_local_tensor") is torch.Tensor, kinds
+        assert all(k is torch.Tensor or k is DeviceMesh for k in kinds.values()), kinds
+    finally:
+        dist.destroy_process_group()

@@ -21,6 +21,7 @@ from graph_trainer.config import JobConfig, resolve_parallel_degrees
 from graph_trainer.parallel import ParallelDims, build_mesh
 from graph_trainer.passes import PassContext, run_passes
 from graph_trainer.simple_fsdp import MixedPrecision
+from graph_trainer.torch_compat import fake_store
 from graph_trainer.tracer import TracedStep, trace_train_step
 from models.registry import MODEL_SPECS
 
@@ -28,11 +29,9 @@ from models.registry import MODEL_SPECS
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
     """A fake process group of ``world_size`` ranks (this process is rank 0) while active."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("fake_world needs a process without a process group")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield
     finally:

@@ -24,6 +24,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from graph_trainer.torch_compat import is_view_op
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -52,7 +54,7 @@ def _aliases_input(node: fx.Node) -> bool:
     """Nodes whose result is (a view of) their first input's memory, not a new allocation."""
     if node.target in (torch.ops._c10d_functional.wait_tensor.default, operator.getitem):
         return True  # the wait hands back the collective's buffer; getitem picks a result
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+    return is_view_op(node)
 
 
 def estimate_peak_memory(graph: fx.Graph) -> MemoryEstimate:

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
 import torch.fx as fx
 
 from graph_trainer.passes.registry import PassContext, PassError
+from graph_trainer.torch_compat import is_view_op
 from graph_trainer.simple_fsdp import UNSHARD
 
 
@@ -49,10 +49,6 @@ def unshard_chains(graph: fx.Graph) -> dict[str, list[fx.Node]]:
     return chains
 
 
-def _is_view(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
-
-
 def with_forward_views(chain: list[fx.Node], position: dict[fx.Node, int]) -> list[fx.Node]:
     """``chain`` plus forward view ops of its values (transitively), in graph order.
 
@@ -64,7 +60,7 @@ def with_forward_views(chain: list[fx.Node], position: dict[fx.Node, int]) -> li
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if (user not in members and _is_view(user) and _custom(user).get("phase") == "forward"
+            if (user not in members and is_view_op(user) and _custom(user).get("phase") == "forward"
                     and user.args[0] is node):
                 members.add(user)
                 frontier.append(user)
