@@ -72,6 +72,30 @@ def test_degrees_must_match_world_size():
         validate_config(cfg, world_size=4)
 
 
+@pytest.mark.parametrize(
+    "degrees, world_size, message",
+    [
+        ({"dp_shard": 3}, 4, "dp_shard=3 x tp=1 = 3 do not match the world size 4"),
+        ({"tp": 3}, 3, "parallelism.tp = 3 does not divide the model's n_heads (16)"),
+        ({"ep": 2}, 2, "llama3 is dense"),
+        ({"dp_replicate": 0}, 2, "parallelism.dp_replicate = 0 must be >= 1"),
+    ],
+)
+def test_degrees_that_do_not_fit(degrees, world_size, message):
+    cfg = JobConfig()
+    for name, value in degrees.items():
+        setattr(cfg.parallelism, name, value)
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg, world_size=world_size)
+    assert message in str(info.value)
+
+
+def test_reshard_mode_is_checked():
+    cfg = load_config(["--parallelism.fsdp_reshard_after_forward", "sometimes"])
+    with pytest.raises(ConfigError, match="fsdp_reshard_after_forward = 'sometimes' is not allowed"):
+        validate_config(cfg)
+
+
 def _run_train(*args):
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "train.py"), *args],
@@ -101,3 +125,15 @@ def test_train_py_unknown_toml_key(tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown key 'flavour' in section [model]" in lines[0], result.stderr
+
+
+CONFIG_WORLD_SIZES = {"llama3_debug.toml": 1, "llama3_8b.toml": 8}
+"""Every shipped job config and the world size it is meant for."""
+
+
+def test_every_shipped_config_validates():
+    shipped = sorted(os.listdir(os.path.join(ROOT, "configs")))
+    assert shipped == sorted(CONFIG_WORLD_SIZES), "add new configs to CONFIG_WORLD_SIZES"
+    for name, world_size in CONFIG_WORLD_SIZES.items():
+        cfg = load_config(["--job.config_file", os.path.join(ROOT, "configs", name)])
+        validate_config(cfg, world_size=world_size)
