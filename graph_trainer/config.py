@@ -126,12 +126,15 @@ class Metrics:
 
 @dataclass
 class Checkpoint:
+    """Distributed checkpoints (torch.distributed.checkpoint); layout and guarantees in graph_trainer/checkpoint.py."""
+
     interval: int = 0
-    """Save every this many steps (and at the last step); 0 disables saving."""
+    """Save <folder>/step-<N> every this many steps and at the last step; 0 disables saving."""
     folder: str = "checkpoint"
-    """Checkpoint folder, relative to job.dump_folder unless absolute."""
+    """Checkpoint folder, relative to job.dump_folder unless absolute; every rank must see the same folder."""
     load_step: int = -1
-    """Resume from this step's checkpoint; -1 resumes from the latest complete one if any, 0 starts fresh."""
+    """Resume from step-<N> (N >= 1, must exist); -1 resumes from the latest complete checkpoint if any, 0 starts fresh.
+    Resuming continues at step N+1, appends to losses.txt and may use another parallel layout (tensors are resharded)."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer.build import build_model
+from graph_trainer.checkpoint import Checkpointer
 from graph_trainer.config import JobConfig, resolve_parallel_degrees
 from graph_trainer.data import build_dataloader, build_tokenizer
 from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
@@ -85,6 +86,10 @@ class Trainer:
 
         self.dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, self.dist.world_size))
         self.mesh = build_mesh(self.dims, self.dist.device.type)
+        # Decide what to resume before building anything, so a wrong checkpoint fails fast.
+        self.checkpointer = Checkpointer(cfg, self.dist.rank, self.dist.world_size, self.dims.as_dict(),
+                                         self.dist.device)
+        resume_step = self.checkpointer.resolve_load_step()
         mp = MixedPrecision(param_dtype=getattr(torch, t.mixed_precision_param),
                             reduce_dtype=getattr(torch, t.mixed_precision_reduce))
 
@@ -116,6 +121,12 @@ class Trainer:
             dataset_split=t.dataset_split,
             text_field=t.text_field,
         )
+        self.step = 0
+        if resume_step is not None:
+            self.checkpointer.load(resume_step, self.model, self.optimizer, self.scheduler, self.dataloader)
+            self.step = resume_step
+            if resume_step >= t.steps:
+                logger.warning("checkpoint step %d >= training.steps %d: nothing left to train", resume_step, t.steps)
         self.metrics = MetricsLogger(
             dump_folder=cfg.job.dump_folder,
             log_freq=cfg.metrics.log_freq,
@@ -126,13 +137,13 @@ class Trainer:
             peak_flops=peak_flops_per_device(self.dist.device, cfg.metrics.peak_tflops or None),
             num_devices_per_replica=self.dims.tp,
             logger=self.logger,
+            append_losses=resume_step is not None,  # losses.txt continues the resumed run's file
         )
         if cfg.compile.mode == "graph":
             self.step_fn = GraphStep(self.model, grad_scale=self.grad_scale, post_trace=self._run_passes)
         else:
             self.step_fn = lambda tokens, labels: eager_step(self.model, tokens, labels,
                                                              grad_scale=self.grad_scale)
-        self.step = 0
 
     def _run_passes(self, traced: TracedStep) -> TracedStep:
         self.metrics.log_event(
@@ -169,12 +180,14 @@ class Trainer:
             lr = self.scheduler.get_last_lr()[0]
             loss, grad_norm = self.train_step(tokens, labels)
             elapsed = time.perf_counter() - start
-            if self.step == 1:
+            if not losses:  # the first step of this run (step N+1 after resuming from step N)
                 logger.info("first step (including trace and passes) took %.2fs", elapsed)
             losses.append(loss)
             self.metrics.record_step(
                 step=self.step, loss=loss, grad_norm=grad_norm, lr=lr,
                 ntokens=tokens.numel(), step_time_s=elapsed,
             )
+            if self.checkpointer.should_save(self.step, t.steps):
+                self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, self.dataloader)
         self.metrics.close()
         return losses

@@ -211,7 +211,8 @@ def test_setup_logging_idempotent_and_rank_levels():
     n = len(log.handlers)
     assert setup_logging(0) is log and len(log.handlers) == n
     assert log.name == "graph_trainer" and log.isEnabledFor(logging.INFO) and not log.propagate
-    handler = log.handlers[-1]
+    # Ours, not whatever capture handler pytest attached to the logger in an earlier test.
+    handler = next(h for h in log.handlers if getattr(h, "_graph_trainer_handler", False))
     record = logging.LogRecord("graph_trainer", logging.INFO, __file__, 1, "hello", None, None)
     text = handler.format(record)
     assert text.startswith("[rank0] ") and text.endswith(" INFO hello")

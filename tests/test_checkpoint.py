@@ -1,0 +1,196 @@
+"""Distributed checkpointing: bitwise resume, resharding FSDP=2 -> FSDP=4, clear errors.
+
+The multi-process jobs (gloo, via ``tests.launch.run_train``) are shared through module-scoped
+fixtures so the file runs five short torchrun jobs in all.
+"""
+
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from graph_trainer.checkpoint import Checkpointer, complete_steps
+from graph_trainer.config import load_config, validate_config
+from graph_trainer.errors import ConfigError
+from graph_trainer.trainer import Trainer
+from tests.conftest import ROOT
+from tests.launch import FAST_ARGS, read_losses, run_train
+
+
+# ------------------------------------------------------------------ multi-process jobs (graph mode)
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """FSDP=2, 10 steps, no checkpointing: the reference losses."""
+    folder = tmp_path_factory.mktemp("straight")
+    run_train(2, folder, "--training.steps", "10", "--checkpoint.interval", "0")
+    return read_losses(folder)
+
+
+@pytest.fixture(scope="module")
+def first_half(tmp_path_factory):
+    """FSDP=2, 5 steps saving at step 5: the job that is later extended to 10 steps."""
+    folder = tmp_path_factory.mktemp("resumed")
+    run_train(2, folder, "--training.steps", "5", "--checkpoint.interval", "5")
+    return folder
+
+
+def test_resume_is_bitwise_identical_and_ignores_half_written_saves(straight, first_half):
+    root = first_half / "checkpoint"
+    assert complete_steps(str(root)) == [5]
+    assert (root / "step-5" / "metadata.json").is_file() and (root / "step-5" / ".metadata").is_file()
+    assert not [p for p in os.listdir(root) if ".tmp-" in p]  # the tmp folder was renamed
+    # A crash during a later save leaves a tmp folder (rank 0 writes metadata.json before the
+    # rename, so it may even hold one) and maybe a folder without metadata.json: neither is latest.
+    shutil.copytree(root / "step-5", root / "step-7.tmp-0badc0de")
+    (root / "step-8").mkdir()
+    assert complete_steps(str(root)) == [5]
+
+    result = run_train(2, first_half, "--training.steps", "10", "--checkpoint.interval", "5")
+    assert f"resuming from checkpoint {root / 'step-5'} (step 5)" in result.stderr
+    losses = read_losses(first_half)
+    assert [s for s, _ in losses] == list(range(1, 11))  # losses.txt was appended to
+    assert [repr(v) for _, v in losses] == [repr(v) for _, v in straight]
+    assert complete_steps(str(root)) == [5, 10]  # saved again at the (new) last step
+
+
+def test_fsdp2_checkpoint_resumes_at_fsdp4(tmp_path, straight, first_half):
+    # Same global batch: 2 ranks x 2 sequences -> 4 ranks x 1 sequence.
+    assert FAST_ARGS[FAST_ARGS.index("--training.local_batch_size") + 1] == "2"
+    result = run_train(4, tmp_path, "--training.steps", "10", "--training.local_batch_size", "1",
+                       "--checkpoint.folder", str(first_half / "checkpoint"),
+                       "--checkpoint.load_step", "5", "--checkpoint.interval", "0")
+    assert "written by 2 ranks, this run has 4: RNG states not restored" in result.stderr
+    losses = read_losses(tmp_path)
+    assert [s for s, _ in losses] == list(range(6, 11))
+    # Not bitwise in general: 4 ranks sum the gradients in another order than 2.
+    for (step, got), (_, want) in zip(losses, straight[5:]):
+        assert got == pytest.approx(want, rel=1e-4), step
+
+
+def test_missing_step_is_one_line_error_under_torchrun(tmp_path, first_half):
+    root = first_half / "checkpoint"
+    result = run_train(2, tmp_path, "--checkpoint.folder", str(root), "--checkpoint.load_step", "7", check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    available = ", ".join(map(str, complete_steps(str(root))))  # 5, or 5, 10 after the resume test
+    assert errors == [f"error: checkpoint.load_step = 7: no complete checkpoint step-7 in {root}; "
+                      f"available steps: {available}"], result.stderr
+    # Root cause: rank 0 exited with train.py's code 2. Rank 1 exits 2 too unless torchrun's
+    # teardown after rank 0's exit reaches it first (SIGTERM, -15): both orders occur.
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr)
+    root_cause = result.stderr.split("Root Cause")[-1]
+    assert re.findall(r"exitcode\s*:\s*(-?\d+)", root_cause) == ["2"], result.stderr
+    assert set(codes) <= {"2", "-15"}, result.stderr
+
+
+def _limit_memory():
+    # If the flavor check ever ran after building, an 8B model would fill the machine's memory;
+    # with this cap the build fails quickly instead (and so does the test).
+    resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30))
+
+
+def test_checkpoint_of_another_flavor_is_one_line_error(tmp_path, first_half):
+    root = first_half / "checkpoint"
+    latest = root / f"step-{complete_steps(str(root))[-1]}"
+    cfg = load_config(["--model.flavor", "8B", "--checkpoint.folder", str(root)])
+    with pytest.raises(ConfigError):  # the cheap check that must run before anything is built
+        Checkpointer(cfg, 0, 1, {}, torch.device("cpu")).resolve_load_step()
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), *FAST_ARGS, "--job.dump_folder", str(tmp_path),
+         "--model.flavor", "8B", "--checkpoint.folder", str(root)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120, preexec_fn=_limit_memory,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"error: checkpoint {latest} holds model llama3 flavor "
+                     f"debugmodel but this run builds llama3 flavor 8B; use checkpoint.load_step = 0 or "
+                     f"another checkpoint.folder to start fresh"], result.stderr
+
+
+# ------------------------------------------------------------------ one process, in-process (eager mode)
+
+def _trainer(folder, *args) -> Trainer:
+    cfg = load_config([*FAST_ARGS, "--job.dump_folder", str(folder), "--compile.mode", "eager", *args])
+    validate_config(cfg)
+    return Trainer(cfg)
+
+
+def test_eager_resume_bitwise_restores_adamw_steps_lr_and_trims_losses(tmp_path):
+    straight = _trainer(tmp_path, "--training.steps", "4", "--checkpoint.interval", "2")
+    straight_losses = straight.train()
+    lr_after_2 = straight.cfg.training.lr * 0.6  # warmup 4: multiplier (2+1)/(4+1) at optimizer step 2
+    reference = (tmp_path / "losses.txt").read_text()
+    assert complete_steps(str(tmp_path / "checkpoint")) == [2, 4]
+
+    resumed = _trainer(tmp_path, "--training.steps", "4", "--checkpoint.interval", "2",
+                       "--checkpoint.load_step", "2")
+    assert resumed.step == 2
+    # AdamW state existed before any step here, with the restored counts (bias correction).
+    assert {float(s["step"]) for s in resumed.optimizer.state.values()} == {2.0}
+    assert len(resumed.optimizer.state) == len(resumed.params)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(lr_after_2, rel=1e-12)
+    assert resumed.scheduler.get_last_lr() == [resumed.optimizer.param_groups[0]["lr"]]
+    losses = resumed.train()
+    assert [repr(x) for x in losses] == [repr(x) for x in straight_losses[2:]]
+    # The step-3/4 lines of the first run were dropped before appending, not duplicated.
+    assert (tmp_path / "losses.txt").read_text() == reference
+    assert complete_steps(str(tmp_path / "checkpoint")) == [2, 4]  # step-4 replaced in place
+    assert not [p for p in os.listdir(tmp_path / "checkpoint") if not p.startswith("step-") or "." in p]
+    for (n, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), n
+
+
+@pytest.fixture(scope="module")
+def one_step_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("one_step")
+    _trainer(folder, "--training.steps", "1", "--checkpoint.interval", "1").train()
+    return folder / "checkpoint"
+
+
+def test_shape_and_name_mismatch_in_metadata_names_the_parameters(tmp_path, one_step_checkpoint):
+    root = tmp_path / "checkpoint"
+    shutil.copytree(one_step_checkpoint, root)
+    path = root / "step-1" / "metadata.json"
+    meta = json.loads(path.read_text())
+    meta["params"]["output.weight"] = [4096, 256]
+    meta["params"]["layers.6.attention.wq.weight"] = meta["params"].pop("layers.5.attention.wq.weight")
+    path.write_text(json.dumps(meta))
+    with pytest.raises(ConfigError) as info:
+        _trainer(tmp_path, "--training.steps", "2")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "missing layers.5.attention.wq.weight" in message
+    assert "unexpected layers.6.attention.wq.weight" in message
+    assert "output.weight [4096, 256] vs [2048, 256]" in message
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+def test_weights_only_checkpoint_names_the_missing_optimizer_state(tmp_path, one_step_checkpoint):
+    # A checkpoint holding parameters but no AdamW state (e.g. exported weights) cannot resume
+    # training: the DCP index check names what is missing before dcp.load is attempted.
+    import torch.distributed.checkpoint as dcp
+
+    step = tmp_path / "checkpoint" / "step-1"
+    step.mkdir(parents=True)
+    for name in ("metadata.json", "train_state.json", "rng-rank0.pt"):
+        shutil.copy(one_step_checkpoint / "step-1" / name, step / name)
+    source = _trainer(tmp_path / "fresh", "--training.steps", "1", "--checkpoint.load_step", "0")
+    weights = {f"model.{n}": p.detach() for n, p in source.model.named_parameters()}
+    dcp.save(weights, storage_writer=dcp.FileSystemWriter(str(step)), no_dist=True)
+    with pytest.raises(ConfigError, match=r"missing optim\.layers\.0\.attention\.wk\.weight\.exp_avg"):
+        _trainer(tmp_path, "--training.steps", "2")
+
+
+def test_load_step_zero_starts_fresh_and_interval_rule(tmp_path, one_step_checkpoint):
+    shutil.copytree(one_step_checkpoint, tmp_path / "checkpoint")
+    trainer = _trainer(tmp_path, "--training.steps", "3", "--checkpoint.load_step", "0",
+                       "--checkpoint.interval", "2")
+    assert trainer.step == 0 and not trainer.optimizer.state
+    assert [s for s in range(1, 4) if trainer.checkpointer.should_save(s, 3)] == [2, 3]
