@@ -285,10 +285,11 @@ def resolve_parallel_degrees(p: Parallelism, world_size: int) -> dict[str, int]:
         f"parallelism degrees dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x tp={p.tp} = {product} "
         f"do not match the world size {world_size}",
     )
-    # Experts are sharded over a sub-group of the data-parallel ranks (times tp when it borrows them).
+    # Experts are split over a sub-group of the data-parallel shard ranks (see graph_trainer.parallel).
     _require(
-        (p.dp_replicate * dp_shard) % p.ep == 0,
-        f"parallelism.ep = {p.ep} must divide the data-parallel size dp_replicate*dp_shard = {p.dp_replicate * dp_shard}",
+        dp_shard % p.ep == 0,
+        f"parallelism.ep = {p.ep} must divide parallelism.dp_shard = {dp_shard} (experts are split over "
+        f"data-parallel shard ranks)",
     )
     return {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "ep": p.ep}
 

@@ -3,6 +3,12 @@
 The world is laid out as a mesh with dims ``("dp_replicate", "dp_shard", "tp")`` (row-major,
 so tp neighbours are adjacent ranks). Data-parallel ranks are the (dp_replicate, dp_shard)
 coordinates; ranks that differ only in tp see the same batch.
+
+With expert parallelism (``ep > 1``) the data-parallel shard dim is split in two,
+``dp_shard = efsdp x ep``: the world mesh is ``("dp_replicate", "efsdp", "ep", "tp")`` and
+``("efsdp", "ep")`` is flattened back into ``"dp_shard"``. Dense parameters are sharded over
+``dp_shard`` as without EP; routed experts are split over ``ep`` and sharded by SimpleFSDP
+over what is left of the data-parallel ranks (``dp_replicate`` x ``efsdp``).
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from graph_trainer.torch_compat import flatten_mesh_dims
 
 
 @dataclass(frozen=True)
@@ -35,18 +43,32 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def efsdp(self) -> int:
+        """Shards of each expert over the data-parallel shard ranks not used by ep."""
+        return self.dp_shard // self.ep
+
+    @property
     def fsdp_mode(self) -> str | None:
-        """SimpleFSDP mode for these degrees, or None without data parallelism."""
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            return "hybrid_shard"
-        if self.dp_replicate > 1:
-            return "replicate"
-        if self.dp_shard > 1:
-            return "fully_shard"
-        return None
+        """SimpleFSDP mode for dense parameters, or None without data parallelism."""
+        return _fsdp_mode(self.dp_replicate, self.dp_shard)
+
+    @property
+    def expert_fsdp_mode(self) -> str | None:
+        """SimpleFSDP mode for expert parameters (over dp_replicate x efsdp), or None."""
+        return _fsdp_mode(self.dp_replicate, self.efsdp)
 
     def as_dict(self) -> dict[str, int]:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "ep": self.ep}
+
+
+def _fsdp_mode(replicate: int, shard: int) -> str | None:
+    if replicate > 1 and shard > 1:
+        return "hybrid_shard"
+    if replicate > 1:
+        return "replicate"
+    if shard > 1:
+        return "fully_shard"
+    return None
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
@@ -55,18 +77,34 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
         return None
     if not dist.is_initialized() or dist.get_world_size() != dims.world_size:
         raise RuntimeError(f"the process group must be initialised with {dims.world_size} ranks")
-    return init_device_mesh(
+    if dims.ep == 1:
+        return init_device_mesh(
+            device_type,
+            (dims.dp_replicate, dims.dp_shard, dims.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        )
+    mesh = init_device_mesh(
         device_type,
-        (dims.dp_replicate, dims.dp_shard, dims.tp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        (dims.dp_replicate, dims.efsdp, dims.ep, dims.tp),
+        mesh_dim_names=("dp_replicate", "efsdp", "ep", "tp"),
     )
+    flatten_mesh_dims(mesh, ("efsdp", "ep"), "dp_shard")
+    return mesh
+
+
+def _mode_dims(mode: str | None, shard_dim: str) -> tuple[str, ...]:
+    return {"hybrid_shard": ("dp_replicate", shard_dim), "replicate": ("dp_replicate",),
+            "fully_shard": (shard_dim,), None: ()}[mode]
 
 
 def dp_mesh_dims(dims: ParallelDims) -> tuple[str, ...]:
-    """Names of the mesh dims SimpleFSDP lays parameters over."""
-    mode = dims.fsdp_mode
-    return {"hybrid_shard": ("dp_replicate", "dp_shard"), "replicate": ("dp_replicate",),
-            "fully_shard": ("dp_shard",), None: ()}[mode]
+    """Names of the mesh dims SimpleFSDP lays dense parameters over."""
+    return _mode_dims(dims.fsdp_mode, "dp_shard")
+
+
+def expert_dp_mesh_dims(dims: ParallelDims) -> tuple[str, ...]:
+    """Names of the mesh dims SimpleFSDP lays expert parameters over (besides ``ep``)."""
+    return _mode_dims(dims.expert_fsdp_mode, "efsdp")
 
 
 def dp_rank(mesh: DeviceMesh | None, dims: ParallelDims) -> int:

@@ -62,20 +62,27 @@ class MixedPrecision:
 
 
 class ReplicateComputation(nn.Module):
-    """The parametrization: gathered (and cast) parameter forward, reduced gradient backward."""
+    """The parametrization: gathered (and cast) parameter forward, reduced gradient backward.
 
-    def __init__(self, param_fqn: str, dp_dims: int, tp_mesh: DeviceMesh | None,
-                 tp_placements: tuple[Placement, ...], mp: MixedPrecision):
+    ``inner_mesh``/``inner_placements`` describe a split the parameter keeps while computing
+    (tensor parallel on ``tp``, or experts on ``ep``); only the data-parallel dims are
+    gathered. ``hand_local``: give the module the local tensor of that split instead of a
+    DTensor (expert modules index their local experts; TP modules expect DTensors).
+    """
+
+    def __init__(self, param_fqn: str, dp_dims: int, inner_mesh: DeviceMesh | None,
+                 inner_placements: tuple[Placement, ...], mp: MixedPrecision, hand_local: bool = False):
         super().__init__()
         self.param_fqn = param_fqn
         self.dp_dims = dp_dims
-        self.tp_mesh = tp_mesh
-        self.tp_placements = tp_placements
+        self.inner_mesh = inner_mesh
+        self.inner_placements = inner_placements
         self.mp = mp
+        self.hand_local = hand_local
 
     def forward(self, param: DTensor) -> torch.Tensor:
-        gathered = [Replicate()] * self.dp_dims + list(self.tp_placements)
-        grad_placements = [Partial("sum")] * self.dp_dims + list(self.tp_placements)
+        gathered = [Replicate()] * self.dp_dims + list(self.inner_placements)
+        grad_placements = [Partial("sum")] * self.dp_dims + list(self.inner_placements)
         # The tag lets graph passes find this parameter's gather chain (and, through the
         # tracer, the gradient reduction that differentiates it) without pattern matching.
         with torch.fx.traceback.annotate({"fsdp_role": UNSHARD, "fsdp_param": self.param_fqn}):
@@ -84,43 +91,58 @@ class ReplicateComputation(nn.Module):
                 forward_dtype=self.mp.param_dtype,
                 backward_dtype=self.mp.reduce_dtype,
             ).to_local(grad_placements=grad_placements)
-        if self.tp_mesh is None:
+        if self.inner_mesh is None or self.hand_local:
             return full
         # Hand tensor-parallel modules the tp-sharded DTensor they were written for.
-        return DTensor.from_local(full, self.tp_mesh, self.tp_placements, run_check=False)
+        return DTensor.from_local(full, self.inner_mesh, self.inner_placements, run_check=False)
 
 
-def data_parallel_placements(mode: str, tp_placement: Placement | None, tp_degree: int) -> list[Placement]:
-    """Placements over the data-parallel mesh dims for one parameter."""
+def data_parallel_placements(mode: str | None, inner_placement: Placement | None, inner_degree: int) -> list[Placement]:
+    """Placements over the data-parallel mesh dims for one parameter ([] without data parallelism)."""
+    if mode is None:
+        return []
     if mode == "replicate":
         return [Replicate()]
     shard: Placement = Shard(0)
-    if isinstance(tp_placement, Shard) and tp_placement.dim == 0:
-        shard = StridedShard(0, split_factor=tp_degree)
+    if isinstance(inner_placement, Shard) and inner_placement.dim == 0:
+        # The inner split (tp or ep) owns dim 0 first; dp splits each inner piece further.
+        shard = StridedShard(0, split_factor=inner_degree)
     return [Replicate(), shard] if mode == "hybrid_shard" else [shard]
 
 
-def data_parallel(model: nn.Module, dp_mesh: DeviceMesh, mode: str, mp: MixedPrecision,
-                  full_mesh: DeviceMesh | None = None) -> nn.Module:
+def _is_parametrization(fqn: str) -> bool:
+    return fqn.startswith("parametrizations") or ".parametrizations" in fqn
+
+
+def data_parallel(model: nn.Module, dp_mesh: DeviceMesh | None, mode: str | None, mp: MixedPrecision,
+                  full_mesh: DeviceMesh | None = None, hand_local: bool = False) -> nn.Module:
     """Store every parameter of ``model`` as a data-parallel DTensor behind a gathering parametrization.
 
     ``dp_mesh`` holds the data-parallel dims (1-D, or 2-D ``(replicate, shard)`` for
-    hybrid_shard). Parameters that tensor parallel already made DTensors on a ``tp`` mesh
-    are laid out on ``full_mesh`` (dp dims + tp). Works on the meta device.
+    hybrid_shard; None with ``mode`` None when the parameters are only split by an inner
+    dim). Parameters already made DTensors on a 1-D mesh (tensor parallel's ``tp``, expert
+    parallel's ``ep``) are laid out on ``full_mesh`` (dp dims + that dim). Parameters that
+    already have a parametrization (an earlier call) are left alone. Works on the meta device.
     """
-    if mode not in MODES:
+    if mode is not None and mode not in MODES:
         raise ValueError(f"unknown data-parallel mode {mode!r}; choose one of {MODES}")
-    dp_dims = dp_mesh.ndim
+    if (mode is None) != (dp_mesh is None):
+        raise ValueError("data_parallel needs a dp_mesh exactly when it has a mode")
+    dp_dims = 0 if dp_mesh is None else dp_mesh.ndim
     for module_fqn, module in list(model.named_modules()):
+        if _is_parametrization(module_fqn):
+            continue
         for name, param in list(module.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):  # already sharded by tensor parallel
-                tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
-                if full_mesh is None or tp_mesh.ndim != 1:
-                    raise ValueError("tensor-parallel parameters need full_mesh with one tp dim")
-                dp = data_parallel_placements(mode, tp_placements[0], tp_mesh.size())
-                mesh, placements = full_mesh, dp + list(tp_placements)
+            if isinstance(param, DTensor):  # already split by tensor or expert parallel
+                inner_mesh, inner_placements = param.device_mesh, tuple(param.placements)
+                if full_mesh is None or inner_mesh.ndim != 1:
+                    raise ValueError("parameters split by tp/ep need full_mesh (dp dims + that one dim)")
+                dp = data_parallel_placements(mode, inner_placements[0], inner_mesh.size())
+                mesh, placements = full_mesh, dp + list(inner_placements)
             else:
-                tp_mesh, tp_placements = None, ()
+                if dp_mesh is None:
+                    continue  # nothing to do for a plain parameter without data parallelism
+                inner_mesh, inner_placements = None, ()
                 mesh, placements = dp_mesh, data_parallel_placements(mode, None, 1)
             local_device = param.to_local().device if isinstance(param, DTensor) else param.device
             if local_device.type != "meta":
@@ -131,7 +153,8 @@ def data_parallel(model: nn.Module, dp_mesh: DeviceMesh, mode: str, mp: MixedPre
             module.register_parameter(name, nn.Parameter(new, requires_grad=param.requires_grad))
             param_fqn = f"{module_fqn}.{name}" if module_fqn else name
             parametrize.register_parametrization(
-                module, name, ReplicateComputation(param_fqn, dp_dims, tp_mesh, tp_placements, mp), unsafe=True
+                module, name,
+                ReplicateComputation(param_fqn, dp_dims, inner_mesh, inner_placements, mp, hand_local),
+                unsafe=True,
             )
     return model
-

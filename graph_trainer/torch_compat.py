@@ -51,3 +51,16 @@ def fake_store():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def flatten_mesh_dims(mesh, dim_names: tuple[str, ...], name: str):
+    """Make ``mesh[name]`` the flattening of ``dim_names`` (``DeviceMesh._flatten``).
+
+    PyTorch 2.13 warns that slicing a flattened dim from the root mesh "will be deprecated";
+    it still works, and it is what lets ``mesh[("dp_replicate", "dp_shard")]`` name the dense
+    data-parallel dims when ``dp_shard`` is ``efsdp x ep``.
+    """
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+    return mesh[dim_names]._flatten(name)

@@ -157,11 +157,16 @@ def annotate_module_fqns(model: nn.Module) -> Iterator[None]:
             h.remove()
 
 
+INHERITED_BY_BACKWARD = ("ep_role", "moe_fqn")
+"""Forward tags that the backward nodes differentiating a node carry too."""
+
+
 def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
     """Give every backward node the module_fqn of the forward op it differentiates.
 
     Backward nodes of a SimpleFSDP gather chain (``fsdp_role`` unshard) are that
     parameter's gradient reduction: they get ``fsdp_role`` reduce_grad and its ``fsdp_param``.
+    Expert-parallel tags (``INHERITED_BY_BACKWARD``) are copied as they are.
     """
     forward_by_seq: dict[int, dict] = {}
     for node in gm.graph.nodes:
@@ -174,6 +179,7 @@ def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
             continue
         forward = forward_by_seq.get(node.meta.get("seq_nr", -1), {"module_fqn": "loss"})
         custom["module_fqn"] = forward.get("module_fqn", "")
+        custom.update({key: forward[key] for key in INHERITED_BY_BACKWARD if key in forward})
         if forward.get("fsdp_role") == UNSHARD:
             custom.update(fsdp_role=REDUCE_GRAD, fsdp_param=forward["fsdp_param"])
 
