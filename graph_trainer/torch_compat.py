@@ -2,7 +2,9 @@
 
 Everything here reaches below PyTorch's public surface: fx tracing metadata hooks, autograd
 node sequence numbers, ``_StridedShard`` (the dp-over-tp placement SimpleFSDP needs),
-``OpOverload.is_view`` and the fake process group's store. ``tests/test_torch_compat.py``
+``OpOverload.is_view`` / ``_opname`` / ``_schema``, SymInt internals (the cost model reads
+sizes that may be unbacked symbols), process groups by name, mesh flattening and the fake
+process group's store. ``tests/test_torch_compat.py``
 checks each entry against the installed PyTorch so that an upgrade that changes one fails
 loudly there, not deep inside a training run.
 """
@@ -64,3 +66,37 @@ def flatten_mesh_dims(mesh, dim_names: tuple[str, ...], name: str):
 
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
     return mesh[dim_names]._flatten(name)
+
+
+def op_name(target) -> str:
+    """The op's name without namespace and overload (``OpOverload._opname``)."""
+    return target._opname
+
+
+def op_schema(target):
+    """The op's ``FunctionSchema`` (``OpOverload._schema``): argument names and defaults."""
+    return target._schema
+
+
+def sym_expr(x: torch.SymInt):
+    """The sympy expression behind a SymInt (``SymNode.expr``)."""
+    return x.node.expr
+
+
+def sym_has_hint(x: torch.SymInt) -> bool:
+    """Whether a SymInt has an example value (backed), unlike an unbacked data-dependent size."""
+    return x.node.has_hint()
+
+
+def sym_hint(x: torch.SymInt) -> int:
+    """The example value of a backed SymInt."""
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+
+    return int(guarding_hint_or_throw(x))
+
+
+def resolve_process_group(group_name: str):
+    """The live ProcessGroup registered under ``group_name`` (as baked into graph collectives)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)

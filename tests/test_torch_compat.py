@@ -57,3 +57,39 @@ def test_dtensor_flattens_its_mesh_as_an_inner_attribute():
         assert all(k is torch.Tensor or k is DeviceMesh for k in kinds.values()), kinds
     finally:
         dist.destroy_process_group()
+
+
+def test_op_name_and_schema():
+    from graph_trainer.torch_compat import op_name, op_schema
+
+    target = torch.ops._c10d_functional.all_gather_into_tensor.default
+    assert op_name(target) == "all_gather_into_tensor"
+    assert [a.name for a in op_schema(target).arguments][:2] == ["input", "group_size"]
+
+
+def test_symint_internals():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from graph_trainer.torch_compat import sym_expr, sym_has_hint, sym_hint
+
+    env = ShapeEnv()
+    backed = env.create_symintnode(env.create_symbol(5, ConstantSource("x"), dynamic_dim=DimDynamic.DYNAMIC), hint=5)
+    unbacked = env.create_unbacked_symint()
+    assert sym_has_hint(backed) and sym_hint(backed) == 5
+    assert not sym_has_hint(unbacked)
+    assert len(sym_expr(unbacked).free_symbols) == 1
+
+
+def test_resolve_process_group_by_name():
+    import torch.distributed as dist
+
+    from graph_trainer.torch_compat import fake_store, resolve_process_group
+
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=4)
+    try:
+        group = dist.new_group([0, 1])
+        assert resolve_process_group(group.group_name).size() == 2
+        assert resolve_process_group(dist.group.WORLD.group_name).size() == 4
+    finally:
+        dist.destroy_process_group()

@@ -13,6 +13,8 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
+from graph_trainer.torch_compat import op_name
+
 _C10D = torch.ops._c10d_functional
 
 
@@ -22,7 +24,7 @@ def collective_name(node: fx.Node) -> str | None:
         return None
     if node.target.namespace != "_c10d_functional":
         return None
-    return node.target._opname
+    return op_name(node.target)
 
 
 def is_collective(node: fx.Node) -> bool:

@@ -24,6 +24,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from graph_trainer.analysis.cost_model import SizeHints
 from graph_trainer.torch_compat import is_view_op
 
 
@@ -42,14 +43,6 @@ class MemoryEstimate:
         return self.peak_bytes - self.input_bytes
 
 
-def _tensors(val) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (list, tuple)):
-        return [t for v in val for t in _tensors(v)]
-    return []
-
-
 def _aliases_input(node: fx.Node) -> bool:
     """Nodes whose result is (a view of) their first input's memory, not a new allocation."""
     if node.target in (torch.ops._c10d_functional.wait_tensor.default, operator.getitem):
@@ -57,13 +50,16 @@ def _aliases_input(node: fx.Node) -> bool:
     return is_view_op(node)
 
 
-def estimate_peak_memory(graph: fx.Graph) -> MemoryEstimate:
+def estimate_peak_memory(graph: fx.Graph, sizes: SizeHints | None = None) -> MemoryEstimate:
     """Replay ``graph`` in node order and return its peak of live allocation bytes.
 
     Allocations are identified by the node that made them (views, waits and getitems
     resolve to their source node), not by the tensors recorded in ``meta["val"]``: a pass
     that copies nodes may share those records between the original and the copy.
+    Data-dependent sizes (expert-parallel all_to_all) are made concrete by ``sizes``
+    (default ``SizeHints.from_graph``: balanced routing).
     """
+    sizes = sizes or SizeHints.from_graph(graph)
     nodes = list(graph.nodes)
     owner: dict[fx.Node, fx.Node] = {}
     size: dict[fx.Node, int] = {}
@@ -75,7 +71,7 @@ def estimate_peak_memory(graph: fx.Graph) -> MemoryEstimate:
             owner[node] = owner[source]
         else:
             owner[node] = node
-            size[node] = sum(t.untyped_storage().nbytes() for t in _tensors(node.meta.get("val")))
+            size[node] = sizes.nbytes(node.meta.get("val"))
 
     last_use: dict[fx.Node, int] = {}
     for i, node in enumerate(nodes):

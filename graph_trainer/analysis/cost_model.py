@@ -1,0 +1,407 @@
+"""Analytic cost model: how long one graph node takes on a device.
+
+Compute nodes follow a roofline: ``max(flops / (peak(dtype) * flops_efficiency),
+bytes / (hbm_bandwidth * bandwidth_efficiency)) + launch_overhead``. FLOPs are counted only
+for matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``: ``2 * out.numel() * K``)
+and scaled-dot-product attention (forward ``2*B*H*Sq*Sk*(Dqk+Dv)`` = ``4*B*H*S*S*D``, halved
+when causal; backward 2.5x the forward). Everything else is memory-bound: bytes are the
+logical sizes of the tensor inputs plus outputs from ``node.meta["val"]`` (gather-like ops
+such as ``embedding`` read only the rows they output). Views, ``getitem``, ``empty``,
+placeholders and the output cost nothing; ``_c10d_functional`` nodes are costed by
+``collective_time`` instead. Each kernel is assumed to run alone (no fusion, no two kernels
+at once), which is eager PyTorch without CUDA graphs.
+
+Collectives follow ring models over the slowest link the group crosses:
+all_gather / reduce_scatter ``(n-1)/n * bytes / bw``, all_reduce ``2*(n-1)/n * bytes / bw``,
+all_to_all ``(n-1)/n * bytes / bw``, plus ``collective_latency``; ``bytes`` is the full
+(gathered / unreduced) buffer. ``bw`` is NVLink when all the group's ranks sit on one node
+(``rank // ranks_per_node`` equal, from the group's global ranks when the process group can
+be resolved, otherwise ``n <= ranks_per_node``) and InfiniBand per GPU otherwise. Concurrent
+collectives are assumed not to share bandwidth.
+
+Data-dependent sizes (expert-parallel ``all_to_all_single`` split sizes read with
+``.tolist()``) are unbacked symbols without hints. ``SizeHints.from_graph`` assigns them by
+**balanced routing**: each split of an all_to_all (or of a ``split_with_sizes``) whose
+tensor size is known gets ``rows / len(splits)``, so an all_to_all receives as many rows as
+it sends; symbols still unknown take the mean of the resolved ones (1 if none).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from graph_trainer.analysis.collectives import collective_name
+from graph_trainer.torch_compat import (
+    is_view_op,
+    op_name,
+    op_schema,
+    resolve_process_group,
+    sym_expr,
+    sym_has_hint,
+    sym_hint,
+)
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """Throughputs and fixed costs of one accelerator and its interconnect (SI units)."""
+
+    name: str
+    peak_flops_bf16: float
+    """Dense tensor-core FLOP/s for bf16/fp16 matmuls (fp8 counts twice this)."""
+    peak_flops_fp32: float
+    """FLOP/s for fp32 matmuls (and any dtype other than bf16/fp16/fp8)."""
+    hbm_bandwidth: float
+    """Device memory bytes/s: the roofline for memory-bound kernels."""
+    intra_node_bandwidth: float
+    """Bytes/s per direction per rank on links inside a node (NVLink)."""
+    inter_node_bandwidth: float
+    """Bytes/s per direction per rank between nodes (one NIC per GPU)."""
+    collective_latency: float
+    """Fixed seconds per collective (launch, synchronisation, ring start-up)."""
+    flops_efficiency: float
+    """Fraction of peak FLOP/s that real kernels achieve."""
+    bandwidth_efficiency: float
+    """Fraction of peak memory / link bandwidth that real kernels and collectives achieve."""
+    launch_overhead: float
+    """Seconds added to every compute kernel (launch and tail effects)."""
+
+    def peak_flops(self, dtype: torch.dtype) -> float:
+        if dtype in (torch.bfloat16, torch.float16):
+            return self.peak_flops_bf16
+        if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return 2 * self.peak_flops_bf16
+        return self.peak_flops_fp32
+
+
+H100_SXM = DeviceModel(
+    name="H100 SXM",
+    peak_flops_bf16=989e12,
+    # fp32 matmuls at PyTorch's default (torch.backends.cuda.matmul.allow_tf32 = False) run on
+    # the non-tensor-core FP32 units: 67 TFLOP/s. With TF32 enabled it would be 494e12.
+    peak_flops_fp32=67e12,
+    hbm_bandwidth=3.35e12,
+    intra_node_bandwidth=450e9,  # NVLink 4, 900 GB/s bidirectional, 8 GPUs per node
+    inter_node_bandwidth=50e9,  # 400 Gb/s InfiniBand NIC per GPU
+    collective_latency=15e-6,
+    flops_efficiency=0.7,
+    bandwidth_efficiency=0.8,
+    launch_overhead=5e-6,
+)
+
+CPU_2CORE = DeviceModel(
+    # Rough, for sanity checks only: measured once on the 2-core AMD EPYC dev machine with
+    # 1024^3 matmuls, a 128 MiB elementwise op and gloo over loopback.
+    name="CPU 2-core",
+    peak_flops_bf16=200e9,
+    peak_flops_fp32=80e9,
+    hbm_bandwidth=6e9,
+    intra_node_bandwidth=1e9,
+    inter_node_bandwidth=1e9,
+    collective_latency=100e-6,
+    flops_efficiency=1.0,
+    bandwidth_efficiency=1.0,
+    launch_overhead=10e-6,
+)
+
+DEVICES: dict[str, DeviceModel] = {"h100": H100_SXM, "cpu": CPU_2CORE}
+
+
+# ---------------------------------------------------------------------------------------
+# Concrete sizes from (possibly symbolic) shapes
+
+
+
+
+class SizeHints:
+    """Concrete ints for shapes that may hold SymInts (see the module docstring)."""
+
+    def __init__(self, values: dict | None = None, fallback: int = 1):
+        self.values: dict[sympy.Symbol, sympy.Expr] = dict(values or {})
+        self.fallback = fallback
+
+    def resolved(self, x) -> bool:
+        """Whether ``x`` has a value without the fallback."""
+        if not isinstance(x, torch.SymInt) or sym_has_hint(x):
+            return True
+        return sym_expr(x).free_symbols <= set(self.values)
+
+    def concrete(self, x) -> int:
+        if not isinstance(x, torch.SymInt):
+            return int(x)
+        if sym_has_hint(x):  # backed symbol traced with an example value
+            return sym_hint(x)
+        expr = sym_expr(x)
+        subs = {s: self.values.get(s, self.fallback) for s in expr.free_symbols}
+        return max(0, int(round(float(expr.xreplace(subs)))))
+
+    def numel(self, t: torch.Tensor) -> int:
+        n = 1
+        for d in t.shape:
+            n *= self.concrete(d)
+        return n
+
+    def nbytes(self, val) -> int:
+        return sum(self.numel(t) * t.element_size() for t in _tensors(val))
+
+    @classmethod
+    def from_graph(cls, graph: fx.Graph) -> "SizeHints":
+        """Assign unbacked split-size symbols by balanced routing (module docstring)."""
+        hints = cls()
+        for _ in range(3):  # a few sweeps let assignments propagate (combine after dispatch)
+            for node in graph.nodes:
+                name = collective_name(node)
+                if name == "all_to_all_single":
+                    inp = _val(node.args[0])
+                    lists = [node.args[1], node.args[2]]
+                    size = inp.shape[0] if isinstance(inp, torch.Tensor) and inp.dim() else None
+                elif node.target in (aten.split_with_sizes.default, aten.split.sizes):
+                    inp = _val(node.args[0])
+                    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+                    lists = [node.args[1]]
+                    size = inp.shape[dim] if isinstance(inp, torch.Tensor) else None
+                else:
+                    continue
+                if size is None or not hints.resolved(size):
+                    continue
+                for splits in lists:
+                    if not isinstance(splits, (list, tuple)) or not splits:
+                        continue
+                    share = sympy.Rational(hints.concrete(size), len(splits))
+                    for s in splits:
+                        v = _val(s)
+                        if isinstance(v, torch.SymInt) and not sym_has_hint(v):
+                            expr = sym_expr(v)
+                            if isinstance(expr, sympy.Symbol) and expr not in hints.values:
+                                hints.values[expr] = share
+        if hints.values:
+            vals = [float(v) for v in hints.values.values()]
+            hints.fallback = max(1, int(round(sum(vals) / len(vals))))
+        return hints
+
+
+def _val(x):
+    if isinstance(x, (list, tuple)):  # e.g. the inputs of a coalesced collective
+        return [_val(v) for v in x]
+    return x.meta.get("val") if isinstance(x, fx.Node) else x
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+# ---------------------------------------------------------------------------------------
+# Compute
+
+
+_ZERO_COST = {
+    operator.getitem, aten._unsafe_view.default, aten.empty.memory_format, aten.empty_strided.default,
+    aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
+}
+_GATHER_LIKE = {aten.embedding.default: 1, aten.index_select.default: 2, aten.gather.default: 2, aten.index.Tensor: 1}
+"""Ops that read only the rows they output: position of their index argument."""
+_MATMULS = {
+    aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1, aten.baddbmm.default: 1,
+}
+
+
+def _named_args(node: fx.Node) -> dict:
+    """Arguments by schema name, defaults filled in (``OpOverload._schema``)."""
+    schema = op_schema(node.target)
+    out = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args) and not arg.kwarg_only:
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
+def _attention_flops(node: fx.Node, hints: SizeHints) -> tuple[float, torch.dtype] | None:
+    """FLOPs of an SDPA forward/backward op with (B, H, S, D) inputs, or None if not one."""
+    opname = op_name(node.target)
+    if not opname.startswith("_scaled_dot_product_"):
+        return None  # low-level (B, S, H, D) kernels (_flash_attention_forward ...) are not counted
+    args = _named_args(node)
+    q, k, v = (_val(args.get(n)) for n in ("query", "key", "value"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return None
+    b, h, sq, dqk = (hints.concrete(d) for d in q.shape)
+    sk, dv = hints.concrete(k.shape[2]), hints.concrete(v.shape[3])
+    flops = 2.0 * b * h * sq * sk * (dqk + dv)
+    if args.get("is_causal", False):
+        flops /= 2
+    if opname.endswith("_backward"):
+        flops *= 2.5
+    return flops, q.dtype
+
+
+def node_flops(node: fx.Node, hints: SizeHints | None = None) -> tuple[float, torch.dtype | None]:
+    """(FLOPs, dtype deciding the peak) of a matmul or attention node; (0, None) otherwise."""
+    hints = hints or SizeHints()
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return 0.0, None
+    out = _val(node)
+    if node.target in _MATMULS or node.target == aten._grouped_mm.default:
+        a = _val(node.args[_MATMULS.get(node.target, 0)])
+        b = _val(node.args[_MATMULS.get(node.target, 0) + 1])
+        k = hints.concrete(a.shape[-1])
+        numel = hints.numel(out)
+        if node.target == aten._grouped_mm.default and a.dim() == 2 and b.dim() == 2:
+            numel //= max(1, hints.concrete(out.shape[0]))  # (G, M, N) out; K is split over groups
+        return 2.0 * numel * k, a.dtype
+    attention = _attention_flops(node, hints)
+    return attention if attention is not None else (0.0, None)
+
+
+def node_bytes(node: fx.Node, hints: SizeHints | None = None) -> int:
+    """Bytes a kernel reads and writes: tensor inputs plus outputs (logical sizes)."""
+    hints = hints or SizeHints()
+    out = hints.nbytes(_val(node))
+    if node.target in _GATHER_LIKE:  # reads only the gathered rows, plus the indices
+        index = node.args[_GATHER_LIKE[node.target]]
+        return 2 * out + hints.nbytes(_val([i for i in index if i is not None] if isinstance(index, list) else index))
+    return out + sum(hints.nbytes(_val(a)) for a in node.all_input_nodes)
+
+
+def is_free(node: fx.Node) -> bool:
+    """Nodes that launch no kernel: placeholders, output, views, getitem, sym arithmetic."""
+    if node.op != "call_function":
+        return True
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return True  # operator.* on SymInts and other Python-level calls
+    return node.target in _ZERO_COST or is_view_op(node)
+
+
+def node_compute_time(node: fx.Node, device: DeviceModel, hints: SizeHints | None = None) -> float:
+    """Seconds ``node`` occupies the compute stream (0 for free nodes and collectives)."""
+    if is_free(node) or collective_name(node) is not None:
+        return 0.0
+    if hints is None:
+        hints = SizeHints.from_graph(node.graph)
+    if node.target == aten._local_scalar_dense.default:
+        return device.launch_overhead  # a device-to-host read of one scalar
+    flops, dtype = node_flops(node, hints)
+    t_compute = flops / (device.peak_flops(dtype) * device.flops_efficiency) if flops else 0.0
+    t_memory = node_bytes(node, hints) / (device.hbm_bandwidth * device.bandwidth_efficiency)
+    return max(t_compute, t_memory) + device.launch_overhead
+
+
+# ---------------------------------------------------------------------------------------
+# Collectives
+
+
+def _resolve_group(group_name: str):
+    """The live ProcessGroup named ``group_name``, or None (private c10d API; see torch_compat)."""
+    try:
+        return resolve_process_group(group_name)
+    except Exception:  # not registered in this process (e.g. a graph from elsewhere)
+        return None
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """'all_gather', 'reduce_scatter', 'all_reduce', 'all_to_all', 'broadcast', 'other' or None."""
+    name = collective_name(node)
+    if name is None or name == "wait_tensor":
+        return None
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"):
+        if kind in name:
+            return kind
+    return "other"
+
+
+def group_name_of(node: fx.Node) -> str:
+    """The process-group name of a collective (its last string argument)."""
+    for arg in reversed([*node.args, *node.kwargs.values()]):
+        if isinstance(arg, str):
+            return arg
+    return "?"
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    size: int
+    spans_nodes: bool
+
+
+def group_info(node: fx.Node, ranks_per_node: int = 8, group_size: int | None = None) -> GroupInfo:
+    """Size of a collective's group and whether it crosses nodes.
+
+    The size is ``group_size`` if given, else the op's own ``group_size`` argument
+    (all_gather / reduce_scatter), else the size of the resolved process group; the ranks of
+    the resolved group decide node crossing (``rank // ranks_per_node``).
+    """
+    pg = _resolve_group(group_name_of(node))
+    ranks = None
+    if pg is not None:
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(pg)
+    if group_size is None:
+        args = _named_args(node) if isinstance(node.target, torch._ops.OpOverload) else {}
+        group_size = args.get("group_size") or (len(ranks) if ranks else None)
+    if group_size is None:
+        raise ValueError(f"cannot find the group size of {node.name}: pass group_size")
+    if ranks and len(ranks) == group_size:
+        spans = len({r // ranks_per_node for r in ranks}) > 1
+    else:
+        spans = group_size > ranks_per_node
+    return GroupInfo(int(group_size), spans)
+
+
+def collective_bytes(node: fx.Node, hints: SizeHints | None = None) -> int:
+    """Full buffer bytes: gathered output (AG), unreduced input (RS, AR), max(in, out) (A2A)."""
+    hints = hints or SizeHints()
+    kind = collective_kind(node)
+    out = hints.nbytes(_val(node))
+    inp = hints.nbytes(_val(node.args[0])) if node.args else 0
+    if kind in ("reduce_scatter", "all_reduce"):
+        return inp
+    if kind == "all_to_all":
+        return max(inp, out)
+    return out
+
+
+def collective_time(
+    node: fx.Node,
+    device: DeviceModel,
+    group_size: int | None = None,
+    ranks_per_node: int = 8,
+    hints: SizeHints | None = None,
+    spans_nodes: bool | None = None,
+) -> float:
+    """Seconds a collective occupies its group's stream (ring model, module docstring)."""
+    if group_size is None or spans_nodes is None:
+        info = group_info(node, ranks_per_node, group_size)
+        group_size, spans_nodes = info.size, info.spans_nodes if spans_nodes is None else spans_nodes
+    n, spans = group_size, spans_nodes
+    if hints is None:
+        hints = SizeHints.from_graph(node.graph)
+    kind = collective_kind(node)
+    factor = (n - 1) / n if n > 1 else 0.0
+    if kind == "all_reduce":
+        factor *= 2
+    elif kind in ("broadcast", "other"):
+        factor = 1.0 if n > 1 else 0.0
+    bw = (device.inter_node_bandwidth if spans else device.intra_node_bandwidth) * device.bandwidth_efficiency
+    return device.collective_latency + factor * collective_bytes(node, hints) / bw
+
+
+__all__ = [
+    "CPU_2CORE", "DEVICES", "DeviceModel", "GroupInfo", "H100_SXM", "SizeHints", "collective_bytes",
+    "collective_kind", "collective_time", "group_info", "group_name_of", "is_free", "node_bytes",
+    "node_compute_time", "node_flops",
+]

@@ -1,0 +1,225 @@
+"""Simulate one training step of a traced graph on a device model.
+
+Execution model (the one NCCL + one CUDA compute stream give in eager PyTorch):
+
+- One compute stream runs every non-collective node in graph order, each for
+  ``cost_model.node_compute_time``. Issuing a collective costs the compute stream nothing.
+- Each process group has one communication stream. A collective is issued when the compute
+  stream reaches it in graph order and starts when it is issued, its group's stream is free
+  (collectives of one group run one after the other, in issue order) and its inputs are
+  ready; it lasts ``cost_model.collective_time``. Collectives of different groups overlap
+  each other and compute freely (no bandwidth or SM contention is modelled).
+- A ``wait_tensor`` blocks the compute stream until its collective has finished; the time
+  the compute stream spends blocked there is that collective's *exposed* time.
+
+``step_time`` is when the last stream finishes, ``compute_time`` the sum of compute costs,
+``comm_time`` the sum of collective durations and ``exposed_comm_time`` the sum of blocked
+time (so ``step_time == compute_time + exposed_comm_time`` when every collective is waited).
+The peak memory estimate is ``graph_trainer.analysis.memory.estimate_peak_memory``.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from graph_trainer.analysis.collectives import collective_name
+from graph_trainer.analysis.cost_model import (
+    DeviceModel,
+    GroupInfo,
+    SizeHints,
+    collective_bytes,
+    collective_kind,
+    collective_time,
+    group_info,
+    group_name_of,
+    node_compute_time,
+)
+from graph_trainer.analysis.memory import MemoryEstimate, estimate_peak_memory
+
+COMPUTE_TRACK = "compute"
+
+
+@dataclass
+class CollectiveRecord:
+    """One simulated collective (seconds from the start of the step)."""
+
+    name: str
+    kind: str
+    group: str
+    group_size: int
+    bytes: int
+    issue: float
+    start: float
+    end: float
+    exposed: float = 0.0
+    """Seconds the compute stream was blocked waiting for this collective."""
+    module_fqn: str = ""
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class SimulationResult:
+    device: str
+    step_time: float
+    compute_time: float
+    comm_time: float
+    exposed_comm_time: float
+    collectives: list[CollectiveRecord]
+    memory: MemoryEstimate
+    """Peak memory estimate of the graph (same size hints as the timing)."""
+    compute_events: list[tuple[str, float, float, str]] = field(default_factory=list, repr=False)
+    """(node name, start, duration, module FQN) of every compute kernel, for the timeline."""
+    wait_events: list[tuple[str, float, float]] = field(default_factory=list, repr=False)
+    """(collective name, start, duration) of every stall of the compute stream."""
+
+    @property
+    def exposed_fraction(self) -> float:
+        return self.exposed_comm_time / self.step_time if self.step_time else 0.0
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return self.memory.peak_bytes
+
+    def by_kind(self) -> dict[str, dict[str, float]]:
+        """Per collective kind: count, bytes, time and exposed time (seconds)."""
+        out: dict[str, dict[str, float]] = {}
+        for c in self.collectives:
+            row = out.setdefault(c.kind, {"count": 0, "bytes": 0, "time": 0.0, "exposed": 0.0})
+            row["count"] += 1
+            row["bytes"] += c.bytes
+            row["time"] += c.duration
+            row["exposed"] += c.exposed
+        return out
+
+    def to_chrome_trace(self, path: str) -> None:
+        """Write a Chrome/Perfetto trace: a compute track and one track per process group."""
+        sizes = {c.group: c.group_size for c in self.collectives}
+        groups = sorted(sizes)
+        tids = {COMPUTE_TRACK: 0, **{g: i + 1 for i, g in enumerate(groups)}}
+        events: list[dict] = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0,
+                               "args": {"name": f"simulated step on {self.device}"}}]
+        for track, tid in tids.items():
+            label = track if track == COMPUTE_TRACK else f"group {track} (size {sizes[track]})"
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": label}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
+
+        def span(name, start, dur, tid, cat, **args):
+            events.append({"ph": "X", "name": name, "cat": cat, "pid": 0, "tid": tid,
+                           "ts": start * 1e6, "dur": dur * 1e6, "args": args})
+
+        for name, start, dur, fqn in self.compute_events:
+            span(name, start, dur, 0, "compute", module_fqn=fqn)
+        for name, start, dur in self.wait_events:
+            span(f"wait {name}", start, dur, 0, "exposed_comm")
+        for c in self.collectives:
+            span(c.name, c.start, c.duration, tids[c.group], c.kind, kind=c.kind, bytes=c.bytes,
+                 group_size=c.group_size, exposed_us=c.exposed * 1e6, module_fqn=c.module_fqn)
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def _collective_of(node: fx.Node, launches: dict[fx.Node, CollectiveRecord]) -> CollectiveRecord | None:
+    """The collective a wait_tensor waits on (through getitem of coalesced collectives)."""
+    src = node.args[0] if node.args else None
+    while isinstance(src, fx.Node) and src not in launches and src.target is operator.getitem:
+        src = src.args[0]
+    return launches.get(src) if isinstance(src, fx.Node) else None
+
+
+def simulate(
+    graph: fx.Graph,
+    device: DeviceModel,
+    ranks_per_node: int = 8,
+    group_sizes: dict[str, int] | None = None,
+    record_events: bool = True,
+) -> SimulationResult:
+    """Simulate ``graph`` on ``device`` (see the module docstring for the model).
+
+    ``group_sizes`` overrides the size of process groups by name (for graphs built without a
+    live process group); otherwise sizes come from the ops' arguments or the live groups.
+    """
+    if isinstance(graph, fx.GraphModule):
+        graph = graph.graph
+    hints = SizeHints.from_graph(graph)
+    group_sizes = group_sizes or {}
+    now = 0.0  # the compute stream's clock
+    compute_total = exposed_total = 0.0
+    stream_free: dict[str, float] = {}
+    ready: dict[fx.Node, float] = {}
+    launches: dict[fx.Node, CollectiveRecord] = {}
+    infos: dict[str, GroupInfo] = {}
+    records: list[CollectiveRecord] = []
+    compute_events: list[tuple[str, float, float, str]] = []
+    wait_events: list[tuple[str, float, float]] = []
+    for node in graph.nodes:
+        inputs_ready = max((ready.get(a, 0.0) for a in node.all_input_nodes), default=0.0)
+        name = collective_name(node)
+        if name == "wait_tensor":
+            record = _collective_of(node, launches)
+            if record is not None and record.end > now:
+                blocked = record.end - now
+                record.exposed += blocked
+                exposed_total += blocked
+                wait_events.append((record.name, now, blocked))
+                now = record.end
+            ready[node] = now
+        elif name is not None:
+            group = group_name_of(node)
+            if group not in infos:
+                infos[group] = group_info(node, ranks_per_node, group_sizes.get(group))
+            info = infos[group]
+            start = max(now, stream_free.get(group, 0.0), inputs_ready)
+            end = start + collective_time(node, device, info.size, ranks_per_node, hints, info.spans_nodes)
+            stream_free[group] = end
+            record = CollectiveRecord(
+                name=node.name, kind=collective_kind(node), group=group, group_size=info.size,
+                bytes=collective_bytes(node, hints), issue=now, start=start, end=end,
+                module_fqn=node.meta.get("custom", {}).get("module_fqn", ""))
+            launches[node] = record
+            records.append(record)
+            ready[node] = end
+        else:
+            cost = node_compute_time(node, device, hints)
+            if cost > 0:
+                now = max(now, inputs_ready)
+                if record_events:
+                    fqn = node.meta.get("custom", {}).get("module_fqn", "")
+                    compute_events.append((node.name, now, cost, fqn))
+                now += cost
+                compute_total += cost
+            ready[node] = max(now, inputs_ready)
+    step = max([now, *(r.end for r in records)])
+    memory = estimate_peak_memory(graph, hints)
+    return SimulationResult(
+        device=device.name, step_time=step, compute_time=compute_total,
+        comm_time=sum(r.duration for r in records), exposed_comm_time=exposed_total,
+        collectives=records, memory=memory, compute_events=compute_events, wait_events=wait_events)
+
+
+def format_table(rows: list[dict[str, object]]) -> str:
+    """Rows of dicts (the first row's keys are the columns) as an aligned text table."""
+    if not rows:
+        return ""
+    columns = list(rows[0])
+    cells = [[str(c) for c in columns]] + [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    return str(v)
+
+
+__all__ = ["CollectiveRecord", "SimulationResult", "format_table", "simulate"]

@@ -1,0 +1,155 @@
+"""Simulate a job's training step on a device model, from one CPU process.
+
+    python -m graph_trainer.analyze --world_size N [--device h100|cpu] [--ranks_per_node 8]
+        [--trace_out trace.json] [--compare "none;pass_a;pass_a,pass_b"] [--section.key value ...]
+
+    python -m graph_trainer.analyze --world_size 8 --model.flavor 8B --training.seq_len 8192 \\
+        --training.local_batch_size 1 --training.mixed_precision_param bfloat16
+
+The job flags are those of ``train.py`` (``graph_trainer.config.load_config``); the flags
+above are taken out first. The job is traced on the fake process group at ``world_size``
+(``graph_trainer.analysis.fake_trace``: fake tensors, nothing allocated, no communication),
+its passes run (``compile.passes``, or each list given to ``--compare``, one trace per list;
+``none`` is the empty list), and the graph is simulated with
+``graph_trainer.analysis.simulator`` on the device model. Prints, per pass list, the
+collectives by type, simulated step / compute / communication / exposed communication time
+and the estimated peak memory of one rank, then the communication by collective kind.
+``--trace_out`` writes a Chrome/Perfetto timeline (one file per pass list with ``--compare``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+GIB = float(1 << 30)
+_KIND_COLUMNS = (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", "AR"), ("all_to_all", "A2A"))
+
+
+def _take_flag(argv: list[str], flag: str, default: str | None) -> tuple[list[str], str | None]:
+    """Remove ``--flag value`` (or ``--flag=value``) from argv; return (argv, value)."""
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"error: {flag} needs a value")
+            return argv[:i] + argv[i + 2:], argv[i + 1]
+        if arg.startswith(flag + "="):
+            return argv[:i] + argv[i + 1:], arg.split("=", 1)[1]
+    return argv, default
+
+
+def parse_pass_lists(spec: str) -> list[list[str]]:
+    """'none;a;a,b' -> [[], ['a'], ['a', 'b']]."""
+    from graph_trainer.config import normalize_pass_list
+
+    lists = []
+    for item in spec.split(";"):
+        passes = normalize_pass_list([item])
+        lists.append([] if passes in ([], ["none"]) else passes)
+    return lists
+
+
+def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
+    """Trace ``cfg`` on the fake process group and simulate it.
+
+    Returns (traced step, SimulationResult, seconds tracing + passes, seconds simulating).
+    """
+    from graph_trainer.analysis.fake_trace import fake_world, trace_job
+    from graph_trainer.analysis.simulator import simulate
+
+    start = time.perf_counter()
+    with fake_world(world_size):
+        traced = trace_job(cfg, world_size)
+        traced_s = time.perf_counter() - start
+        # Groups are resolved while the fake process group is alive.
+        result = simulate(traced.gm.graph, device, ranks_per_node=ranks_per_node)
+    return traced, result, traced_s, time.perf_counter() - start - traced_s
+
+
+def summary_row(label: str, result, trace_s: float, sim_s: float) -> dict[str, object]:
+    counts = {k: 0 for k, _ in _KIND_COLUMNS}
+    for c in result.collectives:
+        counts[c.kind] = counts.get(c.kind, 0) + 1
+    row: dict[str, object] = {"passes": label}
+    row.update({short: counts[k] for k, short in _KIND_COLUMNS})
+    row.update({
+        "step ms": result.step_time * 1e3,
+        "compute ms": result.compute_time * 1e3,
+        "comm ms": result.comm_time * 1e3,
+        "exposed ms": result.exposed_comm_time * 1e3,
+        "exposed %": 100 * result.exposed_fraction,
+        "peak GiB": result.peak_memory_bytes / GIB,
+        "trace s": trace_s,
+        "sim s": sim_s,
+    })
+    return row
+
+
+def kind_rows(label: str, result) -> list[dict[str, object]]:
+    return [{"passes": label, "kind": kind, "count": int(v["count"]), "GiB": v["bytes"] / GIB,
+             "time ms": v["time"] * 1e3, "exposed ms": v["exposed"] * 1e3,
+             "hidden %": 100 * (1 - v["exposed"] / v["time"]) if v["time"] else 100.0}
+            for kind, v in sorted(result.by_kind().items())]
+
+
+def _trace_path(path: str, label: str, several: bool) -> str:
+    if not several:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.{label.replace(',', '+')}{ext or '.json'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, world_size = _take_flag(argv, "--world_size", "8")
+    argv, device_name = _take_flag(argv, "--device", "h100")
+    argv, ranks_per_node = _take_flag(argv, "--ranks_per_node", "8")
+    argv, trace_out = _take_flag(argv, "--trace_out", None)
+    argv, compare = _take_flag(argv, "--compare", None)
+
+    from graph_trainer.analysis.cost_model import DEVICES
+    from graph_trainer.analysis.simulator import format_table
+    from graph_trainer.config import load_config, validate_config
+    from graph_trainer.errors import ConfigError
+
+    world_size, ranks_per_node = int(world_size), int(ranks_per_node)
+    if device_name not in DEVICES:
+        print(f"error: unknown --device {device_name!r}; choose from {', '.join(DEVICES)}", file=sys.stderr)
+        return 2
+    device = DEVICES[device_name]
+    try:
+        cfg = load_config(argv)
+        pass_lists = parse_pass_lists(compare) if compare is not None else [cfg.compile.passes]
+        configs = []
+        for passes in pass_lists:
+            c = load_config(argv)
+            c.compile.passes = passes
+            validate_config(c, world_size)
+            configs.append(c)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    t = cfg.training
+    print(f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "
+          f"{t.local_batch_size}x{t.seq_len}, param dtype {t.mixed_precision_param}, reduce dtype "
+          f"{t.mixed_precision_reduce}; simulated on {device.name} ({ranks_per_node} ranks/node)")
+    summary, kinds = [], []
+    for c in configs:
+        label = ",".join(c.compile.passes) or "none"
+        _, result, trace_s, sim_s = analyze_job(c, world_size, device, ranks_per_node)
+        summary.append(summary_row(label, result, trace_s, sim_s))
+        kinds.extend(kind_rows(label, result))
+        if trace_out:
+            path = _trace_path(trace_out, label, len(configs) > 1)
+            result.to_chrome_trace(path)
+            print(f"wrote {path}")
+    print(format_table(summary))
+    print()
+    print(format_table(kinds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Cost formulas of graph_trainer.analysis.cost_model on tiny hand-built FX graphs."""
+
+import pytest
+import torch
+import torch.fx as fx
+
+from graph_trainer.analysis.cost_model import (
+    H100_SXM,
+    SizeHints,
+    collective_bytes,
+    collective_time,
+    group_info,
+    node_compute_time,
+    node_flops,
+)
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+D = H100_SXM
+US = 1e-6
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _node(graph, target, args, val):
+    node = graph.call_function(target, args)
+    node.meta["val"] = val
+    return node
+
+
+def _placeholder(graph, name, val):
+    node = graph.placeholder(name)
+    node.meta["val"] = val
+    return node
+
+
+def _mm_graph(m, k, n, dtype):
+    g = fx.Graph()
+    a = _placeholder(g, "a", _meta(m, k, dtype=dtype))
+    b = _placeholder(g, "b", _meta(k, n, dtype=dtype))
+    mm = _node(g, aten.mm.default, (a, b), _meta(m, n, dtype=dtype))
+    g.output(mm)
+    return g, mm
+
+
+def test_mm_flops_and_dtype_aware_peak():
+    m, k, n = 4096, 8192, 2048
+    g, mm = _mm_graph(m, k, n, torch.bfloat16)
+    flops, dtype = node_flops(mm)
+    assert flops == 2 * m * k * n and dtype == torch.bfloat16
+    expected = 2 * m * k * n / (989e12 * 0.7) + 5 * US
+    assert node_compute_time(mm, D) == pytest.approx(expected)
+    _, mm32 = _mm_graph(m, k, n, torch.float32)
+    assert node_compute_time(mm32, D) == pytest.approx(2 * m * k * n / (67e12 * 0.7) + 5 * US)
+
+
+def test_small_mm_is_memory_bound_and_addmm_bmm_count():
+    g, mm = _mm_graph(8, 8192, 8192, torch.bfloat16)  # reads a 128 MiB weight for 1 GFLOP
+    bytes_ = (8 * 8192 + 8192 * 8192 + 8 * 8192) * 2
+    assert node_compute_time(mm, D) == pytest.approx(bytes_ / (3.35e12 * 0.8) + 5 * US)
+    g = fx.Graph()
+    bias, a, b = (_placeholder(g, n, v) for n, v in (("bias", _meta(32)), ("a", _meta(16, 64)), ("b", _meta(64, 32))))
+    addmm = _node(g, aten.addmm.default, (bias, a, b), _meta(16, 32))
+    x, y = _placeholder(g, "x", _meta(4, 16, 64)), _placeholder(g, "y", _meta(4, 64, 32))
+    bmm = _node(g, aten.bmm.default, (x, y), _meta(4, 16, 32))
+    assert node_flops(addmm)[0] == 2 * 16 * 64 * 32
+    assert node_flops(bmm)[0] == 2 * 4 * 16 * 64 * 32
+
+
+def test_elementwise_is_bytes_over_bandwidth_and_views_are_free():
+    g = fx.Graph()
+    x = _placeholder(g, "x", _meta(1 << 20, dtype=torch.float32))
+    y = _placeholder(g, "y", _meta(1 << 20, dtype=torch.float32))
+    add = _node(g, aten.add.Tensor, (x, y), _meta(1 << 20, dtype=torch.float32))
+    view = _node(g, aten.view.default, (add, [1024, 1024]), _meta(1024, 1024, dtype=torch.float32))
+    g.output(view)
+    assert node_compute_time(add, D) == pytest.approx(3 * 4 * (1 << 20) / (3.35e12 * 0.8) + 5 * US)
+    assert node_compute_time(view, D) == 0.0
+    assert node_compute_time(x, D) == 0.0
+    assert node_compute_time(list(g.nodes)[-1], D) == 0.0  # output
+
+
+def test_attention_flops_causal_and_backward():
+    b, h, s, d = 2, 8, 1024, 64
+    g = fx.Graph()
+    q, k, v = (_placeholder(g, n, _meta(b, h, s, d)) for n in "qkv")
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+    full = _node(g, fwd, (q, k, v, 0.0, False), (_meta(b, h, s, d), _meta(b, h, s, dtype=torch.float32)))
+    causal = _node(g, fwd, (q, k, v, 0.0, True), (_meta(b, h, s, d), _meta(b, h, s, dtype=torch.float32)))
+    grad, out = _placeholder(g, "grad", _meta(b, h, s, d)), _placeholder(g, "out", _meta(b, h, s, d))
+    lse = _placeholder(g, "lse", _meta(b, h, s, dtype=torch.float32))
+    bwd = _node(g, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                (grad, q, k, v, out, lse, 0.0, True), (_meta(b, h, s, d),) * 3)
+    assert node_flops(full)[0] == 4 * b * h * s * s * d
+    assert node_flops(causal)[0] == 2 * b * h * s * s * d
+    assert node_flops(bwd)[0] == 2.5 * 2 * b * h * s * s * d
+
+
+def test_grouped_mm_flops():
+    g = fx.Graph()
+    x = _placeholder(g, "x", _meta(96, 64))
+    w = _placeholder(g, "w", _meta(4, 64, 32))
+    offs = _placeholder(g, "offs", torch.empty(4, dtype=torch.int32, device="meta"))
+    out = _node(g, aten._grouped_mm.default, (x, w, offs), _meta(96, 32))
+    assert node_flops(out)[0] == 2 * 96 * 64 * 32
+    dy = _placeholder(g, "dy", _meta(32, 96))  # weight grad: (N, T) x (T, K) -> (G, N, K)
+    dw = _node(g, aten._grouped_mm.default, (dy, x, offs), _meta(4, 32, 64))
+    assert node_flops(dw)[0] == 2 * 32 * 96 * 64
+
+
+def _collective_graph(kind, nbytes, group="g"):
+    g = fx.Graph()
+    n = nbytes // 2
+    if kind == "all_gather":
+        x = _placeholder(g, "x", _meta(n // 8))
+        node = _node(g, c10d.all_gather_into_tensor.default, (x, 8, group), _meta(n))
+    elif kind == "reduce_scatter":
+        x = _placeholder(g, "x", _meta(n))
+        node = _node(g, c10d.reduce_scatter_tensor.default, (x, "sum", 8, group), _meta(n // 8))
+    else:
+        x = _placeholder(g, "x", _meta(n))
+        node = _node(g, c10d.all_reduce.default, (x, "sum", group), _meta(n))
+    g.output(_node(g, c10d.wait_tensor.default, (node,), node.meta["val"]))
+    return node
+
+
+def test_collective_time_ring_model():
+    mb = 1 << 26
+    ag = _collective_graph("all_gather", mb)
+    assert collective_bytes(ag) == mb
+    nvlink = 450e9 * 0.8
+    assert collective_time(ag, D, 8) == pytest.approx(15 * US + 7 / 8 * mb / nvlink)
+    assert collective_time(ag, D) == collective_time(ag, D, 8)  # group size from the op's args
+    # Bytes scale linearly; group size through (n-1)/n.
+    big = _collective_graph("all_gather", 4 * mb)
+    assert collective_time(big, D, 8) - 15 * US == pytest.approx(4 * (collective_time(ag, D, 8) - 15 * US))
+    assert collective_time(ag, D, 2) - 15 * US == pytest.approx((1 / 2) / (7 / 8) * (collective_time(ag, D, 8) - 15 * US))
+    rs = _collective_graph("reduce_scatter", mb)
+    assert collective_time(rs, D, 8) == pytest.approx(collective_time(ag, D, 8))
+    ar = _collective_graph("all_reduce", mb)
+    assert collective_time(ar, D, 8) - 15 * US == pytest.approx(2 * (collective_time(rs, D, 8) - 15 * US))
+
+
+def test_nvlink_vs_infiniband():
+    ar = _collective_graph("all_reduce", 1 << 26)
+    inside = collective_time(ar, D, 8) - 15 * US
+    across = collective_time(ar, D, 16) - 15 * US  # 16 ranks cannot fit in one node of 8
+    assert across / inside == pytest.approx((15 / 16) / (7 / 8) * 450 / 50)
+    assert collective_time(ar, D, 8, ranks_per_node=4) > collective_time(ar, D, 8)
+    with pytest.raises(ValueError):  # all_reduce carries no group size and no PG is live
+        collective_time(ar, D)
+
+
+def test_group_info_from_live_fake_groups():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graph_trainer.analysis.fake_trace import fake_world
+
+    with fake_world(16):
+        mesh = init_device_mesh("cpu", (2, 8), mesh_dim_names=("replicate", "shard"))
+        for dim, size, spans in (("replicate", 2, True), ("shard", 8, False)):
+            ar = _collective_graph("all_reduce", 1024, group=mesh.get_group(dim).group_name)
+            info = group_info(ar)
+            assert (info.size, info.spans_nodes) == (size, spans)
+        # A 2-rank group across nodes is limited by InfiniBand despite its size.
+        ar = _collective_graph("all_reduce", 1 << 26, group=mesh.get_group("replicate").group_name)
+        assert collective_time(ar, D) == pytest.approx(15 * US + 2 * (1 / 2) * (1 << 26) / (50e9 * 0.8))
+
+
+def test_unbacked_all_to_all_sizes_assume_balanced_routing():
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.analysis.fake_trace import fake_world
+
+    with fake_world(2):
+        group = dist.group.WORLD
+
+        def step(x, counts):
+            received = funcol.all_to_all_single(counts, None, None, group)
+            send, recv = counts.tolist(), received.tolist()
+            y = funcol.all_to_all_single(x, recv, send, group)
+            z = torch.mm(y, torch.ones(4, 4))
+            return funcol.all_to_all_single(z, send, recv, group)
+
+        gm = make_fx(step, tracing_mode="fake")(torch.randn(8, 4), torch.tensor([3, 5]))
+        hints = SizeHints.from_graph(gm.graph)
+        a2a = [n for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default]
+        assert [collective_bytes(n, hints) for n in a2a] == [2 * 8, 8 * 4 * 4, 8 * 4 * 4]
+        mm = next(n for n in gm.graph.nodes if n.target == aten.mm.default)
+        assert node_flops(mm, hints)[0] == 2 * 8 * 4 * 4
+        assert collective_time(a2a[1], D, hints=hints) == pytest.approx(15 * US + 0.5 * 128 / (450e9 * 0.8))
+
+
+def test_embedding_reads_only_its_rows_and_coalesced_bytes():
+    from graph_trainer.analysis.cost_model import node_bytes
+
+    g = fx.Graph()
+    table = _placeholder(g, "table", _meta(128256, 4096))
+    ids = _placeholder(g, "ids", torch.empty(1, 8192, dtype=torch.long, device="meta"))
+    emb = _node(g, aten.embedding.default, (table, ids), _meta(1, 8192, 4096))
+    assert node_bytes(emb) == 2 * 8192 * 4096 * 2 + 8192 * 8
+    a, b = _placeholder(g, "a", _meta(1024)), _placeholder(g, "b", _meta(2048))
+    rs = _node(g, c10d.reduce_scatter_tensor_coalesced.default, ([a, b], "sum", 8, "g"), [_meta(128), _meta(256)])
+    assert collective_bytes(rs) == (1024 + 2048) * 2
+    assert collective_time(rs, D) == pytest.approx(15 * US + 7 / 8 * 6144 / (450e9 * 0.8))
