@@ -33,6 +33,8 @@ class Case:
     close_to: str = ""
     """Name of an earlier case (one process, same global batch) whose losses this one must
     match within ``CLOSE_RTOL``: only the order of the gradient sums differs."""
+    config: str = ""
+    """Job config of this case; empty: the suite's."""
 
 
 CLOSE_RTOL = 1e-4
@@ -46,12 +48,13 @@ class Suite:
     needs_gpus: int = 0
 
 
-def _layout_cases(layouts: dict[str, tuple[int, list[str], str]]) -> list[Case]:
+def _layout_cases(layouts: dict[str, tuple[int, list[str], str]], config: str = "") -> list[Case]:
     """A graph case and its eager twin per layout: (processes, args, one-process reference)."""
     cases = []
     for name, (nproc, args, reference) in layouts.items():
-        cases.append(Case(f"{name}_graph", nproc, args, close_to=reference))
-        cases.append(Case(f"{name}_eager", nproc, [*args, "--compile.mode", "eager"], same_as=f"{name}_graph"))
+        cases.append(Case(f"{name}_graph", nproc, args, close_to=reference, config=config))
+        cases.append(Case(f"{name}_eager", nproc, [*args, "--compile.mode", "eager"], same_as=f"{name}_graph",
+                          config=config))
     return cases
 
 
@@ -73,13 +76,20 @@ _CPU_LAYOUTS = {
     "fsdp2xtp2": (4, ["--parallelism.tp", "2"], "single_b4"),
     "fsdp2_keep_params": (2, ["--parallelism.fsdp_reshard_after_forward", "never"], "single_b4"),
 }
+_DEEPSEEK = "configs/deepseek_v3_debug.toml"
+_CPU_DEEPSEEK_REFERENCES = [Case("deepseek_single_b4", 1, _batch(4), config=_DEEPSEEK)]
+_CPU_DEEPSEEK_LAYOUTS = {
+    "deepseek_ep2": (2, ["--parallelism.ep", "2"], "deepseek_single_b4"),
+    "deepseek_fsdp2xep2": (4, ["--parallelism.ep", "2", *_batch(1)], "deepseek_single_b4"),
+}
 
 SUITES = {
     "cpu": Suite(
         config="configs/llama3_debug.toml",
         overrides=["--training.steps", "10", "--training.seq_len", "64", "--training.local_batch_size", "2",
                    "--metrics.log_freq", "5", "--metrics.enable_tensorboard", "False", "--job.device", "cpu"],
-        cases=_CPU_REFERENCES + _layout_cases(_CPU_LAYOUTS),
+        cases=(_CPU_REFERENCES + _layout_cases(_CPU_LAYOUTS)
+               + _CPU_DEEPSEEK_REFERENCES + _layout_cases(_CPU_DEEPSEEK_LAYOUTS, _DEEPSEEK)),
     ),
     "h100": Suite(
         config="configs/llama3_8b.toml",
@@ -89,7 +99,10 @@ SUITES = {
             "fsdp8": (8, [], ""),
             "hsdp2x4": (8, ["--parallelism.dp_replicate", "2"], ""),
             "fsdp4xtp2": (8, ["--parallelism.tp", "2"], ""),
-        }),
+        }) + _layout_cases({
+            "deepseek16b_fsdp8xep8": (8, [], ""),
+            "deepseek16b_fsdp8xep4": (8, ["--parallelism.ep", "4"], ""),
+        }, "configs/deepseek_v3_16b.toml"),
         needs_gpus=8,
     ),
 }
@@ -104,7 +117,7 @@ def run_case(suite: Suite, case: Case, output_dir: str, done: dict[str, list[str
     """Run one case; returns (None when it passed, else why it failed; a note on its numerics)."""
     folder = os.path.join(output_dir, case.name)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(case.nproc),
-           os.path.join(ROOT, "train.py"), "--job.config_file", os.path.join(ROOT, suite.config),
+           os.path.join(ROOT, "train.py"), "--job.config_file", os.path.join(ROOT, case.config or suite.config),
            *suite.overrides, "--job.dump_folder", folder, *case.args]
     env = {**os.environ, "PYTHONPATH": ROOT}
     if suite.needs_gpus == 0:

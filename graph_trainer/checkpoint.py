@@ -9,7 +9,7 @@ exactly ``step-<N>`` that hold ``metadata.json`` count as checkpoints, so a half
 save is never found. A checkpoint folder holds:
 
 * DCP files (``.metadata``, ``*.distcp``): every tensor, under flat keys
-  ``model.<fqn>`` (the parameter) and ``optim.<fqn>.<exp_avg|exp_avg_sq|step>`` (AdamW state).
+  ``model.<fqn>`` (the parameter, or a persistent buffer such as a MoE ``expert_bias``) and ``optim.<fqn>.<exp_avg|exp_avg_sq|step>`` (AdamW state).
   ``<fqn>`` is the clean name (``graph_trainer.build.clean_fqn``), not SimpleFSDP's
   ``...parametrizations.<name>.original``. Sharded parameters and their moments are saved as
   DTensors, i.e. as pieces of the global tensor, so DCP reshards on load: a checkpoint written
@@ -86,7 +86,7 @@ def param_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
 
 
 def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, create: bool) -> dict:
-    """The flat DCP state: parameters and AdamW state, keyed by clean FQN.
+    """The flat DCP state: parameters, persistent buffers and AdamW state, keyed by clean FQN.
 
     ``create`` fills in AdamW's lazily created state the way ``torch.optim.AdamW`` would (zeros
     shaped/placed like the parameter, a CPU float32 scalar step), so DCP can load into it before
@@ -109,6 +109,12 @@ def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, creat
             raise RuntimeError(f"optimizer state of {fqn} lacks {missing}; save only after a step")
         for key in _ADAMW_STATE:
             state[f"optim.{fqn}.{key}"] = opt[key]
+    # Persistent buffers are training state too (e.g. a MoE layer's load-balancing expert_bias);
+    # non-persistent ones (RoPE tables, per-step counters) are recomputed or reset.
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, buffer in model.named_buffers():
+        if name in persistent:
+            state[f"model.{name}"] = buffer
     return state
 
 

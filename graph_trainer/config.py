@@ -164,14 +164,16 @@ class JobConfig:
 
 
 def _config_file_from_argv(argv: list[str]) -> str:
+    """The TOML file named on the command line; if named twice, the last one (as for any flag)."""
+    path = ""
     for i, arg in enumerate(argv):
         if arg == "--job.config_file":
             if i + 1 >= len(argv):
                 raise ConfigError("--job.config_file needs a path to a TOML file")
-            return argv[i + 1]
-        if arg.startswith("--job.config_file="):
-            return arg.split("=", 1)[1]
-    return ""
+            path = argv[i + 1]
+        elif arg.startswith("--job.config_file="):
+            path = arg.split("=", 1)[1]
+    return path
 
 
 def _field_types(section_cls: type) -> dict[str, Any]:

@@ -127,3 +127,13 @@ def average_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     out = value.detach().clone()
     dist.all_reduce(out)
     return out / dims.world_size
+
+
+def sum_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """Sum of a tensor over the data-parallel ranks (ranks that differ only in tp hold the same
+    value, so it is the world sum divided by tp; exact for integer-valued counts)."""
+    if dims.world_size == 1:
+        return value
+    out = value.detach().clone()
+    dist.all_reduce(out)
+    return out / dims.tp if dims.tp > 1 else out

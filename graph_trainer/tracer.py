@@ -46,7 +46,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graph_trainer import torch_compat
-from graph_trainer.analysis.collectives import collective_counts
+from graph_trainer.analysis.collectives import collective_counts, collective_name
 from graph_trainer.simple_fsdp import REDUCE_GRAD, UNSHARD
 
 logger = logging.getLogger("graph_trainer")
@@ -182,6 +182,26 @@ def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
         custom.update({key: forward[key] for key in INHERITED_BY_BACKWARD if key in forward})
         if forward.get("fsdp_role") == UNSHARD:
             custom.update(fsdp_role=REDUCE_GRAD, fsdp_param=forward["fsdp_param"])
+
+
+def _read_collective_sizes_from_waits(gm: fx.GraphModule) -> None:
+    """Make every collective's only user its wait.
+
+    A data-dependent size (an all_to_all's received rows) is read by make_fx from the node
+    that first produced it: the collective, not its wait. PyTorch's bucketers (and our passes)
+    want a collective with exactly one user, its wait, which returns the same tensor: the
+    ``sym_size`` reads are moved to just after the wait and read it instead.
+    """
+    for node in list(gm.graph.nodes):
+        if collective_name(node) in (None, "wait_tensor"):
+            continue
+        waits = [u for u in node.users if u.target == torch.ops._c10d_functional.wait_tensor.default]
+        size_reads = [u for u in node.users if u.target == torch.ops.aten.sym_size.int]
+        if len(waits) != 1 or not size_reads:
+            continue
+        for read in reversed(size_reads):
+            waits[0].append(read)
+            read.replace_input_with(node, waits[0])
 
 
 def _finalize_meta(gm: fx.GraphModule, input_fqns: list[str]) -> None:
@@ -330,6 +350,8 @@ def trace_train_step(
     for (name, _), layout in zip((*named_params, *named_buffers), layouts):
         input_fqns.extend([name] * layout.num_inner)
     _finalize_meta(gm, input_fqns + ["tokens", "labels"])
+    _read_collective_sizes_from_waits(gm)
+    gm.graph.lint()
     gm.recompile()
     return TracedStep(
         gm=gm,

@@ -22,7 +22,7 @@ from graph_trainer.config import JobConfig, resolve_parallel_degrees
 from graph_trainer.data import build_dataloader, build_tokenizer
 from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
 from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from graph_trainer.parallel import ParallelDims, average_over_dp, build_mesh, dp_rank
+from graph_trainer.parallel import ParallelDims, average_over_dp, build_mesh, dp_rank, sum_over_dp
 from graph_trainer.passes import PassContext, run_passes
 from graph_trainer.simple_fsdp import MixedPrecision
 from graph_trainer.tracer import GraphStep, TracedStep, eager_step
@@ -166,6 +166,10 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if hasattr(self.model, "update_expert_bias"):
+            # MoE load balancing (outside the gradient): every rank sees the global counts,
+            # so every rank applies the same bias update.
+            self.model.update_expert_bias(lambda counts: sum_over_dp(counts, self.dims))
         return average_over_dp(loss, self.dims).item(), grad_norm.item()
 
     def train(self) -> list[float]:

@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from models import llama3
+from models import deepseek_v3, llama3
+from models.deepseek_v3 import parallelize as deepseek_v3_parallelize
 from models.llama3 import parallelize as llama3_parallelize
 
 
@@ -41,5 +42,14 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         validate_parallelism=llama3_parallelize.validate_parallelism,
         parallelize=llama3_parallelize.parallelize_llama3,
         bucket_plan=llama3_parallelize.bucket_plan,
+    ),
+    "deepseek_v3": ModelSpec(
+        name="deepseek_v3",
+        flavors=deepseek_v3.FLAVORS,
+        build=deepseek_v3.DeepSeekV3,
+        flops_per_token=deepseek_v3.flops_per_token,
+        validate_parallelism=deepseek_v3_parallelize.validate_parallelism,
+        parallelize=deepseek_v3_parallelize.parallelize_deepseek_v3,
+        bucket_plan=deepseek_v3_parallelize.bucket_plan,
     ),
 }

@@ -127,7 +127,10 @@ def test_train_py_unknown_toml_key(tmp_path):
     assert len(lines) == 1 and "unknown key 'flavour' in section [model]" in lines[0], result.stderr
 
 
-CONFIG_WORLD_SIZES = {"llama3_debug.toml": 1, "llama3_8b.toml": 8}
+CONFIG_WORLD_SIZES = {
+    "llama3_debug.toml": 1, "llama3_8b.toml": 8,
+    "deepseek_v3_debug.toml": 1, "deepseek_v3_16b.toml": 8, "deepseek_v3_671b.toml": 256,
+}
 """Every shipped job config and the world size it is meant for."""
 
 

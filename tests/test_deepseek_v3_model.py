@@ -1,0 +1,465 @@
+"""DeepSeek-V3 model: sizes of every flavor, names and init rules, YaRN RoPE, causality, routing,
+load-balancing buffers, the token-dispatcher contract, and the traced step bitwise equal to eager
+(also on a second routing through the same graph)."""
+
+import dataclasses
+import math
+import time
+
+import pytest
+import torch
+
+from graph_trainer.config import load_config, validate_config
+from graph_trainer.errors import ConfigError
+from graph_trainer.parallel import ParallelDims
+from graph_trainer.simple_fsdp import MixedPrecision
+from graph_trainer.tracer import GraphStep, eager_step, trace_train_step
+from models.deepseek_v3 import FLAVORS, DeepSeekV3, GroupedExperts, LocalTokenDispatcher, Router, num_params
+from models.deepseek_v3.flavors import DeepSeekV3Args, flops_per_token
+from models.deepseek_v3.model import _grouped_mm_swiglu, _looped_swiglu, yarn_frequencies
+from models.deepseek_v3.parallelize import parallelize_deepseek_v3, validate_parallelism
+from models.init_rules import InitRule
+from models.registry import MODEL_SPECS
+from tests.conftest import ROOT
+from tests.launch import read_losses, run_train
+
+EXPECTED_PARAMS = {"debugmodel": 33_014_016, "16B": 15_706_484_224, "671B": 671_026_404_352}
+
+# dim 64, 2 layers (1 dense + 1 MoE), 4 experts top-2, softmax, plain wq.
+TINY = dataclasses.replace(
+    FLAVORS["debugmodel"], dim=64, n_layers=2, n_dense_layers=1, n_heads=4, vocab_size=128,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, inter_dim=128,
+    moe_inter_dim=32, n_routed_experts=4, n_shared_experts=1, n_activated_experts=2, max_seq_len=64,
+)
+# The 671B-style variant: low-rank q, sigmoid scores, 8 experts in 4 groups (2 kept), top-3,
+# normalised weights times 2.5, no shared experts, 2 MoE layers.
+TINY_V3 = dataclasses.replace(
+    TINY, n_layers=3, q_lora_rank=24, score_func="sigmoid", n_routed_experts=8, n_activated_experts=3,
+    n_expert_groups=4, n_limited_groups=2, route_scale=2.5, route_norm=True, n_shared_experts=0,
+)
+
+
+def _model(args=TINY, seed=0):
+    model = DeepSeekV3(args)
+    model.init_weights(seed)
+    return model
+
+
+def _batch(args=TINY, batch=2, seq=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _counts(model):
+    return torch.stack([m.tokens_per_expert.clone() for m in model.moe_layers()])
+
+
+# --------------------------------------------------------------------------------------
+# Sizes, names, init
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
+def test_parameter_counts_on_meta(name):
+    args = FLAVORS[name]
+    with torch.device("meta"):
+        model = DeepSeekV3(args)
+    counted = sum(p.numel() for p in model.parameters())
+    assert counted == EXPECTED_PARAMS[name] == num_params(args)
+    embedding = model.tok_embeddings.weight.numel()
+    assert num_params(args, exclude_embedding=True) == counted - embedding
+    idle_experts = args.n_moe_layers * (args.n_routed_experts - args.n_activated_experts)
+    assert num_params(args, exclude_embedding=True, active_only=True) == (
+        counted - embedding - idle_experts * 3 * args.dim * args.moe_inter_dim)
+
+
+def test_flops_per_token_counts_active_experts():
+    args, seq = FLAVORS["16B"], 4096
+    active = num_params(args, exclude_embedding=True, active_only=True)
+    attention = 6 * args.n_layers * args.n_heads * (192 + 128) * seq
+    assert flops_per_token(args, seq) == 6 * active + attention
+    # DeepSeek-V2-Lite-sized: ~2.4B active parameters of 15.7B (embeddings excluded ~2.2B).
+    assert 2.0e9 < active < 2.6e9
+
+
+def test_parameter_names_buffers_and_init_rules():
+    with torch.device("meta"):
+        model = DeepSeekV3(TINY)
+        v3 = DeepSeekV3(TINY_V3)
+    names = {name for name, _ in model.named_parameters()}
+    attention = {f"layers.{i}.attention.{p}.weight" for i in (0, 1) for p in ("wq", "wkv_a", "kv_norm", "wkv_b", "wo")}
+    dense = {f"layers.0.{p}.weight" for p in ("attention_norm", "ffn_norm", "feed_forward.w1", "feed_forward.w2",
+                                              "feed_forward.w3")}
+    moe = {"layers.1.attention_norm.weight", "layers.1.ffn_norm.weight", "layers.1.moe.router.gate.weight",
+           "layers.1.moe.experts.w1", "layers.1.moe.experts.w2", "layers.1.moe.experts.w3",
+           "layers.1.moe.shared_experts.w1.weight", "layers.1.moe.shared_experts.w2.weight",
+           "layers.1.moe.shared_experts.w3.weight"}
+    assert names == attention | dense | moe | {"tok_embeddings.weight", "norm.weight", "output.weight"}
+    assert dict(model.named_parameters())["layers.1.moe.experts.w2"].shape == (4, 64, 32)
+    assert dict(model.named_parameters())["layers.1.moe.experts.w1"].shape == (4, 32, 64)
+    v3_names = {name for name, _ in v3.named_parameters()}
+    assert {"layers.2.attention.wq_a.weight", "layers.2.attention.q_norm.weight",
+            "layers.2.attention.wq_b.weight"} <= v3_names
+    assert not any(".wq." in n or "shared_experts" in n for n in v3_names)
+
+    buffers = dict(model.named_buffers())
+    assert {"rope_cache", "layers.1.moe.expert_bias", "layers.1.moe.tokens_per_expert"} == set(buffers)
+    state = model.state_dict()
+    assert "layers.1.moe.expert_bias" in state  # persistent: load-balancing state
+    assert "rope_cache" not in state and "layers.1.moe.tokens_per_expert" not in state
+
+    for m in (model, v3):
+        rules = m.init_rules()
+        assert set(rules) == {name for name, _ in m.named_parameters()}
+    rules = model.init_rules()
+    assert rules["tok_embeddings.weight"] == InitRule("normal", std=1.0)
+    assert rules["layers.1.moe.router.gate.weight"] == InitRule("trunc_normal", std=0.02)
+    assert rules["layers.1.moe.experts.w2"].std == pytest.approx(0.02 / math.sqrt(4))
+    assert rules["layers.0.attention.wo.weight"].std == pytest.approx(0.02 / math.sqrt(2))
+    assert rules["layers.1.attention.kv_norm.weight"].kind == "ones"
+
+
+def test_init_is_deterministic_and_meta_init_equals_cpu_init():
+    with torch.device("meta"):
+        meta_model = DeepSeekV3(TINY)
+    meta_model.to_empty(device="cpu")
+    meta_model.init_weights(3)
+    cpu_model = _model(seed=3)
+    other = _model(seed=4)
+    pm, pc, po = (dict(m.named_parameters()) for m in (meta_model, cpu_model, other))
+    assert all(torch.equal(pm[k], pc[k]) for k in pc)
+    assert all(not torch.equal(pc[k], po[k]) for k in pc if not k.endswith("norm.weight"))
+    for name, buf in cpu_model.named_buffers():
+        assert torch.equal(dict(meta_model.named_buffers())[name], buf), name
+    assert not meta_model.layers["1"].moe.expert_bias.any()
+    tokens = torch.randint(0, TINY.vocab_size, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(meta_model(tokens), cpu_model(tokens))
+
+
+def test_args_validation():
+    with pytest.raises(ValueError, match="n_activated_experts"):
+        dataclasses.replace(TINY, n_activated_experts=5)
+    with pytest.raises(ValueError, match="n_expert_groups"):
+        dataclasses.replace(TINY, n_expert_groups=3)
+    with pytest.raises(ValueError, match="n_limited_groups"):
+        dataclasses.replace(TINY, n_expert_groups=2, n_limited_groups=3)
+    with pytest.raises(ValueError, match="score_func"):
+        dataclasses.replace(TINY, score_func="relu")
+    with pytest.raises(ValueError, match="limited groups"):  # top-3 of 1 group of 2 experts
+        dataclasses.replace(TINY, n_routed_experts=8, n_activated_experts=3, n_expert_groups=4, n_limited_groups=1)
+
+
+# --------------------------------------------------------------------------------------
+# RoPE / attention
+
+
+def test_yarn_frequencies_and_softmax_scale():
+    args = FLAVORS["debugmodel"]
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    yarn = yarn_frequencies(args)
+    assert torch.equal(yarn_frequencies(dataclasses.replace(args, rope_factor=1.0)), plain)
+    # Fast-rotating dims (>= 32 turns over 4096 positions) are kept, slow ones (< 1 turn)
+    # slowed down 40x, the ramp in between is monotone.
+    turns = 4096 * plain / (2 * math.pi)
+    assert torch.equal(yarn[turns > 32], plain[turns > 32]) and (turns > 32).sum() >= 8
+    torch.testing.assert_close(yarn[turns < 1], plain[turns < 1] / 40, rtol=1e-12, atol=0)
+    ratio = yarn / plain
+    assert (ratio[1:] <= ratio[:-1] + 1e-12).all()
+    m = 0.1 * 0.70 * math.log(40.0) + 1.0
+    assert args.softmax_scale == pytest.approx(192 ** -0.5 * m * m)
+    assert dataclasses.replace(args, rope_factor=1.0).softmax_scale == pytest.approx(192 ** -0.5)
+
+
+@pytest.mark.parametrize("args", [TINY, TINY_V3], ids=["softmax", "sigmoid_grouped_qlora"])
+def test_forward_shape_finite_and_causal(args):
+    model = _model(args)
+    tokens = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(tokens)
+        assert logits.shape == (2, 12, args.vocab_size) and logits.dtype == torch.float32
+        assert torch.isfinite(logits).all()
+        t = 5
+        changed = tokens.clone()
+        changed[:, t] = (changed[:, t] + 1) % args.vocab_size
+        other = model(changed)
+    assert torch.equal(logits[:, :t], other[:, :t])
+    assert (logits[:, t:] != other[:, t:]).flatten(2).any(-1).all()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, args.max_seq_len + 1, dtype=torch.long))
+
+
+# --------------------------------------------------------------------------------------
+# Routing and load balancing
+
+
+def _router(args, seed=0):
+    router = Router(args)
+    torch.nn.init.normal_(router.gate.weight, std=0.5, generator=torch.Generator().manual_seed(seed))
+    return router
+
+
+def test_grouped_routing_picks_experts_in_the_best_groups():
+    args = TINY_V3  # 8 experts, 4 groups of 2, 2 groups kept, top-3, sigmoid, route_norm, scale 2.5
+    router = _router(args)
+    x = torch.randn(200, args.dim, generator=torch.Generator().manual_seed(1))
+    bias = torch.linspace(-0.2, 0.2, 8)
+    with torch.no_grad():
+        ids, weights = router(x, bias)
+        scores = router.gate(x).float().sigmoid()
+    assert ids.shape == weights.shape == (200, 3)
+    biased = (scores + bias).view(200, 4, 2)
+    best_groups = biased.sum(-1).topk(2, dim=-1).indices  # a group's top-2 of 2 = its sum
+    for t in range(200):
+        allowed = {2 * g + j for g in best_groups[t].tolist() for j in (0, 1)}
+        assert set(ids[t].tolist()) <= allowed and len(set(ids[t].tolist())) == 3
+    # The weights are the UNBIASED scores, normalised over the k, times route_scale.
+    picked = scores.gather(1, ids)
+    torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True) * 2.5)
+    torch.testing.assert_close(weights.sum(-1), torch.full((200,), 2.5))
+
+
+def test_expert_bias_changes_the_choice_not_the_weights():
+    router = _router(TINY)  # softmax, 4 experts, top-2, no groups
+    x = torch.randn(64, TINY.dim, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        scores = router.gate(x).float().softmax(-1)
+        ids, weights = router(x, torch.zeros(4))
+        assert torch.equal(ids, scores.topk(2, dim=-1).indices)
+        ids_b, weights_b = router(x, torch.tensor([0.0, 0.0, 0.0, 10.0]))
+    assert (ids_b == 3).any(-1).all()  # every token now takes expert 3 ...
+    assert torch.equal(weights_b, scores.gather(1, ids_b))  # ... weighted by its unbiased score
+    assert torch.equal(weights, scores.gather(1, ids))
+    # The gate gets gradients through the weights; the bias is never differentiated.
+    bias = torch.zeros(4, requires_grad=True)
+    _, w = router(x, bias)
+    w.sum().backward()
+    assert router.gate.weight.grad is not None and bias.grad is None
+
+
+def test_token_counts_accumulate_in_the_buffer():
+    model = _model()
+    tokens, _ = _batch()
+    moe = model.layers["1"].moe
+    seen = []
+    moe.router.register_forward_hook(lambda mod, inp, out: seen.append(out[0].flatten()))
+    with torch.no_grad():
+        model(tokens)
+        first = moe.tokens_per_expert.clone()
+        model(tokens)
+    assert torch.equal(first, torch.bincount(seen[0], minlength=4).float())
+    assert first.sum() == 2 * 16 * 2  # tokens x top-k
+    assert torch.equal(moe.tokens_per_expert, 2 * first)
+
+
+def test_update_expert_bias_moves_toward_balance():
+    args = dataclasses.replace(TINY, load_balance_coeff=0.01)
+    model = _model(args)
+    tokens, _ = _batch(args, batch=4, seq=32)
+    moe = model.layers["1"].moe
+    moe.expert_bias.copy_(torch.tensor([0.3, 0.2, 0.0, 0.0]))  # experts 0 and 1 take everything
+    calls = []
+
+    def all_reduce(t):  # a stand-in for the sum over 2 identical ranks
+        calls.append(t.shape)
+        return t * 2
+
+    def imbalance():
+        with torch.no_grad():
+            model(tokens)
+        c = moe.tokens_per_expert
+        return (c.max() - c.min()).item()
+
+    start = imbalance()
+    counts = moe.tokens_per_expert.clone()
+    model.update_expert_bias(all_reduce)
+    assert calls == [torch.Size([1, 4])]  # one collective for all MoE layers
+    assert not moe.tokens_per_expert.any()
+    expected = torch.tensor([0.3, 0.2, 0.0, 0.0]) + 0.01 * torch.sign(2 * counts.mean() - 2 * counts)
+    assert torch.equal(moe.expert_bias, expected)
+    for _ in range(30):
+        imbalance()
+        model.update_expert_bias()
+    assert start == 4 * 32 and imbalance() < start / 4  # 128 vs 0 tokens -> within ~10
+    # Disabled balancing: only the counts are reset.
+    frozen = _model(dataclasses.replace(TINY, load_balance_coeff=None))
+    with torch.no_grad():
+        frozen(tokens)
+    frozen.update_expert_bias()
+    assert not frozen.layers["1"].moe.expert_bias.any() and not frozen.layers["1"].moe.tokens_per_expert.any()
+
+
+# --------------------------------------------------------------------------------------
+# Experts and the dispatcher contract
+
+
+def test_local_token_dispatcher_is_the_identity():
+    d = LocalTokenDispatcher()
+    x, counts = torch.randn(6, 4), torch.tensor([2, 0, 4])
+    x_local, local_counts, ctx = d.dispatch(x, counts)
+    assert x_local is x and local_counts is counts and ctx is None
+    y = torch.randn(6, 4)
+    assert d.combine(y, ctx) is y
+
+
+class _TwoRankDispatcher:
+    """Simulates expert parallel over 2 "ranks" in one process: this rank owns the first half
+    of the experts; the second half is computed by a stand-in for the remote rank."""
+
+    def __init__(self, remote_experts):
+        self.remote = remote_experts
+        self.calls = 0
+
+    def dispatch(self, x_sorted, counts):
+        self.calls += 1
+        half = counts.shape[0] // 2
+        n_local = int(counts[:half].sum())
+        remote_out = self.remote(x_sorted[n_local:], counts[half:])
+        return x_sorted[:n_local], counts[:half], remote_out
+
+    def combine(self, y_local, ctx):
+        return torch.cat([y_local, ctx])
+
+
+def test_moe_runs_through_a_dispatcher_with_a_local_slice_of_experts():
+    model = _model()
+    tokens, _ = _batch()
+    moe = model.layers["1"].moe
+    with torch.no_grad():
+        reference = model(tokens)
+        local, remote = GroupedExperts(64, 32, 2), GroupedExperts(64, 32, 2)
+        for name in ("w1", "w2", "w3"):
+            full = getattr(moe.experts, name)
+            getattr(local, name).copy_(full[:2])
+            getattr(remote, name).copy_(full[2:])
+        moe.experts = local  # this "rank" holds experts 0 and 1 only (w1.shape[0] == 2)
+        moe.token_dispatcher = _TwoRankDispatcher(remote)
+        sliced = model(tokens)
+    assert moe.token_dispatcher.calls == 1
+    assert torch.equal(sliced, reference)
+
+
+def test_grouped_experts_checks_counts_and_grouped_mm_matches_loop():
+    experts = GroupedExperts(16, 32, 3)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.1, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(10, 16, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="3 \\(local\\) experts"):
+        experts(x, torch.tensor([5, 5]))
+    counts = torch.tensor([3, 0, 7])
+    loop = _looped_swiglu(x, counts, experts.w1, experts.w2, experts.w3)
+    assert torch.equal(experts(x, counts), loop)
+    # The grouped_mm path is taken on CUDA only; on CPU torch._grouped_mm runs for bf16,
+    # which is enough to check that it computes the same function.
+    bf = [t.detach().to(torch.bfloat16) for t in (x, experts.w1, experts.w2, experts.w3)]
+    grouped = _grouped_mm_swiglu(bf[0], counts, *bf[1:])
+    torch.testing.assert_close(grouped.float(), loop.detach(), rtol=3e-2, atol=3e-3)
+
+
+# --------------------------------------------------------------------------------------
+# The traced step
+
+
+@pytest.mark.parametrize("args", [TINY, TINY_V3], ids=["softmax", "sigmoid_grouped_qlora"])
+def test_graph_matches_eager_bitwise_on_new_routings(args):
+    model = _model(args)
+    graph_step = GraphStep(model)
+    for seed in (1, 2):  # the second batch routes differently, through the SAME graph
+        tokens, labels = _batch(args, seed=seed)
+        before = _counts(model)
+        loss, grads = graph_step(tokens, labels)
+        graph_counts = _counts(model) - before
+        ref_loss, ref_grads = eager_step(model, tokens, labels)
+        eager_counts = _counts(model) - before - graph_counts
+        assert len(graph_step.graphs) == 1
+        assert torch.equal(loss, ref_loss)
+        assert len(grads) == len(ref_grads) == len(list(model.parameters()))
+        for (name, _), g, r in zip(model.named_parameters(), grads, ref_grads):
+            assert torch.equal(g, r), name
+        # The graph's in-place buffer add counted exactly what eager counted.
+        assert torch.equal(graph_counts, eager_counts) and graph_counts.sum() > 0
+        if seed == 1:
+            first_counts = graph_counts
+    assert not torch.equal(first_counts, graph_counts)  # the routing really changed
+
+    gm = graph_step.get(tokens, labels).gm
+    nodes = list(gm.graph.nodes)
+    # Expert sizes are data-dependent scalars read inside the graph, not constants baked in.
+    n_moe = args.n_moe_layers
+    assert sum(n.target == torch.ops.aten._local_scalar_dense.default for n in nodes) == n_moe * args.n_routed_experts
+    expert_nodes = [n for n in nodes if n.meta["custom"].get("ep_role") == "expert_compute"]
+    assert expert_nodes and {n.meta["custom"]["module_fqn"] for n in expert_nodes if
+                             n.meta["custom"]["phase"] == "forward"} == {f"layers.{i}.moe.experts" for i in
+                                                                         range(args.n_dense_layers, args.n_layers)}
+    adds = [n for n in nodes if n.target == torch.ops.aten.add_.Tensor]
+    assert {a.args[0].meta["custom"]["input_fqn"] for a in adds} == {
+        f"layers.{i}.moe.tokens_per_expert" for i in range(args.n_dense_layers, args.n_layers)}
+
+
+def test_trace_16b_shapes_on_meta():
+    # The real 16B traces too, but its 26 MoE layers x 64 experts take ~4 minutes (every
+    # expert's ops carry data-dependent sizes); 2 layers (1 dense + 1 MoE) with the full
+    # 16B shapes (dim 2048, 64 experts, vocab 102400) exercise the same code.
+    args = dataclasses.replace(FLAVORS["16B"], n_layers=2)
+    with torch.device("meta"):
+        model = DeepSeekV3(args)
+    tokens, labels = (torch.empty(1, 32, dtype=torch.long, device="meta") for _ in range(2))
+    start = time.perf_counter()
+    traced = trace_train_step(model, tokens, labels, fake_device=torch.device("cpu"))
+    assert time.perf_counter() - start < 120
+    vals = [n.meta["val"] for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    assert all(v.device.type == "cpu" for v in vals)
+    outputs = traced.gm.graph.output_node().args[0]
+    assert len(outputs) == 1 + len(list(model.parameters()))
+    assert outputs[1 + traced.param_names.index("layers.1.moe.experts.w1")].meta["val"].shape == (64, 1408, 2048)
+
+
+# --------------------------------------------------------------------------------------
+# Parallel layouts and the registry
+
+
+def test_validate_and_parallelize_errors():
+    args = FLAVORS["debugmodel"]
+    degrees = {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "ep": 1}
+    validate_parallelism(args, degrees)
+    validate_parallelism(args, {**degrees, "ep": 4})  # EP is being wired separately: allowed here
+    with pytest.raises(ConfigError, match="does not divide the model's n_routed_experts"):
+        validate_parallelism(args, {**degrees, "ep": 3})
+    with pytest.raises(ConfigError, match="does not divide the model's n_heads"):
+        validate_parallelism(args, {**degrees, "tp": 3})
+    with pytest.raises(ConfigError, match="tensor parallelism for deepseek_v3 is not wired yet"):
+        validate_parallelism(args, {**degrees, "tp": 2})
+    with torch.device("meta"):
+        model = DeepSeekV3(TINY)
+    mp = MixedPrecision()
+    with pytest.raises(ConfigError, match="expert parallelism for deepseek_v3 is not wired yet"):
+        parallelize_deepseek_v3(model, None, ParallelDims(dp_shard=2, ep=2), mp)
+    assert parallelize_deepseek_v3(model, None, ParallelDims(), mp) is model
+
+
+def test_fsdp2_graph_is_bitwise_eager(tmp_path):
+    # SimpleFSDP over 2 gloo processes shards every parameter, the stacked experts included.
+    args = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.steps", "3"]
+    run_train(2, tmp_path / "graph", *args)
+    run_train(2, tmp_path / "eager", *args, "--compile.mode", "eager")
+    graph, eager = read_losses(tmp_path / "graph"), read_losses(tmp_path / "eager")
+    assert [s for s, _ in graph] == [1, 2, 3]
+    assert [repr(v) for _, v in graph] == [repr(v) for _, v in eager]
+    assert graph[-1][1] < graph[0][1] - 1.0
+
+
+def test_registry_entry():
+    spec = MODEL_SPECS["deepseek_v3"]
+    assert spec.flavors is FLAVORS and spec.build is DeepSeekV3
+    assert set(spec.flavors) == {"debugmodel", "16B", "671B"}
+    assert all(isinstance(a, DeepSeekV3Args) for a in spec.flavors.values())
+    with torch.device("meta"):
+        model = spec.build(TINY)
+    assert spec.bucket_plan(model) == [["tok_embeddings"], ["layers.0"], ["layers.1"], ["norm", "output"]]
+    assert spec.flops_per_token(FLAVORS["debugmodel"], 128) == flops_per_token(FLAVORS["debugmodel"], 128)
+
+
+def test_debug_config_validates():
+    cfg = load_config(["--job.config_file", f"{ROOT}/configs/deepseek_v3_debug.toml"])
+    validate_config(cfg, world_size=1)
+    assert (cfg.model.name, cfg.model.flavor) == ("deepseek_v3", "debugmodel")

@@ -1,0 +1,74 @@
+"""Expert parallelism for DeepSeek-V3: tagged all_to_alls in the graph, bitwise graph vs eager."""
+
+from collections import Counter
+
+import pytest
+
+from graph_trainer.analysis.fake_trace import fake_world, trace_job
+from graph_trainer.config import load_config, validate_config
+from graph_trainer.errors import ConfigError
+from graph_trainer.expert_parallel import COMBINE, COUNT_EXCHANGE, DISPATCH
+from tests.conftest import ROOT
+from tests.launch import read_losses, run_train
+
+DEEPSEEK = ["--job.config_file", f"{ROOT}/configs/deepseek_v3_debug.toml", "--training.seq_len", "32",
+            "--training.local_batch_size", "2"]
+
+
+def test_every_all_to_all_is_tagged_per_moe_layer():
+    cfg = load_config([*DEEPSEEK, "--parallelism.ep", "2"])
+    with fake_world(4):
+        gm = trace_job(cfg, 4).gm
+    a2a = [n for n in gm.graph.nodes if n.target.__class__.__name__ == "OpOverload"
+           and n.target.name() == "_c10d_functional::all_to_all_single"]
+    tags = [n.meta["custom"] for n in a2a]
+    assert all(t.get("ep_role") in (COUNT_EXCHANGE, DISPATCH, COMBINE) and t.get("moe_fqn") for t in tags)
+    moe_layers = sorted({t["moe_fqn"] for t in tags})
+    assert moe_layers == [f"layers.{i}.moe" for i in range(1, 6)]  # debugmodel: 1 dense + 5 MoE
+    per_layer = Counter((t["moe_fqn"], t["phase"], t["ep_role"]) for t in tags)
+    for layer in moe_layers:
+        # forward: counts, tokens out, tokens back; backward: the two token exchanges reversed.
+        assert per_layer[(layer, "forward", COUNT_EXCHANGE)] == 1
+        assert per_layer[(layer, "forward", DISPATCH)] == 1
+        assert per_layer[(layer, "forward", COMBINE)] == 1
+        assert per_layer[(layer, "backward", DISPATCH)] == 1
+        assert per_layer[(layer, "backward", COMBINE)] == 1
+    assert len(a2a) == 5 * len(moe_layers)
+    # Their waits carry the same tags (passes move a collective together with its wait).
+    for node in a2a:
+        (wait,) = node.users
+        assert wait.meta["custom"]["ep_role"] == node.meta["custom"]["ep_role"]
+
+
+@pytest.mark.parametrize(
+    "args, world_size, message",
+    [
+        (["--parallelism.ep", "3"], 3, "parallelism.ep = 3 does not divide the model's n_routed_experts (8)"),
+        (["--parallelism.ep", "2", "--parallelism.dp_replicate", "2"], 2, "parallelism.ep = 2 must divide "
+         "parallelism.dp_shard = 1"),
+    ],
+)
+def test_bad_expert_parallel_degrees(args, world_size, message):
+    cfg = load_config([*DEEPSEEK, *args])
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg, world_size=world_size)
+    assert message in str(info.value)
+
+
+def test_ep_on_a_dense_model_is_rejected():
+    cfg = load_config(["--parallelism.ep", "2"])
+    with pytest.raises(ConfigError, match="llama3 is dense"):
+        validate_config(cfg, world_size=2)
+
+
+def test_ep2_graph_is_bitwise_eager_and_close_to_one_process(tmp_path):
+    steps = ["--training.steps", "6"]
+    run_train(2, tmp_path / "graph", *DEEPSEEK, *steps, "--parallelism.ep", "2")
+    run_train(2, tmp_path / "eager", *DEEPSEEK, *steps, "--parallelism.ep", "2", "--compile.mode", "eager")
+    run_train(1, tmp_path / "single", *DEEPSEEK, *steps, "--training.local_batch_size", "4")
+    graph, eager, single = (read_losses(tmp_path / name) for name in ("graph", "eager", "single"))
+    assert len(graph) == 6
+    assert [repr(v) for _, v in graph] == [repr(v) for _, v in eager]
+    deviation = max(abs(g - s) / abs(s) for (_, g), (_, s) in zip(graph, single))
+    assert deviation < 1e-4, deviation
+    assert graph[-1][1] < graph[0][1]
