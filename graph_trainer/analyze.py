@@ -67,11 +67,11 @@ def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
     return traced, result, traced_s, time.perf_counter() - start - traced_s
 
 
-def summary_row(label: str, result, trace_s: float, sim_s: float) -> dict[str, object]:
+def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int) -> dict[str, object]:
     counts = {k: 0 for k, _ in _KIND_COLUMNS}
     for c in result.collectives:
         counts[c.kind] = counts.get(c.kind, 0) + 1
-    row: dict[str, object] = {"passes": label}
+    row: dict[str, object] = {"passes": label, "nodes": nodes}
     row.update({short: counts[k] for k, short in _KIND_COLUMNS})
     row.update({
         "step ms": result.step_time * 1e3,
@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     summary, kinds = [], []
     for c in configs:
         label = ",".join(c.compile.passes) or "none"
-        _, result, trace_s, sim_s = analyze_job(c, world_size, device, ranks_per_node)
-        summary.append(summary_row(label, result, trace_s, sim_s))
+        traced, result, trace_s, sim_s = analyze_job(c, world_size, device, ranks_per_node)
+        summary.append(summary_row(label, result, trace_s, sim_s, len(traced.gm.graph.nodes)))
         kinds.extend(kind_rows(label, result))
         if trace_out:
             path = _trace_path(trace_out, label, len(configs) > 1)

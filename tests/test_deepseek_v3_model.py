@@ -422,7 +422,7 @@ def test_validate_and_parallelize_errors():
     args = FLAVORS["debugmodel"]
     degrees = {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "ep": 1}
     validate_parallelism(args, degrees)
-    validate_parallelism(args, {**degrees, "ep": 4})  # EP is being wired separately: allowed here
+    validate_parallelism(args, {**degrees, "ep": 4})
     with pytest.raises(ConfigError, match="does not divide the model's n_routed_experts"):
         validate_parallelism(args, {**degrees, "ep": 3})
     with pytest.raises(ConfigError, match="does not divide the model's n_heads"):
@@ -432,8 +432,8 @@ def test_validate_and_parallelize_errors():
     with torch.device("meta"):
         model = DeepSeekV3(TINY)
     mp = MixedPrecision()
-    with pytest.raises(ConfigError, match="expert parallelism for deepseek_v3 is not wired yet"):
-        parallelize_deepseek_v3(model, None, ParallelDims(dp_shard=2, ep=2), mp)
+    with pytest.raises(ConfigError, match="tensor parallelism for deepseek_v3 is not wired yet"):
+        parallelize_deepseek_v3(model, None, ParallelDims(dp_shard=2, tp=2), mp)
     assert parallelize_deepseek_v3(model, None, ParallelDims(), mp) is model
 
 
