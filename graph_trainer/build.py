@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from models.init_rules import materialize_init, stable_seed
+from models.init_rules import draw_parameter
 
 
 def clean_fqn(name: str) -> str:
@@ -31,8 +31,7 @@ def init_parameters(model: nn.Module, rules: dict, seed: int) -> None:
         if fqn not in rules:
             raise KeyError(f"parameter {fqn} has no init rule")
         device = param.device if not isinstance(param, DTensor) else param.to_local().device
-        generator = torch.Generator(device=device).manual_seed(stable_seed(seed, fqn))
-        full = materialize_init(rules[fqn], tuple(param.shape), torch.float32, generator, device)
+        full = draw_parameter(rules[fqn], fqn, tuple(param.shape), seed, device)
         if isinstance(param, DTensor):
             # Every rank drew the same full tensor: keep the local piece without communicating.
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)

@@ -66,4 +66,18 @@ def materialize_init(rule: InitRule, shape, dtype: torch.dtype, generator: torch
     return out
 
 
-__all__ = ["InitRule", "materialize_init", "stable_seed"]
+def draw_parameter(rule: InitRule, fqn: str, shape, seed: int, device: torch.device | str) -> torch.Tensor:
+    """The FULL float32 initial value of parameter ``fqn``: from its own generator seeded by
+    ``(seed, fqn)``, so it does not depend on sharding, process count or visiting order."""
+    generator = torch.Generator(device=device).manual_seed(stable_seed(seed, fqn))
+    return materialize_init(rule, shape, torch.float32, generator, device)
+
+
+@torch.no_grad()
+def init_plain_parameters(model: nn.Module, rules: dict[str, InitRule], seed: int) -> None:
+    """Initialise a plain (unsharded, materialised) model in place, exactly as the trainer does."""
+    for fqn, param in model.named_parameters():
+        param.copy_(draw_parameter(rules[fqn], fqn, param.shape, seed, param.device))
+
+
+__all__ = ["InitRule", "draw_parameter", "init_plain_parameters", "materialize_init", "stable_seed"]

@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.deepseek_v3.flavors import DeepSeekV3Args
-from models.init_rules import InitRule, materialize_init, stable_seed
+from models.init_rules import InitRule, init_plain_parameters
 from models.llama3.model import FeedForward, RMSNorm, apply_rope
 
 # --------------------------------------------------------------------------------------
@@ -455,10 +455,7 @@ class DeepSeekV3(nn.Module):
         """Initialise a plain (unsharded, materialised) model in place from ``seed``, exactly as
         the trainer does before sharding (each parameter from a generator seeded by
         ``stable_seed(seed, fqn)``), then fill / reset the buffers."""
-        rules = self.init_rules()
-        for fqn, param in self.named_parameters():
-            generator = torch.Generator(device=param.device).manual_seed(stable_seed(seed, fqn))
-            param.copy_(materialize_init(rules[fqn], param.shape, torch.float32, generator, param.device))
+        init_plain_parameters(self, self.init_rules(), seed)
         self.init_buffers(self.output.weight.device)
 
 

@@ -35,6 +35,7 @@ from graph_trainer.expert_parallel import ExpertParallelDispatcher
 from graph_trainer.parallel import ParallelDims, dp_mesh_dims, expert_dp_mesh_dims
 from graph_trainer.simple_fsdp import MixedPrecision, data_parallel
 from models.deepseek_v3.flavors import DeepSeekV3Args
+from models.llama3.parallelize import bucket_plan  # same layout: embeddings, blocks, norm + output
 
 _TP_NOT_WIRED = "tensor parallelism for deepseek_v3 is not wired yet (use parallelism.tp = 1)"
 
@@ -85,11 +86,6 @@ def parallelize_deepseek_v3(model: nn.Module, mesh: DeviceMesh | None, dims: Par
     if dp_dims:  # experts already have their parametrization: data_parallel leaves them alone
         data_parallel(model, mesh[dp_dims], dims.fsdp_mode, mp)
     return model
-
-
-def bucket_plan(model: nn.Module) -> list[list[str]]:
-    """Module FQN groups that form one communication bucket each: embeddings, each block, norm + output."""
-    return [["tok_embeddings"], *[[f"layers.{i}"] for i in model.layers], ["norm", "output"]]
 
 
 __all__ = ["apply_expert_parallel", "bucket_plan", "parallelize_deepseek_v3", "validate_parallelism"]

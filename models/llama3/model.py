@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.init_rules import InitRule, materialize_init, stable_seed
+from models.init_rules import InitRule, init_plain_parameters
 from models.llama3.flavors import Llama3Args
 
 # --------------------------------------------------------------------------------------
@@ -252,10 +252,7 @@ class Transformer(nn.Module):
         Draws each parameter in float32 from a generator seeded by ``stable_seed(seed,
         fqn)``, exactly as the trainer does before sharding, then fills the RoPE buffer.
         """
-        rules = self.init_rules()
-        for fqn, param in self.named_parameters():
-            generator = torch.Generator(device=param.device).manual_seed(stable_seed(seed, fqn))
-            param.copy_(materialize_init(rules[fqn], param.shape, torch.float32, generator, param.device))
+        init_plain_parameters(self, self.init_rules(), seed)
         self.init_buffers(self.output.weight.device)
 
 
