@@ -115,14 +115,16 @@ def _is_parametrization(fqn: str) -> bool:
 
 
 def data_parallel(model: nn.Module, dp_mesh: DeviceMesh | None, mode: str | None, mp: MixedPrecision,
-                  full_mesh: DeviceMesh | None = None, hand_local: bool = False) -> nn.Module:
+                  full_mesh: DeviceMesh | None = None, hand_local: bool = False, fqn_prefix: str = "") -> nn.Module:
     """Store every parameter of ``model`` as a data-parallel DTensor behind a gathering parametrization.
 
     ``dp_mesh`` holds the data-parallel dims (1-D, or 2-D ``(replicate, shard)`` for
     hybrid_shard; None with ``mode`` None when the parameters are only split by an inner
     dim). Parameters already made DTensors on a 1-D mesh (tensor parallel's ``tp``, expert
     parallel's ``ep``) are laid out on ``full_mesh`` (dp dims + that dim). Parameters that
-    already have a parametrization (an earlier call) are left alone. Works on the meta device.
+    already have a parametrization (an earlier call) are left alone. ``fqn_prefix``: FQN of
+    ``model`` in the whole model, so the ``fsdp_param`` tags name parameters in full when a
+    submodule is passed. Works on the meta device.
     """
     if mode is not None and mode not in MODES:
         raise ValueError(f"unknown data-parallel mode {mode!r}; choose one of {MODES}")
@@ -151,7 +153,7 @@ def data_parallel(model: nn.Module, dp_mesh: DeviceMesh | None, mode: str | None
             full = torch.empty(param.shape, dtype=param.dtype, device="meta")
             new = distribute_tensor(full, mesh, placements, src_data_rank=None)
             module.register_parameter(name, nn.Parameter(new, requires_grad=param.requires_grad))
-            param_fqn = f"{module_fqn}.{name}" if module_fqn else name
+            param_fqn = ".".join(part for part in (fqn_prefix, module_fqn, name) if part)
             parametrize.register_parametrization(
                 module, name,
                 ReplicateComputation(param_fqn, dp_dims, inner_mesh, inner_placements, mp, hand_local),

@@ -100,3 +100,14 @@ def resolve_process_group(group_name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def fake_mode_of(value):
+    """The ``FakeTensorMode`` a traced node's ``meta["val"]`` belongs to (``FakeTensor.fake_mode``), else None.
+
+    Passes that add nodes run the new ops on these fake values (under that mode) to give the
+    new nodes a ``meta["val"]`` of the same trace.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return value.fake_mode if isinstance(value, FakeTensor) else None

@@ -28,22 +28,31 @@ FAST_ARGS = [
 _TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def run_train(nproc: int, dump_folder: Path, *args: str, timeout: float = 600,
-              check: bool = True) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node nproc train.py FAST_ARGS --job.dump_folder dump_folder args``."""
+def run_torchrun(nproc: int, script: str, *args: str, timeout: float = 600,
+                 check: bool = True) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node nproc script args`` with one CPU thread per process.
+
+    gloo can abort a process while it shuts down after the job finished (a PyTorch teardown
+    race, see train.py): then the whole job runs once more; a real failure fails again.
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           os.path.join(ROOT, "train.py"), *FAST_ARGS, "--job.dump_folder", str(dump_folder), *args]
+           script, *args]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
     if result.returncode != 0 and _TEARDOWN_ABORT in result.stderr:
-        # gloo can abort a process while it shuts down after the job finished (a PyTorch
-        # teardown race, see train.py). Run the whole job once more; a real failure fails again.
         result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)}\nexited {result.returncode}\n--- stderr (tail) ---\n{result.stderr[-6000:]}"
         )
     return result
+
+
+def run_train(nproc: int, dump_folder: Path, *args: str, timeout: float = 600,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc train.py FAST_ARGS --job.dump_folder dump_folder args``."""
+    return run_torchrun(nproc, os.path.join(ROOT, "train.py"), *FAST_ARGS, "--job.dump_folder", str(dump_folder),
+                        *args, timeout=timeout, check=check)
 
 
 def read_losses(dump_folder: Path) -> list[tuple[int, float]]:

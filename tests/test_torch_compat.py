@@ -93,3 +93,18 @@ def test_resolve_process_group_by_name():
         assert resolve_process_group(dist.group.WORLD.group_name).size() == 4
     finally:
         dist.destroy_process_group()
+
+
+def test_fake_mode_of_a_fake_value():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graph_trainer.torch_compat import fake_mode_of
+
+    mode = FakeTensorMode()
+    with mode:
+        fake = torch.empty(2, 3)
+    assert fake_mode_of(fake) is mode
+    assert fake_mode_of(torch.empty(2)) is None and fake_mode_of(None) is None
+    with fake_mode_of(fake):  # new ops on fake values give fake values of the same mode
+        out = torch.cat([fake.view(-1), fake.view(-1)])
+    assert fake_mode_of(out) is mode and out.shape == (12,)

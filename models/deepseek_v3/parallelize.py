@@ -70,7 +70,8 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims
                                       [Shard(0)], src_data_rank=None)
             experts.register_parameter(param_name, nn.Parameter(split, requires_grad=param.requires_grad))
         block.moe.token_dispatcher = ExpertParallelDispatcher(ep_mesh, block.moe.num_experts, f"layers.{name}.moe")
-        data_parallel(experts, expert_dp_mesh, dims.expert_fsdp_mode, mp, full_mesh=full_mesh, hand_local=True)
+        data_parallel(experts, expert_dp_mesh, dims.expert_fsdp_mode, mp, full_mesh=full_mesh, hand_local=True,
+                      fqn_prefix=f"layers.{name}.moe.experts")
 
 
 def parallelize_deepseek_v3(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims,

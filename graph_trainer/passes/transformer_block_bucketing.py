@@ -1,0 +1,408 @@
+"""transformer_block_bucketing: one FSDP all-gather and one reduce-scatter per transformer block.
+
+Contract
+--------
+Reads: ``context.extras["bucket_plan"]``, the model's list of FQN-prefix groups
+(``[["tok_embeddings"], ["layers.0"], ..., ["norm", "output"]]``); and ``node.meta["custom"]``
+tags written by ``graph_trainer.simple_fsdp``, the tracer and ``reshard_after_forward``:
+``fsdp_role`` (``unshard`` / ``reduce_grad``), ``fsdp_param``, ``phase``, ``module_fqn``,
+``recomputed``. A parameter belongs to the first group with a prefix matching its
+``fsdp_param`` (``p == prefix`` or ``p`` starts with ``prefix + "."``).
+
+Changes: the FSDP collectives, and only those, are merged per group (a *bucket*):
+
+- the forward ``all_gather_into_tensor`` nodes tagged ``unshard`` (phase forward),
+- the backward re-gathers tagged ``unshard`` (phase backward, ``recomputed``; made by the
+  default ``reshard_after_forward`` pass, absent with ``fsdp_reshard_after_forward never``),
+- the ``reduce_scatter_tensor`` nodes tagged ``reduce_grad``,
+
+each become ONE collective per bucket and process group (for reduce-scatters also per dtype
+and reduce op; a bucket whose parameters live on several groups, e.g. DeepSeek-V3 experts
+sharded over ``efsdp`` beside dense weights over ``dp_shard``, gets one collective per group).
+TP all_reduces, HSDP/DDP all_reduces and EP all_to_alls are left as they are. The merge is
+functional (no ``out=`` mutation): an all-gather bucket is ``cat`` of the flattened shards
+(bytes when dtypes differ) -> one all_gather -> ``view(world, N)`` -> per parameter
+``slice(dim 1) -> clone -> view``, rank-major exactly like the per-parameter gathers; a
+reduce-scatter bucket is ``cat`` of each gradient ``view(world, -1)`` along dim 1 -> one
+reduce_scatter -> per parameter ``slice -> view``. New nodes get ``meta["val"]`` (run on the
+trace's fake mode) and the tags of what they replace; nodes shared by a bucket carry
+``fsdp_param = fsdp_bucket = `` the bucket name (``"layers.3"``, ``"norm+output"``) and
+``fsdp_params``, the tuple of its parameters.
+
+Schedule (per phase, buckets in the order their compute starts; *compute* of a bucket = the
+``call_function`` nodes of that phase whose ``module_fqn`` is in the bucket, FSDP nodes
+excluded): a gather bucket is issued before the first compute node of the bucket before it
+(prefetch one bucket ahead: forward in plan order, backward in reverse), and waited right
+before the first node that reads its parameters; a reduce-scatter bucket is issued right after
+its last gradient is computed, and waited right before the next reduce-scatter of its group is
+issued (the last one before the graph output), so it overlaps the next bucket's backward.
+A stable topological sort then restores a valid order moving as few nodes as possible
+(a node placed before an input goes right after it); every node stays exactly once.
+
+Numerics: gathers and reductions see the same elements; the concatenation and split only move
+data. Losses and gradients are bitwise those of the graph without this pass (for the
+reduce-scatter, provided the backend sums each element's contributions in the same order in
+a larger buffer: always true for 2 ranks, and for ring reduce-scatters).
+
+Errors: config validation rejects the pass without data-parallel sharding (``dp_shard == 1``);
+at run time a missing bucket plan, an FSDP parameter in no bucket, a collective whose only
+user is not its wait, or a graph without FSDP collectives raise ``PassError``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graph_trainer.errors import ConfigError
+from graph_trainer.passes.registry import PassContext, PassError, PassSpec
+from graph_trainer.simple_fsdp import REDUCE_GRAD, UNSHARD
+from graph_trainer.torch_compat import fake_mode_of
+
+aten = torch.ops.aten
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+FORWARD_GATHER, BACKWARD_GATHER, GRAD_REDUCE = "forward all_gather", "backward all_gather", "reduce_scatter"
+
+
+def _custom(node: fx.Node) -> dict:
+    return node.meta.get("custom", {})
+
+
+def bucket_index(plan: list[list[str]], fqn: str) -> int | None:
+    """Index of the first plan group with a prefix matching ``fqn`` (a parameter or module FQN)."""
+    for index, prefixes in enumerate(plan):
+        if any(fqn == p or fqn.startswith(p + ".") for p in prefixes):
+            return index
+    return None
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """Which FSDP bucket kind a collective belongs to, from its tags; None for all others."""
+    custom = _custom(node)
+    if node.target is ALL_GATHER and custom.get("fsdp_role") == UNSHARD:
+        return FORWARD_GATHER if custom.get("phase") == "forward" else BACKWARD_GATHER
+    if node.target is REDUCE_SCATTER and custom.get("fsdp_role") == REDUCE_GRAD:
+        return GRAD_REDUCE
+    return None
+
+
+def _only_wait(node: fx.Node) -> fx.Node:
+    users = list(node.users)
+    if len(users) != 1 or users[0].target is not WAIT:
+        raise PassError(f"transformer_block_bucketing: collective {node.name} must have exactly one user, "
+                        f"its wait_tensor; has {[u.name for u in users]}")
+    return users[0]
+
+
+@dataclass
+class Merged:
+    """One bucketed collective after merging: what to issue, what to wait, what replaces the old waits."""
+
+    bucket: int
+    kind: str
+    group: str
+    issue: list[fx.Node]
+    """Copy-in nodes (casts, flattening, cat) and the collective last, in order."""
+    wait: list[fx.Node]
+    """The wait and the copy-out nodes, in order."""
+    outputs: list[fx.Node]
+    """Per member, the node now holding its result (what its old wait held)."""
+
+    @property
+    def collective(self) -> fx.Node:
+        return self.issue[-1]
+
+
+class _Emitter:
+    """Adds call_function nodes before ``anchor``, each with a fake ``val`` and ``custom`` tags."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode: Any):
+        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
+        self.created: list[fx.Node] = []
+
+    def __call__(self, target, args: tuple, tags: dict, kwargs: dict | None = None) -> fx.Node:
+        kwargs = kwargs or {}
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = target(*vals[0], **vals[1])
+        node.meta["custom"] = dict(tags)
+        self.created.append(node)
+        return node
+
+    def flat_rows(self, x: fx.Node, rows: int, tags: dict) -> fx.Node:
+        """``x`` viewed as ``(rows, -1)`` (``(-1,)`` when rows is 0), made contiguous first if needed."""
+        if not x.meta["val"].is_contiguous():
+            x = self(aten.clone.default, (x,), tags, {"memory_format": torch.contiguous_format})
+        return self(aten.view.default, (x, [rows, -1] if rows else [-1]), tags)
+
+    def take(self) -> list[fx.Node]:
+        created, self.created = self.created, []
+        return created
+
+
+def _cast_chain(collective: fx.Node) -> list[fx.Node]:
+    """The single-user ``unshard`` nodes feeding a gather (the mixed-precision cast), in order."""
+    chain: list[fx.Node] = []
+    node = collective.args[0]
+    while (isinstance(node, fx.Node) and _custom(node).get("fsdp_role") == UNSHARD and len(node.users) == 1
+           and len(node.all_input_nodes) == 1):
+        chain.insert(0, node)
+        node = node.all_input_nodes[0]
+    return chain
+
+
+def _common_module(members: list[fx.Node]) -> str:
+    """The innermost module FQN containing every member's module ("" for the root)."""
+    parts = [_custom(m).get("module_fqn", "").split(".") for m in members]
+    common = []
+    for names in zip(*parts):
+        if len(set(names)) != 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
+
+
+def _shared_tags(members: list[fx.Node], name: str) -> dict:
+    return {**_custom(members[0]), "module_fqn": _common_module(members), "fsdp_param": name,
+            "fsdp_bucket": name, "fsdp_params": tuple(_custom(m)["fsdp_param"] for m in members)}
+
+
+def _replace(graph: fx.Graph, members: list[fx.Node], outputs: list[fx.Node]) -> None:
+    for member, out in zip(members, outputs):
+        wait = _only_wait(member)
+        wait.replace_all_uses_with(out)
+        graph.erase_node(wait)
+        graph.erase_node(member)
+
+
+def _unmerged(collective: fx.Node, bucket: int, kind: str, group: str, casts: list[fx.Node], name: str) -> Merged:
+    """A bucket of one collective: nothing to merge, only tagged and scheduled."""
+    wait = _only_wait(collective)
+    for node in (collective, wait):
+        node.meta["custom"] = _custom(node) | {"fsdp_bucket": name}
+    return Merged(bucket, kind, group, casts + [collective], [wait], [wait])
+
+
+def merge_all_gathers(graph: fx.Graph, members: list[fx.Node], bucket: int, name: str) -> Merged:
+    """Replace the gathers of one bucket (one group) with one gather of their concatenation."""
+    first, kind = members[0], collective_kind(members[0])
+    group_size, group = first.args[1], first.args[2]
+    casts = [n for m in members for n in _cast_chain(m)]
+    if len(members) == 1:
+        return _unmerged(first, bucket, kind, group, casts, name)
+    emit = _Emitter(graph, first, _fake_mode(first))
+    shared = _shared_tags(members, name)
+    as_bytes = len({m.args[0].meta["val"].dtype for m in members}) > 1
+    flats = []
+    for m in members:
+        flat = emit.flat_rows(m.args[0], 0, _custom(m) | {"fsdp_bucket": name})
+        flats.append(emit(aten.view.dtype, (flat, torch.uint8), _custom(m) | {"fsdp_bucket": name})
+                     if as_bytes else flat)
+    sizes = [f.meta["val"].numel() for f in flats]
+    gathered = emit(ALL_GATHER, (emit(aten.cat.default, (flats,), shared), group_size, group), shared)
+    issue = casts + emit.take()
+    rows = emit(aten.view.default, (emit(WAIT, (gathered,), shared), [group_size, sum(sizes)]), shared)
+    outputs, offset = [], 0
+    for m, size in zip(members, sizes):
+        tags = _custom(m) | {"fsdp_bucket": name}
+        piece = emit(aten.slice.Tensor, (rows, 1, offset, offset + size), tags)
+        piece = emit(aten.clone.default, (piece,), tags, {"memory_format": torch.contiguous_format})
+        if as_bytes:
+            piece = emit(aten.view.dtype, (piece, m.meta["val"].dtype), tags)
+        outputs.append(emit(aten.view.default, (piece, list(m.meta["val"].shape)), tags))
+        offset += size
+    wait = emit.take()
+    _replace(graph, members, outputs)
+    return Merged(bucket, kind, group, issue, wait, outputs)
+
+
+def merge_reduce_scatters(graph: fx.Graph, members: list[fx.Node], bucket: int, name: str) -> Merged:
+    """Replace the reduce-scatters of one bucket (one group, dtype, op) with one of their concatenation."""
+    first = members[0]
+    reduce_op, group_size, group = first.args[1], first.args[2], first.args[3]
+    if len(members) == 1:
+        return _unmerged(first, bucket, GRAD_REDUCE, group, [], name)
+    emit = _Emitter(graph, first, _fake_mode(first))
+    shared = _shared_tags(members, name)
+    rows = [emit.flat_rows(m.args[0], group_size, _custom(m) | {"fsdp_bucket": name}) for m in members]
+    sizes = [r.meta["val"].shape[1] for r in rows]
+    flat = emit(aten.view.default, (emit(aten.cat.default, (rows, 1), shared), [-1]), shared)
+    reduced = emit(REDUCE_SCATTER, (flat, reduce_op, group_size, group), shared)
+    issue = emit.take()
+    shard = emit(WAIT, (reduced,), shared)
+    outputs, offset = [], 0
+    for m, size in zip(members, sizes):
+        tags = _custom(m) | {"fsdp_bucket": name}
+        piece = emit(aten.slice.Tensor, (shard, 0, offset, offset + size), tags)
+        outputs.append(emit(aten.view.default, (piece, list(m.meta["val"].shape)), tags))
+        offset += size
+    wait = emit.take()
+    _replace(graph, members, outputs)
+    return Merged(bucket, GRAD_REDUCE, group, issue, wait, outputs)
+
+
+def _fake_mode(node: fx.Node):
+    mode = fake_mode_of(node.meta.get("val"))
+    if mode is None:
+        raise PassError(f"transformer_block_bucketing: {node.name} has no fake meta['val']; trace with "
+                        "graph_trainer.tracer (fake mode) before running this pass")
+    return mode
+
+
+def fsdp_buckets(graph: fx.Graph, plan: list[list[str]]) -> dict[tuple, list[fx.Node]]:
+    """The FSDP collectives to merge, keyed by (kind, bucket index, group, dtype, reduce op), in graph order."""
+    buckets: dict[tuple, list[fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        kind = collective_kind(node)
+        if kind is None:
+            continue
+        param = _custom(node).get("fsdp_param", "")
+        index = bucket_index(plan, param)
+        if index is None:
+            raise PassError(f"transformer_block_bucketing: parameter {param!r} ({node.name}) is in no group "
+                            f"of the bucket plan {plan}")
+        _only_wait(node)
+        if kind == GRAD_REDUCE:
+            key = (kind, index, node.args[3], node.meta["val"].dtype, node.args[1])
+        else:
+            key = (kind, index, node.args[2], None, None)
+        buckets[key].append(node)
+    return buckets
+
+
+def compute_starts(graph: fx.Graph, plan: list[list[str]]) -> dict[str, dict[int, fx.Node]]:
+    """First compute node of each bucket in the forward and in the backward (FSDP nodes excluded)."""
+    starts: dict[str, dict[int, fx.Node]] = {"forward": {}, "backward": {}}
+    for node in graph.nodes:
+        custom = _custom(node)
+        if node.op != "call_function" or custom.get("phase") not in starts:
+            continue
+        if custom.get("fsdp_role") or custom.get("recomputed"):
+            continue
+        index = bucket_index(plan, custom.get("module_fqn", ""))
+        if index is not None:
+            starts[custom["phase"]].setdefault(index, node)
+    return starts
+
+
+def _first_reader(outputs: list[fx.Node], position: dict[fx.Node, int]) -> fx.Node:
+    """The earliest node reading the gathered parameters past their ``unshard`` view chains."""
+    readers, frontier, seen = [], list(outputs), set()
+    while frontier:
+        for user in frontier.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            (frontier if _custom(user).get("fsdp_role") == UNSHARD else readers).append(user)
+    return min(readers, key=position.__getitem__)
+
+
+def _move_before(anchor: fx.Node, nodes: list[fx.Node]) -> None:
+    for node in nodes:
+        if node is not anchor:
+            anchor.prepend(node)
+
+
+def schedule_gathers(merged: list[Merged], starts: dict[int, fx.Node], position: dict[fx.Node, int]) -> None:
+    """Issue each gather bucket before the previous bucket's compute; wait right before its first reader."""
+    order = sorted(starts, key=lambda b: position[starts[b]])
+    previous = dict(zip(order[1:], order))
+    rank = {b: i for i, b in enumerate(order)}
+    merged = sorted(merged, key=lambda m: (rank.get(m.bucket, len(rank)), position[m.collective]))
+    readers = [_first_reader(m.outputs, position) for m in merged]
+    for m, reader in zip(merged, readers):  # all issues first: a prefetch goes before an earlier wait
+        candidates = [reader] + [starts[b] for b in (m.bucket, previous.get(m.bucket)) if b in starts]
+        _move_before(min(candidates, key=position.__getitem__), m.issue)
+    for m, reader in zip(merged, readers):
+        _move_before(reader, m.wait)
+
+
+def schedule_reduce_scatters(graph: fx.Graph, merged: list[Merged], position: dict[fx.Node, int]) -> None:
+    """Issue each reduce-scatter bucket after its last gradient; wait before its group's next one."""
+    last_input = {}
+    for m in merged:
+        members = set(m.issue)
+        inputs = [i for n in m.issue for i in n.all_input_nodes if i not in members]
+        last_input[id(m)] = max(inputs, key=position.__getitem__)
+        cursor = last_input[id(m)]
+        for node in m.issue:
+            cursor.append(node)
+            cursor = node
+    by_group: dict[str, list[Merged]] = defaultdict(list)
+    for m in sorted(merged, key=lambda m: position[last_input[id(m)]]):
+        by_group[m.group].append(m)
+    output = next(iter(reversed(graph.nodes)))
+    for chain in by_group.values():
+        for m, following in zip(chain, chain[1:] + [None]):
+            _move_before(following.collective if following else output, m.wait)
+
+
+def stable_topological_sort(graph: fx.Graph) -> None:
+    """Reorder so every node follows its inputs; a node found before an input moves right after it."""
+    placed: set[fx.Node] = set()
+    parked: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    order: list[fx.Node] = []
+    todo = list(reversed(graph.nodes))
+    while todo:
+        node = todo.pop()
+        missing = next((i for i in node.all_input_nodes if i not in placed), None)
+        if missing is not None:
+            parked[missing].append(node)
+            continue
+        placed.add(node)
+        order.append(node)
+        todo.extend(reversed(parked.pop(node, [])))
+    if len(order) != len(graph.nodes):
+        raise PassError("transformer_block_bucketing: the rescheduled graph has a cycle")
+    for before, node in zip(order, order[1:]):
+        if before.next is not node:
+            before.append(node)
+
+
+def transformer_block_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+    plan = context.extras.get("bucket_plan")
+    if not plan:
+        raise PassError("transformer_block_bucketing needs context.extras['bucket_plan'] (the model's FQN groups)")
+    graph = gm.graph
+    buckets = fsdp_buckets(graph, plan)
+    if not buckets:
+        raise PassError("transformer_block_bucketing: the graph has no FSDP all_gather/reduce_scatter "
+                        "(fsdp_role tags); it needs data-parallel sharding (parallelism.dp_shard > 1)")
+    starts = compute_starts(graph, plan)
+    merged: dict[str, list[Merged]] = defaultdict(list)
+    for (kind, index, *_), members in buckets.items():
+        merge = merge_reduce_scatters if kind == GRAD_REDUCE else merge_all_gathers
+        merged[kind].append(merge(graph, members, index, "+".join(plan[index])))
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    schedule_gathers(merged[FORWARD_GATHER], starts["forward"], position)
+    schedule_gathers(merged[BACKWARD_GATHER], starts["backward"], position)
+    schedule_reduce_scatters(graph, merged[GRAD_REDUCE], position)
+    stable_topological_sort(graph)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def check_config(cfg: Any, degrees: dict[str, int]) -> None:
+    if degrees.get("dp_shard", 1) <= 1:
+        raise ConfigError("compile.passes: transformer_block_bucketing buckets FSDP all-gathers and reduce-scatters "
+                          f"and needs parallelism.dp_shard > 1 (got dp_shard = {degrees.get('dp_shard', 1)})")
+
+
+TRANSFORMER_BLOCK_BUCKETING = PassSpec(
+    "transformer_block_bucketing", transformer_block_bucketing,
+    "one FSDP all-gather / reduce-scatter per transformer block, prefetched and deferred for overlap",
+    check_config,
+)
+
+__all__ = ["TRANSFORMER_BLOCK_BUCKETING", "bucket_index", "collective_kind", "compute_starts", "fsdp_buckets",
+           "merge_all_gathers", "merge_reduce_scatters", "transformer_block_bucketing"]
