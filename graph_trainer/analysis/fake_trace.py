@@ -38,14 +38,12 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def trace_job(cfg: JobConfig, world_size: int, device_type: str = "cpu") -> TracedStep:
-    """The job's training step at ``world_size``, traced on fake tensors, after its passes.
-
-    Must run inside ``fake_world(world_size)`` when ``world_size > 1``. ``device_type`` is
-    the device the graph is made for (fake tensors never touch it).
-    """
+def trace_without_passes(cfg: JobConfig, world_size: int, device_type: str = "cpu",
+                         model_args=None) -> tuple[TracedStep, PassContext]:
+    """The job's training step at ``world_size`` traced on fake tensors, and the pass context
+    the trainer would give its passes. ``model_args`` overrides the flavor's (e.g. fewer layers)."""
     spec = MODEL_SPECS[cfg.model.name]
-    args = spec.flavors[cfg.model.flavor]
+    args = model_args if model_args is not None else spec.flavors[cfg.model.flavor]
     t = cfg.training
     dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
     mesh = build_mesh(dims, device_type)
@@ -57,8 +55,18 @@ def trace_job(cfg: JobConfig, world_size: int, device_type: str = "cpu") -> Trac
     traced = trace_train_step(model, batch, batch, grad_scale=1.0 / dims.dp_size,
                               fake_device=torch.device(device_type))
     context = PassContext(config=cfg, degrees=dims.as_dict(), extras={"bucket_plan": spec.bucket_plan(model)})
+    return traced, context
+
+
+def trace_job(cfg: JobConfig, world_size: int, device_type: str = "cpu", model_args=None) -> TracedStep:
+    """The job's training step at ``world_size``, traced on fake tensors, after its passes.
+
+    Must run inside ``fake_world(world_size)`` when ``world_size > 1``. ``device_type`` is
+    the device the graph is made for (fake tensors never touch it).
+    """
+    traced, context = trace_without_passes(cfg, world_size, device_type, model_args)
     traced.gm = run_passes(traced.gm, context, cfg.compile.passes)
     return traced
 
 
-__all__ = ["fake_world", "trace_job"]
+__all__ = ["fake_world", "trace_job", "trace_without_passes"]
