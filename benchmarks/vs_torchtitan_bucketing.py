@@ -53,30 +53,21 @@ Only this script imports ``torchtitan.experiments``; the project itself does not
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import sys
 import time
-from typing import Iterator
 
 import torch
 import torch.fx as fx
 
 
-@contextlib.contextmanager
-def _cpu_roofline(device) -> Iterator[None]:
-    """Replace PyTorch's GPU roofline estimate with ours while torchtitan's pass runs."""
-    from torch._inductor.fx_passes import overlap_scheduling
-
+def _cpu_roofline(device):
+    """PyTorch's GPU roofline estimate replaced by ours while torchtitan's pass runs."""
     from graph_trainer.analysis.cost_model import SizeHints, node_compute_time
+    from graph_trainer.torch_compat import roofline_estimate
 
     hints = SizeHints()
-    original = overlap_scheduling.estimate_roofline_runtime_ms
-    overlap_scheduling.estimate_roofline_runtime_ms = lambda node: node_compute_time(node, device, hints) * 1e3
-    try:
-        yield
-    finally:
-        overlap_scheduling.estimate_roofline_runtime_ms = original
+    return roofline_estimate(lambda node: node_compute_time(node, device, hints) * 1e3)
 
 
 def run_ours(gm: fx.GraphModule, cfg, degrees: dict, plan: list[list[str]]) -> fx.GraphModule:

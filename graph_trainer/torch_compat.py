@@ -3,8 +3,9 @@
 Everything here reaches below PyTorch's public surface: fx tracing metadata hooks, autograd
 node sequence numbers, ``_StridedShard`` (the dp-over-tp placement SimpleFSDP needs),
 ``OpOverload.is_view`` / ``_opname`` / ``_schema``, SymInt internals (the cost model reads
-sizes that may be unbacked symbols), process groups by name, mesh flattening and the fake
-process group's store. ``tests/test_torch_compat.py``
+sizes that may be unbacked symbols), process groups by name, mesh flattening, the fake
+process group's store, and Inductor's overlap scheduler (its roofline estimate, swapped for
+ours inside one context manager, and its counters). ``tests/test_torch_compat.py``
 checks each entry against the installed PyTorch so that an upgrade that changes one fails
 loudly there, not deep inside a training run.
 """
@@ -12,6 +13,7 @@ loudly there, not deep inside a training run.
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 import torch.fx as fx
@@ -111,3 +113,35 @@ def fake_mode_of(value):
     from torch._subclasses.fake_tensor import FakeTensor
 
     return value.fake_mode if isinstance(value, FakeTensor) else None
+
+
+def overlap_scheduling_module():
+    """``torch._inductor.fx_passes.overlap_scheduling``: ``schedule_overlap_bucketing`` and its estimators."""
+    from torch._inductor.fx_passes import overlap_scheduling
+
+    return overlap_scheduling
+
+
+@contextlib.contextmanager
+def roofline_estimate(estimate_ms):
+    """Temporarily make PyTorch's overlap scheduler use ``estimate_ms(node) -> milliseconds``.
+
+    ``overlap_scheduling.estimate_roofline_runtime_ms`` is called for every compute node even
+    when ``custom_runtime_estimation`` is given, and without a GPU it crashes (it probes the
+    memory bandwidth through Triton: ``RuntimeError: 0 active drivers``). Inside this block the
+    module attribute is ``estimate_ms``; the original is put back on exit, also on errors.
+    """
+    module = overlap_scheduling_module()
+    original = module.estimate_roofline_runtime_ms
+    module.estimate_roofline_runtime_ms = estimate_ms
+    try:
+        yield
+    finally:
+        module.estimate_roofline_runtime_ms = original
+
+
+def inductor_counters() -> collections.Counter:
+    """``torch._dynamo.utils.counters["inductor"]``, where the overlap scheduler counts exposed collectives."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]

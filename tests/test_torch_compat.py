@@ -108,3 +108,31 @@ def test_fake_mode_of_a_fake_value():
     with fake_mode_of(fake):  # new ops on fake values give fake values of the same mode
         out = torch.cat([fake.view(-1), fake.view(-1)])
     assert fake_mode_of(out) is mode and out.shape == (12,)
+
+
+def test_roofline_estimate_is_swapped_only_inside_the_block():
+    import inspect
+
+    from graph_trainer.torch_compat import inductor_counters, overlap_scheduling_module, roofline_estimate
+
+    module = overlap_scheduling_module()
+    original = module.estimate_roofline_runtime_ms
+
+    def ours(node):
+        return 1.0
+
+    with roofline_estimate(ours):
+        assert module.estimate_roofline_runtime_ms is ours
+    assert module.estimate_roofline_runtime_ms is original
+    try:
+        with roofline_estimate(ours):
+            raise ValueError("boom")
+    except ValueError:
+        pass
+    assert module.estimate_roofline_runtime_ms is original
+    params = inspect.signature(module.schedule_overlap_bucketing).parameters
+    for name in ("collective_bucketing", "insert_overlap_deps", "custom_runtime_estimation", "collective_estimator",
+                 "compute_estimator", "max_memory_increase_gb", "max_memory_increase_ratio", "max_in_flight_gb",
+                 "pre_bucketing_fsdp_collectives"):
+        assert name in params, name
+    assert isinstance(inductor_counters()["overlap_scheduling_exposed"], int)

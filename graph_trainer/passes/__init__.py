@@ -20,6 +20,7 @@ import time
 import torch.fx as fx
 
 from graph_trainer.analysis.collectives import collective_counts, format_counts
+from graph_trainer.passes.auto_bucketing import AUTO_BUCKETING
 from graph_trainer.passes.registry import PASS_REGISTRY, PassContext, PassError, PassSpec, register_pass
 from graph_trainer.passes.reshard_after_forward import reshard_after_forward
 from graph_trainer.passes.transformer_block_bucketing import TRANSFORMER_BLOCK_BUCKETING
@@ -27,6 +28,7 @@ from graph_trainer.passes.transformer_block_bucketing import TRANSFORMER_BLOCK_B
 logger = logging.getLogger("graph_trainer")
 
 register_pass(TRANSFORMER_BLOCK_BUCKETING)
+register_pass(AUTO_BUCKETING)
 
 
 def remove_dead_code(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
