@@ -1,0 +1,118 @@
+"""integration_tests.py itself: its case table, command line, job checks and dry-run graph checks."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+
+import integration_tests as it
+from graph_trainer.analysis.collectives import collective_counts, collective_name
+from graph_trainer.analysis.fake_trace import fake_world, trace_job, trace_without_passes
+from graph_trainer.config import load_config, resolve_parallel_degrees, validate_config
+from graph_trainer.passes import run_passes
+from tests.conftest import ROOT
+
+
+@pytest.mark.parametrize("suite_name", list(it.SUITES))
+def test_case_table_is_consistent_and_every_case_validates(suite_name):
+    suite = it.SUITES[suite_name]
+    names = [c.name for c in suite.cases]
+    assert len(names) == len(set(names))
+    for i, case in enumerate(suite.cases):
+        for ref in case.references:  # a reference runs earlier, on the same model
+            assert ref in names[:i], (case.name, ref)
+            assert suite.cases[names.index(ref)].config == case.config
+        cfg = load_config(it.job_args(suite, case))
+        validate_config(cfg, case.nproc)
+    if suite_name == "cpu":
+        assert max(c.nproc for c in suite.cases) <= 4
+        passes = {p for c in suite.cases for p in load_config(it.job_args(suite, c)).compile.passes}
+        assert passes == {"transformer_block_bucketing", "auto_bucketing"}
+
+
+def test_select_adds_references_and_skips_what_does_not_fit():
+    cases, skipped = it.select(it.SUITES["cpu"].cases, ["fsdp2xtp2_tbb", "fsdp2_auto"], ngpu=2)
+    assert [c.name for c in cases] == ["single_b4", "fsdp2_graph", "fsdp2xtp2_graph", "fsdp2_auto", "fsdp2xtp2_tbb"]
+    assert set(skipped) == {"fsdp2xtp2_graph", "fsdp2xtp2_tbb"}
+    with pytest.raises(ValueError, match="unknown case"):
+        it.select(it.SUITES["cpu"].cases, ["nope"], ngpu=4)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["out", "--suite", "gpu"], "invalid choice: 'gpu'"),
+    (["out", "--suite", "cpu", "--test_name", "fsdp2_graph,nope"], "unknown case(s) nope"),
+    (["out", "--suite", "cpu", "--ngpu", "0"], "--ngpu must be >= 1"),
+    (["out", "--suite", "h100"], "suite h100 needs 8 CUDA devices, this machine has 0"),
+])
+def test_bad_command_lines_fail_with_one_line(args, message):
+    result = subprocess.run([sys.executable, "integration_tests.py", *args], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_list_names_the_cases_and_their_references():
+    result = subprocess.run([sys.executable, "integration_tests.py", "out", "--suite", "cpu", "--test_name",
+                             "deepseek_ep2_tbb", "--list"], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert result.stdout.splitlines()[-1].startswith("deepseek_ep2_tbb: 2 proc")
+    assert "(same_as deepseek_ep2_graph)" in result.stdout and len(result.stdout.splitlines()) == 3
+
+
+def _log(step: int, loss: float) -> str:
+    return (f"[rank0] 10:00:00 INFO step {step} | loss {loss:.6f} | grad_norm 1.0 | lr 1e-3 | tok/s/dev 1,234 | "
+            f"mfu n/a | mem 0.50 GiB (rss) | step 0.100s\n")
+
+
+def test_check_job_accepts_a_good_run_and_names_each_problem():
+    losses = [(1, "8.25"), (2, "7.5"), (3, "6.125")]
+    good = _log(1, 8.25) + _log(3, 6.125)
+    assert it.check_job(good, losses, 3) is None
+    assert "not 1..4" in it.check_job(good, losses, 4)
+    assert "did not fall" in it.check_job(_log(1, 8.25) + _log(3, 9.0), [(1, "8.25"), (2, "7.5"), (3, "9.0")], 3)
+    assert "non-finite loss at step 2" in it.check_job(good, [(1, "8.25"), (2, "nan"), (3, "6.125")], 3)
+    assert "no metrics line" in it.check_job(_log(1, 8.25), losses, 3)
+    assert "the log says loss 6.200000" in it.check_job(_log(1, 8.25) + _log(3, 6.2), losses, 3)
+
+
+def test_compare_is_bitwise_for_same_as_and_relative_for_close_to():
+    done = {"ref": ["8.25", "7.5"]}
+    assert it.compare(it.Case("a", 1, [], same_as="ref"), ["8.25", "7.5"], done) == (None, "bitwise ref")
+    problem, _ = it.compare(it.Case("a", 1, [], same_as="ref"), ["8.25", "7.500000000000001"], done)
+    assert "differ from ref from step 2" in problem
+    assert it.compare(it.Case("a", 1, [], close_to="ref"), ["8.2500001", "7.5"], done)[0] is None
+    assert "deviate" in it.compare(it.Case("a", 1, [], close_to="ref"), ["8.26", "7.5"], done)[0]
+
+
+DEEPSEEK_EP = ["--job.config_file", f"{ROOT}/configs/deepseek_v3_debug.toml", "--training.seq_len", "32",
+               "--training.local_batch_size", "2", "--parallelism.ep", "2"]
+TP = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--parallelism.tp", "2"]
+
+
+@pytest.mark.parametrize("layout, passes", [(TP, "transformer_block_bucketing,auto_bucketing"),
+                                            (DEEPSEEK_EP, "auto_bucketing")], ids=["fsdp2xtp2", "ep2"])
+def test_dry_run_copy_of_one_trace_gives_the_graph_of_a_fresh_trace(layout, passes):
+    cfg = load_config([*layout, "--compile.passes", passes])
+    with fake_world(4):
+        fresh = trace_job(cfg, 4).gm
+        traced, context = trace_without_passes(load_config(layout), 4)
+        copied = run_passes(copy.deepcopy(traced.gm), context, cfg.compile.passes)
+    assert collective_counts(copied.graph) == collective_counts(fresh.graph)
+    assert [n.name for n in copied.graph.nodes] == [n.name for n in fresh.graph.nodes]
+
+
+def test_check_graph_finds_missing_buckets_and_untagged_all_to_all():
+    cfg = load_config([*DEEPSEEK_EP, "--compile.passes", "transformer_block_bucketing"])
+    with fake_world(4):
+        traced, context = trace_without_passes(load_config(DEEPSEEK_EP), 4)
+        reference = run_passes(copy.deepcopy(traced.gm), context, [])
+        bucketed = run_passes(copy.deepcopy(traced.gm), context, cfg.compile.passes)
+    degrees, plan = resolve_parallel_degrees(cfg.parallelism, 4), context.extras["bucket_plan"]
+    assert it.check_graph(bucketed, reference, cfg, degrees, plan) == []
+    # the graph without the pass, checked as if it had run
+    problems = it.check_graph(reference, reference, cfg, degrees, plan)
+    assert any("outside a block bucket" in p for p in problems), problems
+    a2a = next(n for n in bucketed.graph.nodes if collective_name(n) == "all_to_all_single")
+    del a2a.meta["custom"]["ep_role"]
+    assert any("without ep_role" in p for p in it.check_graph(bucketed, reference, cfg, degrees, plan))
