@@ -1,0 +1,3 @@
+"""Bitwise-numerics regression suite: stored loss curves, run-to-run determinism, and a
+representative sample of the cpu integration suite's bitwise comparisons (see README,
+"Integration suites")."""
