@@ -105,6 +105,19 @@ class Parallelism:
 
 
 @dataclass
+class EpOverlap:
+    """Settings of the ``ep_overlap`` pass (``graph_trainer/passes/ep_overlap.py``); TOML table ``[compile.ep_overlap]``."""
+
+    module_fqn: str = "layers.*"
+    """Which modules run as two chunks: 'layers.*' (whole transformer blocks that hold a MoE) or
+    'layers.*.moe' (the MoE layers only). A pattern of dot-separated parts, '*' matching one part."""
+    chunk_dim: str = "batch"
+    """Dimension the chunks split: 'batch', or 'seq' (only when the selected modules are MoE layers)."""
+    reorder: bool = True
+    """False: chunk, but keep the traced order (the numerics reference the reordering must match bitwise)."""
+
+
+@dataclass
 class Compile:
     mode: str = "graph"
     """'graph': trace forward + loss + backward into one FX graph and run it; 'eager': run the model directly (the numerics baseline)."""
@@ -112,6 +125,8 @@ class Compile:
     """Graph passes to run after the default ones, in order (comma- or space-separated, e.g. 'a,b')."""
     dump_graphs: str = ""
     """If set, a folder where the readable code of the graph is written before and after every pass."""
+    ep_overlap: EpOverlap = field(default_factory=EpOverlap)
+    """Settings of the ep_overlap pass."""
 
 
 @dataclass
@@ -221,17 +236,25 @@ def config_from_toml(path: str) -> JobConfig:
             )
         if not isinstance(values, dict):
             raise ConfigError(f"'{section}' in {path} must be a [{section}] table")
-        obj = getattr(cfg, section)
-        types = _field_types(type(obj))
-        for key, value in values.items():
-            if key not in types:
-                raise ConfigError(
-                    f"unknown key '{key}' in section [{section}] of {path}; "
-                    f"allowed keys: {', '.join(types)}"
-                )
-            setattr(obj, key, _coerce(value, types[key], f"[{section}] {key} in {path}"))
+        _fill_section(getattr(cfg, section), values, section, path)
     cfg.job.config_file = path
     return cfg
+
+
+def _fill_section(obj: Any, values: dict, section: str, path: str) -> None:
+    """Set a section's fields from its TOML table; a nested dataclass field is a sub-table."""
+    types = _field_types(type(obj))
+    for key, value in values.items():
+        if key not in types:
+            raise ConfigError(
+                f"unknown key '{key}' in section [{section}] of {path}; allowed keys: {', '.join(types)}"
+            )
+        if dataclasses.is_dataclass(types[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{section}.{key}' in {path} must be a [{section}.{key}] table")
+            _fill_section(getattr(obj, key), value, f"{section}.{key}", path)
+        else:
+            setattr(obj, key, _coerce(value, types[key], f"[{section}] {key} in {path}"))
 
 
 def load_config(argv: list[str] | None = None) -> JobConfig:

@@ -157,7 +157,7 @@ def annotate_module_fqns(model: nn.Module) -> Iterator[None]:
             h.remove()
 
 
-INHERITED_BY_BACKWARD = ("ep_role", "moe_fqn")
+INHERITED_BY_BACKWARD = ("ep_role", "moe_fqn", "chunk_region", "chunk_id")
 """Forward tags that the backward nodes differentiating a node carry too."""
 
 
@@ -166,7 +166,7 @@ def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
 
     Backward nodes of a SimpleFSDP gather chain (``fsdp_role`` unshard) are that
     parameter's gradient reduction: they get ``fsdp_role`` reduce_grad and its ``fsdp_param``.
-    Expert-parallel tags (``INHERITED_BY_BACKWARD``) are copied as they are.
+    Expert-parallel and chunk tags (``INHERITED_BY_BACKWARD``) are copied as they are.
     """
     forward_by_seq: dict[int, dict] = {}
     for node in gm.graph.nodes:
@@ -177,11 +177,29 @@ def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
         custom = node.meta.setdefault("custom", {})
         if custom.get("phase") != "backward":
             continue
-        forward = forward_by_seq.get(node.meta.get("seq_nr", -1), {"module_fqn": "loss"})
+        forward = forward_by_seq.get(node.meta.get("seq_nr", -1))
+        if forward is None:
+            forward = _tags_shared_by_inputs(node)
         custom["module_fqn"] = forward.get("module_fqn", "")
         custom.update({key: forward[key] for key in INHERITED_BY_BACKWARD if key in forward})
         if forward.get("fsdp_role") == UNSHARD:
             custom.update(fsdp_role=REDUCE_GRAD, fsdp_param=forward["fsdp_param"])
+
+
+def _tags_shared_by_inputs(node: fx.Node) -> dict:
+    """Tags for a backward node that differentiates no forward op (autograd's sum of the
+    gradients flowing into a tensor used twice): the module of its first backward input, and
+    each inherited tag on which all its backward inputs agree ({"module_fqn": "loss"} if none)."""
+    inputs = [i.meta["custom"] for i in node.all_input_nodes
+              if i.meta.get("custom", {}).get("phase") == "backward"]
+    if not inputs:
+        return {"module_fqn": "loss"}
+    tags = {"module_fqn": inputs[0].get("module_fqn", "")}
+    for key in INHERITED_BY_BACKWARD:
+        values = {repr(c.get(key)) for c in inputs}
+        if len(values) == 1 and key in inputs[0]:
+            tags[key] = inputs[0][key]
+    return tags
 
 
 def _read_collective_sizes_from_waits(gm: fx.GraphModule) -> None:
@@ -202,6 +220,8 @@ def _read_collective_sizes_from_waits(gm: fx.GraphModule) -> None:
         for read in reversed(size_reads):
             waits[0].append(read)
             read.replace_input_with(node, waits[0])
+            # it now runs where the wait runs (a read first needed in backward still reads the forward wait)
+            read.meta["custom"] = dict(waits[0].meta.get("custom", {}))
 
 
 def _finalize_meta(gm: fx.GraphModule, input_fqns: list[str]) -> None:

@@ -23,7 +23,7 @@ from graph_trainer.data import build_dataloader, build_tokenizer
 from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
 from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from graph_trainer.parallel import ParallelDims, average_over_dp, build_mesh, dp_rank, sum_over_dp
-from graph_trainer.passes import PassContext, run_passes
+from graph_trainer.passes import PassContext, prepare_model_for_passes, run_passes
 from graph_trainer.simple_fsdp import MixedPrecision
 from graph_trainer.tracer import GraphStep, TracedStep, eager_step
 from models.registry import MODEL_SPECS
@@ -98,6 +98,7 @@ class Trainer:
                     self.dist.device, _describe(self.dims))
         self.model = build_model(spec.build, self.model_args, self.dist.device, t.seed,
                                  parallelize=lambda m: spec.parallelize(m, self.mesh, self.dims, mp))
+        prepare_model_for_passes(self.model, cfg)
         self.params = [p for p in self.model.parameters()]
         n_params = sum(p.numel() for p in self.params)
         logger.info("model built in %.2fs: %s parameters", time.perf_counter() - start, f"{n_params:,}")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from graph_trainer.build import build_model
 from graph_trainer.config import JobConfig, resolve_parallel_degrees
 from graph_trainer.parallel import ParallelDims, build_mesh
-from graph_trainer.passes import PassContext, run_passes
+from graph_trainer.passes import PassContext, prepare_model_for_passes, run_passes
 from graph_trainer.simple_fsdp import MixedPrecision
 from graph_trainer.torch_compat import fake_store
 from graph_trainer.tracer import TracedStep, trace_train_step
@@ -51,6 +51,7 @@ def trace_without_passes(cfg: JobConfig, world_size: int, device_type: str = "cp
                         reduce_dtype=getattr(torch, t.mixed_precision_reduce))
     model = build_model(spec.build, args, torch.device("meta"), t.seed,
                         parallelize=lambda m: spec.parallelize(m, mesh, dims, mp))
+    prepare_model_for_passes(model, cfg)
     batch = torch.empty(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
     traced = trace_train_step(model, batch, batch, grad_scale=1.0 / dims.dp_size,
                               fake_device=torch.device(device_type))

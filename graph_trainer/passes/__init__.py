@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from graph_trainer.analysis.collectives import collective_counts, format_counts
 from graph_trainer.passes.auto_bucketing import AUTO_BUCKETING
+from graph_trainer.passes.ep_overlap import EP_OVERLAP
 from graph_trainer.passes.registry import PASS_REGISTRY, PassContext, PassError, PassSpec, register_pass
 from graph_trainer.passes.reshard_after_forward import reshard_after_forward
 from graph_trainer.passes.transformer_block_bucketing import TRANSFORMER_BLOCK_BUCKETING
@@ -29,6 +30,15 @@ logger = logging.getLogger("graph_trainer")
 
 register_pass(TRANSFORMER_BLOCK_BUCKETING)
 register_pass(AUTO_BUCKETING)
+register_pass(EP_OVERLAP)
+
+
+def prepare_model_for_passes(model, config) -> None:
+    """Let each listed pass prepare the model before tracing (``PassSpec.prepare_model``)."""
+    for name in config.compile.passes:
+        spec = PASS_REGISTRY[name]
+        if spec.prepare_model is not None:
+            spec.prepare_model(model, config)
 
 
 def remove_dead_code(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
@@ -100,5 +110,5 @@ def run_passes(
     return gm
 
 
-__all__ = ["PASS_REGISTRY", "PassContext", "PassError", "PassSpec", "default_passes", "register_pass",
+__all__ = ["PASS_REGISTRY", "PassContext", "PassError", "PassSpec", "default_passes", "prepare_model_for_passes", "register_pass",
            "remove_dead_code", "run_passes"]

@@ -32,6 +32,9 @@ class PassSpec:
     fn: Callable[[fx.GraphModule, PassContext], fx.GraphModule]
     description: str
     check_config: Callable[[Any, dict[str, int]], None] = lambda cfg, degrees: None
+    prepare_model: Callable[[Any, Any], None] | None = None
+    """Called with (model, config) after the model is parallelized and before tracing, for
+    passes that need the model to run differently (``ep_overlap`` installs chunking)."""
 
 
 PASS_REGISTRY: dict[str, PassSpec] = {}
