@@ -33,13 +33,13 @@ and the grad norm) in a different order, so float32 rounding differs.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
+
+from benchmarks.alternating import time_alternating
 
 WARMUP, MEASURED = 3, 12
 
@@ -102,34 +102,19 @@ def main(argv: list[str]) -> int:
             return average_over_dp(loss, trainer.dims).item()
 
         steps = {"graph_simplefsdp": lambda tk, lb: trainer.train_step(tk, lb)[0], "eager_fsdp2": eager_step}
-        times: dict[str, list[float]] = {name: [] for name in steps}
-        first_losses: dict[str, float] = {}
-        first_step_seconds = 0.0
-        data = iter(trainer.dataloader)
-        for i in range(WARMUP + MEASURED):
-            tokens, labels = next(data)
-            for name, step in steps.items():
-                dist.barrier()
-                start = time.perf_counter()
-                loss = step(tokens, labels)
-                elapsed = time.perf_counter() - start
-                if i == 0 and name == "graph_simplefsdp":
-                    first_step_seconds = elapsed
-                if i == WARMUP:
-                    first_losses[name] = loss
-                if i >= WARMUP:
-                    times[name].append(elapsed)
+        timings = time_alternating(steps, iter(trainer.dataloader), WARMUP, MEASURED)
         trace_seconds = next(iter(trainer.step_fn.graphs.values())).trace_seconds
         trainer.metrics.close()
 
     if trainer.dist.rank == 0:
-        graph, eager = (statistics.median(times[n]) for n in steps)
+        graph, eager = (timings.median_ms(n) / 1000 for n in steps)
+        first_losses = timings.first_losses
         print(f"model: {cfg.model.name} {cfg.model.flavor}")
         print(f"world size: {world_size} (fully sharded over all ranks), {torch.get_num_threads()} thread(s) per rank")
         print(f"batch: {t.local_batch_size} x {t.seq_len} tokens per rank; "
               f"{MEASURED} measured steps each after {WARMUP} warm-up, alternating")
-        print(f"graph_simplefsdp first step: {first_step_seconds:.2f} s, of which trace {trace_seconds:.2f} s "
-              f"(not in the median)")
+        print(f"graph_simplefsdp first step: {timings.first_step_seconds['graph_simplefsdp']:.2f} s, of which trace "
+              f"{trace_seconds:.2f} s (not in the median)")
         print(f"loss at the first measured step (step {WARMUP + 1}): graph_simplefsdp "
               f"{first_losses['graph_simplefsdp']:.6f}, eager_fsdp2 {first_losses['eager_fsdp2']:.6f}")
         print(f"median step time graph_simplefsdp: {graph * 1000:.1f} ms")
