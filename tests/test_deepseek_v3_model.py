@@ -349,11 +349,11 @@ def test_grouped_experts_checks_counts_and_grouped_mm_matches_loop():
     counts = torch.tensor([3, 0, 7])
     loop = _looped_swiglu(x, counts, experts.w1, experts.w2, experts.w3)
     assert torch.equal(experts(x, counts), loop)
-    # The grouped_mm path is taken on CUDA only; on CPU torch._grouped_mm runs for bf16,
-    # which is enough to check that it computes the same function.
+    # bf16 (on CUDA or CPU) takes the grouped_mm path: the same function, to bf16 rounding.
     bf = [t.detach().to(torch.bfloat16) for t in (x, experts.w1, experts.w2, experts.w3)]
     grouped = _grouped_mm_swiglu(bf[0], counts, *bf[1:])
     torch.testing.assert_close(grouped.float(), loop.detach(), rtol=3e-2, atol=3e-3)
+    assert torch.equal(experts.to(torch.bfloat16)(bf[0], counts), grouped)
 
 
 # --------------------------------------------------------------------------------------
