@@ -132,13 +132,40 @@ _CPU_DEEPSEEK_LAYOUTS = {
     "deepseek_fsdp2xep2": (4, ["--parallelism.ep", "2", *_batch(1)], "deepseek_single_b4"),
 }
 
-# >>> ep_overlap cases go here once the pass is registered (a case naming an unregistered pass
-# fails config validation). Build them with _pass_cases(_CPU_DEEPSEEK_LAYOUTS, [...], _DEEPSEEK,
-# passes={"ep_overlap_blocks": "ep_overlap ...", "ep_overlap_moe": ...}) and put each one's
-# bitwise reference (same_as) where the pass contract says it is bitwise equal.
-CPU_EP_OVERLAP_CASES: list[Case] = []
-H100_EP_OVERLAP_CASES: list[Case] = []
-# <<<
+# ---- ep_overlap: the chunked graph in traced order ("chunked", compile.ep_overlap.reorder False)
+# is within float rounding of the unchunked run; the scheduled one must equal it bitwise (with
+# the same FSDP passes). Whole blocks need an even local batch (2); the MoE-only selection
+# chunks the sequence, so FSDP2xEP2 keeps its local batch of 1.
+EP_OVERLAP = {
+    # case-name part: ep_overlap settings
+    "blocks": ["--compile.ep_overlap.module_fqn", "layers.*", "--compile.ep_overlap.chunk_dim", "batch"],
+    "moe_seq": ["--compile.ep_overlap.module_fqn", "layers.*.moe", "--compile.ep_overlap.chunk_dim", "seq"],
+    "moe_batch": ["--compile.ep_overlap.module_fqn", "layers.*.moe", "--compile.ep_overlap.chunk_dim", "batch"],
+}
+
+
+def _ep_overlap_cases(layouts: dict[str, tuple[int, list[str], str]], plan: list[tuple[str, str, str]],
+                      config: str) -> list[Case]:
+    """Per (layout, selection, FSDP passes): the chunked reference and the scheduled case bitwise equal to it."""
+    cases = []
+    for layout, selection, fsdp_passes in plan:
+        nproc, args, reference = layouts[layout]
+        passes = ",".join(p for p in ("ep_overlap", fsdp_passes) if p)
+        short = {v: k for k, v in BUCKETING.items()}
+        name = f"{layout}_ep_overlap_{selection}" + (f"_{short[fsdp_passes]}" if fsdp_passes else "")
+        chunked = Case(f"{name}_chunked", nproc, [*args, *EP_OVERLAP[selection], "--compile.passes", passes,
+                                                  "--compile.ep_overlap.reorder", "False"],
+                       close_to=reference, config=config)
+        cases += [chunked, Case(name, nproc, [*args, *EP_OVERLAP[selection], "--compile.passes", passes],
+                                same_as=chunked.name, config=config)]
+    return cases
+
+
+CPU_EP_OVERLAP_CASES: list[Case] = _ep_overlap_cases(_CPU_DEEPSEEK_LAYOUTS, [
+    ("deepseek_ep2", "blocks", "transformer_block_bucketing,auto_bucketing"),
+    ("deepseek_ep2", "moe_batch", ""),
+    ("deepseek_fsdp2xep2", "moe_seq", "transformer_block_bucketing"),
+], _DEEPSEEK)
 
 CPU_CASES = (
     _CPU_REFERENCES + _layout_cases(_CPU_LAYOUTS)
@@ -167,6 +194,12 @@ _16B_LAYOUTS = {
     "deepseek16b_fsdp8xep8": (8, [], ""),
     "deepseek16b_fsdp8_ep2": (8, ["--parallelism.ep", "2"], ""),
 }
+H100_EP_OVERLAP_CASES: list[Case] = (
+    _ep_overlap_cases(_DEEPSEEK_DEBUG_LAYOUTS, [("deepseek_debug_fsdp4xep2", "blocks", "transformer_block_bucketing"),
+                                                ("deepseek_debug_fsdp4xep2", "moe_seq", "")], _DEEPSEEK)
+    + _ep_overlap_cases(_16B_LAYOUTS, [("deepseek16b_fsdp8_ep2", "blocks", "transformer_block_bucketing")],
+                        "configs/deepseek_v3_16b.toml")
+)
 H100_CASES = (
     _layout_cases(_8B_LAYOUTS) + _pass_cases(_8B_LAYOUTS, ["fsdp8", "fsdp4xtp2"])
     + _layout_cases(_DEEPSEEK_DEBUG_LAYOUTS, _DEEPSEEK)
@@ -381,8 +414,11 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
       not read its weight; none if parameters are kept), n_layers + 2 reduce-scatter buckets, one
       collective per bucket and process group, other collectives as in ``reference``; followed by
       ``auto_bucketing``: every FSDP collective still in a block bucket, no more of them;
-    * ``auto_bucketing`` alone: fewer FSDP collectives than ``reference``, the same all_to_alls.
+    * ``auto_bucketing`` alone: fewer FSDP collectives than ``reference``, the same all_to_alls;
+    * ``ep_overlap``: a forward and a backward chunked region per MoE layer and, unless
+      ``reorder`` is off, the schedule ``ep_overlap.verify_schedule`` checks (after every pass).
     """
+    from graph_trainer.passes.ep_overlap import find_regions, verify_schedule
     from graph_trainer.analysis.collectives import collective_name, process_group_of
     from graph_trainer.passes.transformer_block_bucketing import bucket_index
     from models.registry import MODEL_SPECS
@@ -450,6 +486,14 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
                          if not _custom(x).get("fsdp_role"))
     if passes == [BUCKETING["tbb"]]:
         need(others == ref_others, f"non-FSDP collectives changed: {dict(others)} vs {dict(ref_others)}")
+    if "ep_overlap" in passes:
+        regions = find_regions(gm.graph)
+        n_moe = args.n_layers - args.n_dense_layers
+        need(len(regions) == 2 * n_moe, f"ep_overlap: {len(regions)} chunked regions, expected forward and "
+                                        f"backward of {n_moe} MoE layers")
+        if cfg.compile.ep_overlap.reorder:
+            wrong = verify_schedule(gm.graph)
+            need(not wrong, f"ep_overlap schedule broken in {len(wrong)} places: {wrong[:1]}")
     if "auto_bucketing" in passes:
         need(len(ops(nodes, "A2A")) == len(ops(ref_nodes, "A2A")), "auto_bucketing changed the all_to_alls")
         fsdp, ref_fsdp = (sum(bool(_custom(x).get("fsdp_role")) for x in ns) for ns in (nodes, ref_nodes))
@@ -458,12 +502,24 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
     return problems
 
 
+def _without_flag(args: list[str], flag: str) -> list[str]:
+    if flag not in args:
+        return list(args)
+    i = args.index(flag)
+    return args[:i] + args[i + 2:]
+
+
 def _without_passes(args: list[str]) -> list[str]:
     """``args`` without ``--compile.passes X``: the layout."""
-    if "--compile.passes" not in args:
-        return list(args)
-    i = args.index("--compile.passes")
-    return args[:i] + args[i + 2:]
+    return _without_flag(args, "--compile.passes")
+
+
+def _trace_key(args: list[str]) -> tuple[str, ...]:
+    """What the traced graph depends on: the layout, and whether (and how) ep_overlap chunks the
+    model before tracing; not the passes that run after tracing (nor ep_overlap's reorder flag)."""
+    passes = args[args.index("--compile.passes") + 1] if "--compile.passes" in args else ""
+    key = _without_flag(_without_passes(args), "--compile.ep_overlap.reorder")
+    return (*key, "chunked") if "ep_overlap" in passes.split(",") else tuple(key)
 
 
 def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
@@ -476,10 +532,13 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
     groups: dict[tuple, list[Case]] = {}
     for case in cases:
         if not case.eager:
-            groups.setdefault((case.nproc, case.config, tuple(_without_passes(case.args))), []).append(case)
+            groups.setdefault((case.nproc, case.config, _trace_key(case.args)), []).append(case)
     rows = []
-    for (nproc, _, layout), group in groups.items():
-        base = load_config(job_args(suite, dataclasses.replace(group[0], args=list(layout)), suite.dry_run_overrides))
+    for (nproc, _, key), group in groups.items():
+        chunked = key[-1:] == ("chunked",)
+        layout = list(key[:-1] if chunked else key)
+        base = load_config(job_args(suite, dataclasses.replace(group[0], args=layout), suite.dry_run_overrides))
+        base.compile.passes = ["ep_overlap"] if chunked else []  # ep_overlap chunks the model before tracing
         start = time.perf_counter()
         with fake_world(nproc):
             traced, context = trace_without_passes(base, nproc)

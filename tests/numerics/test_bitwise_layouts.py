@@ -4,7 +4,8 @@ The full set (every layout: graph vs eager; FSDP, HSDP, FSDPxTP and EP layouts: 
 with each bucketing pass) is ``python integration_tests.py OUT --suite cpu``, which CI runs once
 after pytest. Running all of it here too would double CI's longest step, so pytest runs a few
 cases through the suite's own Python API (same table, same checks), with the cases they are
-compared with: LLaMA-3 FSDP=2 and DeepSeek-V3 EP=2, each with both bucketing passes.
+compared with: LLaMA-3 FSDP=2 and DeepSeek-V3 EP=2, each with both bucketing passes, and
+LLaMA-3 FSDP=2 x TP=2 eager vs graph (graph close to one process on the same global batch).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 
 import integration_tests as suite
 
-SAMPLE = ["fsdp2_tbb_auto", "deepseek_ep2_tbb_auto"]
+SAMPLE = ["fsdp2_tbb_auto", "deepseek_ep2_tbb_auto", "fsdp2xtp2_eager"]
 CASES = [c.name for c in suite.select(suite.SUITES["cpu"].cases, SAMPLE, ngpu=4)[0]]
 
 
