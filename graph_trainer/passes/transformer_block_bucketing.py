@@ -23,11 +23,11 @@ TP all_reduces, HSDP/DDP all_reduces and EP all_to_alls are left as they are. Th
 functional (no ``out=`` mutation): an all-gather bucket is ``cat`` of the flattened shards
 (bytes when dtypes differ) -> one all_gather -> ``view(world, N)`` -> per parameter
 ``slice(dim 1) -> clone -> view``, rank-major exactly like the per-parameter gathers; a
-reduce-scatter bucket is ``cat`` of each gradient ``view(world, -1)`` along dim 1 -> one
-reduce_scatter -> per parameter ``slice -> view``. New nodes get ``meta["val"]`` (run on the
-trace's fake mode) and the tags of what they replace; nodes shared by a bucket carry
-``fsdp_param = fsdp_bucket = `` the bucket name (``"layers.3"``, ``"norm+output"``) and
-``fsdp_params``, the tuple of its parameters.
+reduce-scatter bucket is ``cat`` of each gradient ``view(world, -1)`` along dim 1 (and of zero
+padding, see Numerics) -> one reduce_scatter -> per parameter ``slice -> view``. New nodes get
+``meta["val"]`` (run on the trace's fake mode) and the tags of what they replace; nodes shared
+by a bucket carry ``fsdp_param = fsdp_bucket = `` the bucket name (``"layers.3"``,
+``"norm+output"``) and ``fsdp_params``, the tuple of its parameters.
 
 Schedule (per phase, buckets in the order their compute starts; *compute* of a bucket = the
 ``call_function`` nodes of that phase whose ``module_fqn`` is in the bucket, FSDP nodes
@@ -42,7 +42,17 @@ A stable topological sort then restores a valid order moving as few nodes as pos
 Numerics: gathers and reductions see the same elements; the concatenation and split only move
 data. Losses and gradients are bitwise those of the graph without this pass (for the
 reduce-scatter, provided the backend sums each element's contributions in the same order in
-a larger buffer: always true for 2 ranks, and for ring reduce-scatters).
+a larger buffer: always true for 2 ranks, and for ring reduce-scatters). Gloo's reduce-scatter
+is not one: it all-reduces the whole buffer with a ring that cuts it into ``world`` chunks of
+``k`` equal segments (``k`` from the buffer's bytes and gloo's 1 MiB segment limit) and sums each
+chunk in its own rotation of the ranks. When ``world * row`` does not split into such chunks
+exactly, chunk ``r`` starts a few elements after rank ``r``'s row, and the first elements of
+that row (the first bucket member's) are summed in chunk ``r - 1``'s order: a last-bit
+difference. Each rank's row of a reduce-scatter bucket is therefore padded with zeros to the
+next length gloo cuts exactly (``ring_aligned_row``: fewer than ``k`` elements, none for
+2 ranks), which makes every member bitwise its own reduce-scatter whenever that one is cut
+exactly too: its shard's element count is a multiple of ``max(ceil(shard bytes / 1 MiB), 2)``
+(any even count up to 2 MiB, any multiple of 1 MiB).
 
 Errors: config validation rejects the pass without data-parallel sharding (``dp_shard == 1``);
 at run time a missing bucket plan, an FSDP parameter in no bucket, a collective whose only
@@ -69,6 +79,29 @@ REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 FORWARD_GATHER, BACKWARD_GATHER, GRAD_REDUCE = "forward all_gather", "backward all_gather", "reduce_scatter"
+
+GLOO_MAX_SEGMENT_BYTES = 1 << 20
+"""gloo's ``AllreduceOptions::kMaxSegmentSize``: the largest piece its ring all-reduce sends at once."""
+
+
+def ring_aligned_row(row: int, world: int, itemsize: int) -> int:
+    """The smallest row length >= ``row`` for which gloo's ring all-reduce of a ``(world, length)``
+    buffer (how gloo reduce-scatters) puts its chunk boundaries exactly between the rank rows.
+
+    gloo (``allreduce.cc``, ``ring``) splits ``B`` bytes into ``S`` segments, ``S`` the multiple of
+    ``world`` at least ``max(ceil(B / 1 MiB), 2 * world)``, each ``ceil(B / S)`` bytes rounded up
+    to the element size; chunk ``c`` is segments ``[c S / world, (c + 1) S / world)``. With 2
+    ranks the order cannot matter (one addition per element), so nothing is padded."""
+    if world <= 2:
+        return row
+    length = row
+    while True:
+        total = world * length * itemsize
+        segments = -(-max(-(-total // GLOO_MAX_SEGMENT_BYTES), 2 * world) // world) * world
+        segment = -(-(-(-total // segments)) // itemsize) * itemsize
+        if segments // world * segment == length * itemsize:
+            return length
+        length += 1
 
 
 def _custom(node: fx.Node) -> dict:
@@ -235,6 +268,9 @@ def merge_reduce_scatters(graph: fx.Graph, members: list[fx.Node], bucket: int, 
     shared = _shared_tags(members, name)
     rows = [emit.flat_rows(m.args[0], group_size, _custom(m) | {"fsdp_bucket": name}) for m in members]
     sizes = [r.meta["val"].shape[1] for r in rows]
+    pad = ring_aligned_row(sum(sizes), group_size, rows[0].meta["val"].element_size()) - sum(sizes)
+    if pad:  # zeros at the end of each rank's row: see Numerics in the module docstring
+        rows.append(emit(aten.new_zeros.default, (rows[0], [group_size, pad]), shared))
     flat = emit(aten.view.default, (emit(aten.cat.default, (rows, 1), shared), [-1]), shared)
     reduced = emit(REDUCE_SCATTER, (flat, reduce_op, group_size, group), shared)
     issue = emit.take()
@@ -405,4 +441,4 @@ TRANSFORMER_BLOCK_BUCKETING = PassSpec(
 )
 
 __all__ = ["TRANSFORMER_BLOCK_BUCKETING", "bucket_index", "collective_kind", "compute_starts", "fsdp_buckets",
-           "merge_all_gathers", "merge_reduce_scatters", "transformer_block_bucketing"]
+           "merge_all_gathers", "merge_reduce_scatters", "ring_aligned_row", "transformer_block_bucketing"]

@@ -253,3 +253,13 @@ if __name__ == "__main__":
         _mixed_dtypes_worker(sys.argv[2])
     else:
         _grads_worker(sys.argv[1:])
+
+
+def test_padded_buckets_sum_like_their_members_on_four_gloo_ranks():
+    """gloo reduce-scatters by a ring all-reduce whose chunks need not start at a rank's row: the
+    padding from ``ring_aligned_row`` makes every member bitwise its own reduce-scatter. This
+    fails loudly if gloo's segmentation changes (padding no longer enough, or no longer needed)."""
+    result = run_torchrun(4, os.path.join(ROOT, "tests", "passes", "gloo_bucket_probe.py"))
+    lines = [line for line in result.stdout.splitlines() if "pad=" in line]
+    assert len(lines) == 3 and all("padded=True" in line for line in lines), lines
+    assert "pad=3 unpadded=False padded=True" in lines[-1], lines[-1]  # [2**20, 6]: the case padding fixes
