@@ -169,6 +169,7 @@ def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
     Expert-parallel and chunk tags (``INHERITED_BY_BACKWARD``) are copied as they are.
     """
     forward_by_seq: dict[int, dict] = {}
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         custom = node.meta.get("custom", {})
         if custom.get("phase") in ("forward", "loss"):
@@ -179,18 +180,19 @@ def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
             continue
         forward = forward_by_seq.get(node.meta.get("seq_nr", -1))
         if forward is None:
-            forward = _tags_shared_by_inputs(node)
+            forward = _tags_shared_by_inputs(node, position)
         custom["module_fqn"] = forward.get("module_fqn", "")
         custom.update({key: forward[key] for key in INHERITED_BY_BACKWARD if key in forward})
         if forward.get("fsdp_role") == UNSHARD:
             custom.update(fsdp_role=REDUCE_GRAD, fsdp_param=forward["fsdp_param"])
 
 
-def _tags_shared_by_inputs(node: fx.Node) -> dict:
+def _tags_shared_by_inputs(node: fx.Node, position: dict[fx.Node, int]) -> dict:
     """Tags for a backward node that differentiates no forward op (autograd's sum of the
-    gradients flowing into a tensor used twice): the module of its first backward input, and
-    each inherited tag on which all its backward inputs agree ({"module_fqn": "loss"} if none)."""
-    inputs = [i.meta["custom"] for i in node.all_input_nodes
+    gradients flowing into a tensor used twice): the module of its latest backward input (the
+    sum runs once that contribution is made, e.g. a residual's branch gradient), and each
+    inherited tag on which all its backward inputs agree ({"module_fqn": "loss"} if none)."""
+    inputs = [i.meta["custom"] for i in sorted(node.all_input_nodes, key=position.__getitem__, reverse=True)
               if i.meta.get("custom", {}).get("phase") == "backward"]
     if not inputs:
         return {"module_fqn": "loss"}

@@ -11,9 +11,8 @@ import pytest
 import integration_tests as it
 from graph_trainer.analysis.collectives import collective_counts, collective_name
 from graph_trainer.analysis.fake_trace import fake_world, trace_job, trace_without_passes
-from graph_trainer.passes import PASS_REGISTRY
 from graph_trainer.config import load_config, resolve_parallel_degrees, validate_config
-from graph_trainer.passes import run_passes
+from graph_trainer.passes import PASS_REGISTRY, run_passes
 from tests.conftest import ROOT
 
 
