@@ -17,7 +17,7 @@ graph vs graph + a value-preserving pass); one naming ``close_to`` must stay wit
 
 ``--dry-run`` runs no job: each graph case is traced at its real world size on the fake process
 group in this one CPU process (``graph_trainer.analysis.fake_trace``, as ``analyze`` does), its
-passes run, and the graph is checked (see ``check_graph``): the collectives its layout needs, EP
+passes run, and the graph is checked (``integration_dry_run.check_graph``): the collectives its layout needs, EP
 tags, transformer-block bucket counts. Cases of one layout share one trace: its graph is copied
 for each pass list (``tests/test_integration_tests.py`` checks that a copy gives the same graph
 as a fresh trace). The exit code is the number of failed cases (2 for bad command-line input).
@@ -26,15 +26,12 @@ as a fresh trace). The exit code is the number of failed cases (2 for bad comman
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import math
 import os
 import re
 import shutil
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -378,196 +375,6 @@ def format_table(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-# ---- --dry-run: trace at the real world size on the fake process group and check the graph.
-
-FSDP_GATHER = ("all_gather_into_tensor", "all_gather_into_tensor_out")
-_KINDS = {"AG": FSDP_GATHER, "RS": ("reduce_scatter_tensor",), "AR": ("all_reduce",), "A2A": ("all_to_all_single",)}
-
-
-def _custom(node) -> dict:
-    return node.meta.get("custom", {})
-
-
-def _launches(gm) -> list:
-    from graph_trainer.analysis.collectives import is_collective
-
-    return [n for n in gm.graph.nodes if is_collective(n)]
-
-
-def _fsdp(nodes, op: tuple[str, ...], phase: str) -> list:
-    from graph_trainer.analysis.collectives import collective_name
-
-    return [n for n in nodes if collective_name(n) in op and _custom(n).get("fsdp_role") and _custom(n).get("phase") == phase]
-
-
-def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str]]) -> list[str]:
-    """What is wrong with a traced (and passed) graph; ``reference`` is its layout's graph after the
-    default passes only. Checks, from the config and the model's flavor:
-
-    * the collectives of each parallel dim: FSDP all-gathers and reduce-scatters (tagged
-      ``fsdp_role``) iff ``dp_shard > 1``; all-reduces if ``dp_replicate > 1``, untagged ones if
-      ``tp > 1``, none on LLaMA-3 without either; all_to_alls iff ``ep > 1``, each tagged
-      ``ep_role`` (count_exchange / dispatch / combine) and ``moe_fqn``, every MoE layer with its
-      forward dispatch and combine and their backward;
-    * ``transformer_block_bucketing``: n_layers + 2 forward all-gather buckets (embeddings, each
-      block, norm + output), n_layers + 1 backward re-gather buckets (the embedding's backward does
-      not read its weight; none if parameters are kept), n_layers + 2 reduce-scatter buckets, one
-      collective per bucket and process group, other collectives as in ``reference``; followed by
-      ``auto_bucketing``: every FSDP collective still in a block bucket, no more of them;
-    * ``auto_bucketing`` alone: fewer FSDP collectives than ``reference``, the same all_to_alls;
-    * ``ep_overlap``: a forward and a backward chunked region per MoE layer and, unless
-      ``reorder`` is off, the schedule ``ep_overlap.verify_schedule`` checks (after every pass).
-    """
-    from graph_trainer.passes.ep_overlap import find_regions, verify_schedule
-    from graph_trainer.analysis.collectives import collective_name, process_group_of
-    from graph_trainer.passes.transformer_block_bucketing import bucket_index
-    from models.registry import MODEL_SPECS
-
-    args = MODEL_SPECS[cfg.model.name].flavors[cfg.model.flavor]
-    problems = []
-    nodes, ref_nodes = _launches(gm), _launches(reference)
-
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            problems.append(message)
-
-    def ops(ns, kind):
-        return [n for n in ns if collective_name(n) in _KINDS[kind]]
-
-    fsdp_gathers = _fsdp(nodes, FSDP_GATHER, "forward")
-    fsdp_reduces = _fsdp(nodes, ("reduce_scatter_tensor",), "backward")
-    need(bool(fsdp_gathers and fsdp_reduces) == (degrees["dp_shard"] > 1),
-         f"dp_shard={degrees['dp_shard']} but {len(fsdp_gathers)} FSDP all-gathers, {len(fsdp_reduces)} reduce-scatters")
-    # (DDP's gradient all-reduces carry no fsdp_role tag: replicate mode has no forward gather)
-    need(bool(ops(nodes, "AR")) or degrees["dp_replicate"] == 1, f"dp_replicate={degrees['dp_replicate']} but no all-reduce")
-    if cfg.model.name == "llama3":
-        tp_reduce = [n for n in ops(nodes, "AR") if not _custom(n).get("fsdp_role")]
-        need(bool(tp_reduce) or degrees["tp"] == 1, f"tp={degrees['tp']} but no TP all-reduce")
-        need(bool(ops(nodes, "AR")) == (degrees["tp"] > 1 or degrees["dp_replicate"] > 1),
-             f"{len(ops(nodes, 'AR'))} all-reduces with tp={degrees['tp']}, dp_replicate={degrees['dp_replicate']}")
-    a2a = ops(nodes, "A2A")
-    need(bool(a2a) == (degrees.get("ep", 1) > 1), f"ep={degrees.get('ep', 1)} but {len(a2a)} all_to_alls")
-    untagged = [n.name for n in a2a if _custom(n).get("ep_role") not in ("count_exchange", "dispatch", "combine")
-                or not _custom(n).get("moe_fqn")]
-    need(not untagged, f"all_to_alls without ep_role / moe_fqn: {untagged[:3]}")
-    if a2a:
-        roles = Counter((_custom(n).get("moe_fqn"), _custom(n).get("phase"), _custom(n).get("ep_role")) for n in a2a)
-        n_moe = args.n_layers - args.n_dense_layers
-        layers = {fqn for fqn, _, _ in roles}
-        need(len(layers) == n_moe, f"all_to_alls in {len(layers)} MoE layers, the model has {n_moe}")
-        missing = [(fqn, phase, role) for fqn in layers for phase in ("forward", "backward")
-                   for role in ("dispatch", "combine") if not roles[(fqn, phase, role)]]
-        need(not missing, f"MoE layers without an all_to_all for {missing[:3]}")
-
-    passes = list(cfg.compile.passes)
-    n = args.n_layers
-    need(len(plan) == n + 2, f"the model's bucket plan has {len(plan)} groups, expected n_layers + 2 = {n + 2}")
-    keeps = cfg.parallelism.fsdp_reshard_after_forward == "never"
-    expected = {("AG", "forward"): n + 2, ("AG", "backward"): 0 if keeps else n + 1, ("RS", "backward"): n + 2}
-    for (kind, phase), buckets in expected.items():
-        if degrees["dp_shard"] == 1 or not any(p in passes for p in BUCKETING.values()):
-            break
-        got, ref = _fsdp(nodes, _KINDS[kind], phase), _fsdp(ref_nodes, _KINDS[kind], phase)
-        # one collective per (bucket, process group) that the reference's per-parameter collectives span
-        ref_pairs = {(bucket_index(plan, _custom(r)["fsdp_param"]), process_group_of(r)) for r in ref}
-        if "auto_bucketing" in passes and "transformer_block_bucketing" not in passes:
-            continue
-        unbucketed = [r.name for r in got if "fsdp_bucket" not in _custom(r)]
-        need(not unbucketed, f"{phase} FSDP {kind} outside a block bucket: {unbucketed[:3]}")
-        if "auto_bucketing" in passes:
-            need(len(got) <= len(ref_pairs), f"{phase} {kind}: {len(got)} > {len(ref_pairs)} block buckets")
-            continue
-        names = {_custom(r).get("fsdp_bucket") for r in got}
-        need(len(names) == buckets, f"{phase} {kind}: {len(names)} buckets, expected {buckets}")
-        need(len(got) == len(ref_pairs), f"{phase} {kind}: {len(got)} collectives for {len(ref_pairs)} "
-                                         f"(bucket, group) pairs")
-    others = Counter((collective_name(x), _custom(x).get("phase")) for x in nodes if not _custom(x).get("fsdp_role"))
-    ref_others = Counter((collective_name(x), _custom(x).get("phase")) for x in ref_nodes
-                         if not _custom(x).get("fsdp_role"))
-    if passes == [BUCKETING["tbb"]]:
-        need(others == ref_others, f"non-FSDP collectives changed: {dict(others)} vs {dict(ref_others)}")
-    if "ep_overlap" in passes:
-        regions = find_regions(gm.graph)
-        n_moe = args.n_layers - args.n_dense_layers
-        need(len(regions) == 2 * n_moe, f"ep_overlap: {len(regions)} chunked regions, expected forward and "
-                                        f"backward of {n_moe} MoE layers")
-        if cfg.compile.ep_overlap.reorder:
-            wrong = verify_schedule(gm.graph)
-            need(not wrong, f"ep_overlap schedule broken in {len(wrong)} places: {wrong[:1]}")
-    if "auto_bucketing" in passes:
-        need(len(ops(nodes, "A2A")) == len(ops(ref_nodes, "A2A")), "auto_bucketing changed the all_to_alls")
-        fsdp, ref_fsdp = (sum(bool(_custom(x).get("fsdp_role")) for x in ns) for ns in (nodes, ref_nodes))
-        need(degrees["dp_shard"] == 1 or fsdp < ref_fsdp,
-             f"auto_bucketing: {fsdp} FSDP collectives, not fewer than {ref_fsdp} without passes")
-    return problems
-
-
-def _without_flag(args: list[str], flag: str) -> list[str]:
-    if flag not in args:
-        return list(args)
-    i = args.index(flag)
-    return args[:i] + args[i + 2:]
-
-
-def _without_passes(args: list[str]) -> list[str]:
-    """``args`` without ``--compile.passes X``: the layout."""
-    return _without_flag(args, "--compile.passes")
-
-
-def _trace_key(args: list[str]) -> tuple[str, ...]:
-    """What the traced graph depends on: the layout, and whether (and how) ep_overlap chunks the
-    model before tracing; not the passes that run after tracing (nor ep_overlap's reorder flag)."""
-    passes = args[args.index("--compile.passes") + 1] if "--compile.passes" in args else ""
-    key = _without_flag(_without_passes(args), "--compile.ep_overlap.reorder")
-    return (*key, "chunked") if "ep_overlap" in passes.split(",") else tuple(key)
-
-
-def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
-    """Trace each layout once per world size, run each graph case's passes on a copy, check it."""
-    from graph_trainer.analysis.collectives import collective_name
-    from graph_trainer.analysis.fake_trace import fake_world, trace_without_passes
-    from graph_trainer.config import load_config, resolve_parallel_degrees, validate_config
-    from graph_trainer.passes import run_passes
-
-    groups: dict[tuple, list[Case]] = {}
-    for case in cases:
-        if not case.eager:
-            groups.setdefault((case.nproc, case.config, _trace_key(case.args)), []).append(case)
-    rows = []
-    for (nproc, _, key), group in groups.items():
-        chunked = key[-1:] == ("chunked",)
-        layout = list(key[:-1] if chunked else key)
-        base = load_config(job_args(suite, dataclasses.replace(group[0], args=layout), suite.dry_run_overrides))
-        base.compile.passes = ["ep_overlap"] if chunked else []  # ep_overlap chunks the model before tracing
-        start = time.perf_counter()
-        with fake_world(nproc):
-            traced, context = trace_without_passes(base, nproc)
-            reference = run_passes(copy.deepcopy(traced.gm), context, [])
-            trace_s = time.perf_counter() - start
-            for case in group:
-                row: dict[str, object] = {"case": case.name, "world": nproc}
-                start = time.perf_counter()
-                try:
-                    cfg = load_config(job_args(suite, case, suite.dry_run_overrides))
-                    validate_config(cfg, nproc)
-                    gm = run_passes(copy.deepcopy(traced.gm), dataclasses.replace(context, config=cfg),
-                                    cfg.compile.passes)
-                    problems = check_graph(gm, reference, cfg, resolve_parallel_degrees(cfg.parallelism, nproc),
-                                           context.extras["bucket_plan"])
-                except Exception as e:  # a pass or the config failed: that is this case's result
-                    gm, problems = None, [f"{type(e).__name__}: {e}"]
-                nodes = _launches(gm) if gm is not None else []
-                fsdp_ag = [len(_fsdp(nodes, FSDP_GATHER, p)) for p in ("forward", "backward")]
-                row.update({k: sum(collective_name(n) in v for n in nodes) for k, v in _KINDS.items()})
-                row.update({"FSDP AG fwd+bwd": f"{fsdp_ag[0]}+{fsdp_ag[1]}",
-                            "trace s": f"{trace_s:.1f}", "passes s": f"{time.perf_counter() - start:.1f}",
-                            "status": "FAIL: " + "; ".join(problems) if problems else "PASS"})
-                trace_s = 0.0
-                rows.append(row)
-                print(f"[dry-run] {case.name:34s} {row['status']}", flush=True)
-    return rows
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit code 2
         print(f"error: {message} (see --help)", file=sys.stderr)
@@ -598,6 +405,8 @@ def main(argv: list[str]) -> int:
             print(f"{c.name}: {c.nproc} proc, {c.config or suite.config} {' '.join(c.args)}{refs}")
         return 0
     if opts.dry_run:
+        from integration_dry_run import dry_run  # (it imports this module's tables)
+
         rows = dry_run(suite, [c for c in cases if c.name not in skipped])
         print(format_table(rows))
         failures = sum(r["status"] != "PASS" for r in rows)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import integration_dry_run as dry
 import integration_tests as it
 from graph_trainer.analysis.collectives import collective_counts, collective_name
 from graph_trainer.analysis.fake_trace import fake_world, trace_job, trace_without_passes
@@ -109,10 +110,10 @@ def test_check_graph_finds_missing_buckets_and_untagged_all_to_all():
         reference = run_passes(copy.deepcopy(traced.gm), context, [])
         bucketed = run_passes(copy.deepcopy(traced.gm), context, cfg.compile.passes)
     degrees, plan = resolve_parallel_degrees(cfg.parallelism, 4), context.extras["bucket_plan"]
-    assert it.check_graph(bucketed, reference, cfg, degrees, plan) == []
+    assert dry.check_graph(bucketed, reference, cfg, degrees, plan) == []
     # the graph without the pass, checked as if it had run
-    problems = it.check_graph(reference, reference, cfg, degrees, plan)
+    problems = dry.check_graph(reference, reference, cfg, degrees, plan)
     assert any("outside a block bucket" in p for p in problems), problems
     a2a = next(n for n in bucketed.graph.nodes if collective_name(n) == "all_to_all_single")
     del a2a.meta["custom"]["ep_role"]
-    assert any("without ep_role" in p for p in it.check_graph(bucketed, reference, cfg, degrees, plan))
+    assert any("without ep_role" in p for p in dry.check_graph(bucketed, reference, cfg, degrees, plan))
