@@ -4,10 +4,10 @@ Everything here reaches below PyTorch's public surface: fx tracing metadata hook
 node sequence numbers, ``_StridedShard`` (the dp-over-tp placement SimpleFSDP needs),
 ``OpOverload.is_view`` / ``_opname`` / ``_schema``, SymInt internals (the cost model reads
 sizes that may be unbacked symbols), process groups by name, mesh flattening, the fake
-process group's store, and Inductor's overlap scheduler (its roofline estimate, swapped for
-ours inside one context manager, and its counters). ``tests/test_torch_compat.py``
-checks each entry against the installed PyTorch so that an upgrade that changes one fails
-loudly there, not deep inside a training run.
+process group's store, Inductor's overlap scheduler (its roofline estimate, swapped for ours
+inside one context manager, and its counters), and gloo's worker-thread count
+(``cpu_backend``). ``tests/test_torch_compat.py`` checks each entry against the installed
+PyTorch so that an upgrade that changes one fails loudly there, not deep inside a training run.
 """
 
 from __future__ import annotations
@@ -145,3 +145,40 @@ def inductor_counters() -> collections.Counter:
     from torch._dynamo.utils import counters
 
     return counters["inductor"]
+
+
+ONE_THREAD_GLOO = "gloo_one_thread"
+"""Backend name of gloo with one worker thread per process group (``cpu_backend``)."""
+
+
+def cpu_backend() -> str:
+    """The ``init_process_group`` backend for CPU jobs: gloo, with ONE worker thread per group.
+
+    PyTorch's ``ProcessGroupGloo`` runs each group's collectives on two worker threads by
+    default, so two collectives of one group can be in flight at once. In PyTorch 2.13 that
+    corrupts the heap now and then: a 4-process HSDP job with
+    ``transformer_block_bucketing,auto_bucketing`` (many collectives of one group in flight)
+    aborted with ``malloc(): unaligned tcache chunk detected`` in 4 of 24 runs under
+    ``MALLOC_CHECK_=3``; the core dump showed one worker of the group inside an
+    ``all_gather_into_tensor_coalesced`` and the other inside an ``_allgather_base`` of that
+    same group. With one worker per group, 0 of 34 runs failed, at the same step time (each
+    group's collectives run in issue order, still beside compute and beside other groups).
+    The faulty code inside PyTorch's gloo backend was not pinned down.
+
+    ``ProcessGroupGloo._Options._threads`` is private, and ``init_process_group`` ignores
+    options for gloo; so this registers (once) a backend that builds gloo groups with those
+    options, through the public ``Backend.register_backend``. Returns its name.
+    """
+    import torch.distributed as dist
+    from torch.distributed import ProcessGroupGloo
+
+    def create(store, rank: int, size: int, timeout):
+        options = ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._threads = 1
+        options._devices = [ProcessGroupGloo.create_default_device()]
+        return ProcessGroupGloo(store, rank, size, options)
+
+    if ONE_THREAD_GLOO not in dist.Backend.backend_list:
+        dist.Backend.register_backend(ONE_THREAD_GLOO, create, devices=["cpu"])
+    return ONE_THREAD_GLOO

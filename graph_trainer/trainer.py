@@ -25,6 +25,7 @@ from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_n
 from graph_trainer.parallel import ParallelDims, average_over_dp, build_mesh, dp_rank, sum_over_dp
 from graph_trainer.passes import PassContext, prepare_model_for_passes, run_passes
 from graph_trainer.simple_fsdp import MixedPrecision
+from graph_trainer.torch_compat import cpu_backend
 from graph_trainer.tracer import GraphStep, TracedStep, eager_step
 from models.registry import MODEL_SPECS
 
@@ -55,7 +56,9 @@ def setup_distributed(cfg: JobConfig) -> DistInfo:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo", device_id=device if kind == "cuda" else None)
+        # CPU: gloo with one worker thread per group (torch_compat.cpu_backend says why)
+        dist.init_process_group(backend="nccl" if kind == "cuda" else cpu_backend(),
+                                device_id=device if kind == "cuda" else None)
     return DistInfo(rank, local_rank, world_size, device)
 
 

@@ -136,3 +136,25 @@ def test_roofline_estimate_is_swapped_only_inside_the_block():
                  "pre_bucketing_fsdp_collectives"):
         assert name in params, name
     assert isinstance(inductor_counters()["overlap_scheduling_exposed"], int)
+
+
+def test_cpu_backend_is_gloo_with_one_worker_thread(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed import ProcessGroupGloo
+
+    from graph_trainer.torch_compat import cpu_backend
+
+    assert cpu_backend() == cpu_backend()  # registering twice is harmless
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group(cpu_backend(), store=store, rank=0, world_size=1)
+    try:
+        gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
+        assert isinstance(gloo, ProcessGroupGloo)
+        assert gloo.options._threads == 1
+        group = dist.new_group([0])  # subgroups (device mesh dims) get the same backend
+        assert dist.get_backend(group) == cpu_backend()
+        x = torch.arange(4.0)
+        dist.all_reduce(x, group=group)
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        dist.destroy_process_group()
