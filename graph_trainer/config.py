@@ -124,7 +124,7 @@ class Compile:
     passes: list[str] = field(default_factory=list)
     """Graph passes to run after the default ones, in order (comma- or space-separated, e.g. 'a,b')."""
     dump_graphs: str = ""
-    """If set, a folder where the readable code of the graph is written before and after every pass."""
+    """If set, a folder where the readable code of the graph is written before and after every pass (one subfolder rank<r> per process in multi-process jobs)."""
     ep_overlap: EpOverlap = field(default_factory=EpOverlap)
     """Settings of the ep_overlap pass."""
 

@@ -8,8 +8,9 @@ degrees and the model's bucket plan. A pass finds the nodes it works on through
 
 ``run_passes`` applies the default passes (always; they keep values bitwise) and then the
 user's passes in the order given. For each pass it logs wall time, node count and
-collectives by type before -> after, can dump the readable graph code before and after,
-and lints the result: a pass that leaves a broken graph raises ``PassError`` naming it.
+collectives by type before -> after, can dump the readable graph code before and after (in
+``DIR/rank<r>/`` when several processes run), and lints the result: a pass that leaves a
+broken graph raises ``PassError`` naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+
+import torch.distributed as dist
 import torch.fx as fx
 
 from graph_trainer.analysis.collectives import collective_counts, format_counts
@@ -59,6 +62,8 @@ def default_passes(context: PassContext) -> list[PassSpec]:
 
 
 def _dump(gm: fx.GraphModule, folder: str, index: int, name: str, when: str) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        folder = os.path.join(folder, f"rank{dist.get_rank()}")  # ranks' graphs differ (their groups, offsets)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{index:02d}_{name}_{when}.py")
     with open(path, "w") as f:
