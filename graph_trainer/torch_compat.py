@@ -155,15 +155,16 @@ def cpu_backend() -> str:
     """The ``init_process_group`` backend for CPU jobs: gloo, with ONE worker thread per group.
 
     PyTorch's ``ProcessGroupGloo`` runs each group's collectives on two worker threads by
-    default, so two collectives of one group can be in flight at once. In PyTorch 2.13 that
-    corrupts the heap now and then: a 4-process HSDP job with
+    default, so two collectives of one group can be in flight at once. With PyTorch 2.13 we saw
+    the heap corrupted now and then: a 4-process HSDP job with
     ``transformer_block_bucketing,auto_bucketing`` (many collectives of one group in flight)
     aborted with ``malloc(): unaligned tcache chunk detected`` in 4 of 24 runs under
     ``MALLOC_CHECK_=3``; the core dump showed one worker of the group inside an
     ``all_gather_into_tensor_coalesced`` and the other inside an ``_allgather_base`` of that
     same group. With one worker per group, 0 of 34 runs failed, at the same step time (each
     group's collectives run in issue order, still beside compute and beside other groups).
-    The faulty code inside PyTorch's gloo backend was not pinned down.
+    The faulty code inside PyTorch's gloo backend was not pinned down; the evidence (the dump,
+    and no crash with one worker) points at two collectives of one group running at once.
 
     ``ProcessGroupGloo._Options._threads`` is private, and ``init_process_group`` ignores
     options for gloo; so this registers (once) a backend that builds gloo groups with those
