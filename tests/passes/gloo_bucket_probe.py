@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer.passes.transformer_block_bucketing import ring_aligned_row
+from graph_trainer.torch_compat import cpu_backend
 
 BUCKETS = [[65536, 1024, 256, 147456, 512, 81920], [32768, 512, 64, 65536], [2 ** 20, 6]]
 
@@ -22,7 +23,7 @@ def member_equal(parts: list[torch.Tensor], alone: list[torch.Tensor], pad: int,
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    dist.init_process_group(cpu_backend())  # the trainer's CPU backend
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(11 + rank)
     for sizes in BUCKETS:

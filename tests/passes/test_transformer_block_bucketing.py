@@ -211,8 +211,9 @@ def _mixed_dtypes_worker(folder: str) -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from graph_trainer.passes.transformer_block_bucketing import merge_all_gathers, stable_topological_sort
+    from graph_trainer.torch_compat import cpu_backend
 
-    dist.init_process_group("gloo")
+    dist.init_process_group(cpu_backend())  # the trainer's CPU backend
     rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
     c10d = torch.ops._c10d_functional
 
