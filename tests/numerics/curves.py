@@ -1,24 +1,42 @@
-"""The jobs whose per-step losses are stored in ``tests/assets/losses/<name>.txt``.
+"""The jobs whose per-step losses are stored in ``tests/assets/losses/``, and how they are compared.
 
-Each curve is one fixed command: a debug model on CPU, one thread per process
-(``OMP_NUM_THREADS=1``, set by ``tests.launch.run_torchrun``), a pinned seed, gloo, and a
-checkpoint at the last step (so the same run also gives the final parameters, for the
-determinism test). The files hold ``train.py``'s ``losses.txt`` verbatim: one
-``<step> <repr(loss)>`` line per step, so comparing the text compares the floats bit for bit.
-Regenerate with ``python -m tests.numerics.regenerate`` (README: when that is legitimate).
+Each curve is one fixed command: a debug model on CPU, the kernel choices pinned
+(``machine.PINNED_ENV``: one thread per process, ATen's baseline kernels, MKL's COMPATIBLE
+branch), a pinned seed, gloo, and a checkpoint at the last step (so the same run also gives the
+final parameters, for the determinism test). A curve file holds ``train.py``'s ``losses.txt``
+verbatim: one ``<step> <repr(loss)>`` line per step, so comparing the text compares the floats
+bit for bit.
+
+A set of curves is a folder with the curve files and ``machine.json``, the fingerprint
+(``machine.fingerprint()``) of the machine that recorded them: ``tests/assets/losses/`` itself
+(the reference set) and one folder per further machine under ``machines/``. A run is compared
+bitwise with the set whose fingerprint equals its machine's, and within ``CURVE_RTOL`` per step
+of the reference set when no set matches. Regenerate, or add a set for a new machine, with
+``python -m tests.numerics.regenerate`` (README: when that is legitimate).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
 from tests.conftest import ROOT
 from tests.launch import run_torchrun
+from tests.numerics.machine import PINNED_ENV
 
 ASSETS = Path(ROOT) / "tests" / "assets" / "losses"
+"""The reference set; further machines' sets are ``ASSETS / "machines" / <key>``."""
 STEPS = 20
+CURVE_RTOL = 1e-5
+"""Bound on |loss - stored| / |stored| at every step when no stored set matches this machine.
+Other kernels for the same math (ATen's AVX2 or AVX-512 builds instead of the baseline, MKL's
+default instead of COMPATIBLE branch, an emulated Intel CPU) moved the debug LLaMA-3 curve by at
+most 3.3e-7 over its 20 steps: the bound leaves a factor of 30. Small real changes exceed it
+within a few steps: a learning rate 0.1% higher or AdamW eps 1e-7 instead of 1e-8 by 4.8e-3 from
+step 2, weight decay 0.11 instead of 0.1 by 3.5e-4 from step 4 (max_norm 0.99 instead of 1.0
+stays under it: clipping hides that, as it hides gradient scale; see ``graph_trainer.grad_record``)."""
 
 _COMMON = [
     "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
@@ -34,14 +52,54 @@ CURVES: dict[str, tuple[int, list[str]]] = {
 }
 
 
-def curve_path(name: str) -> Path:
-    return ASSETS / f"{name}.txt"
+def curve_path(name: str, curve_set: Path = ASSETS) -> Path:
+    return curve_set / f"{name}.txt"
+
+
+def curve_sets() -> list[Path]:
+    """The reference set, then every further machine's set."""
+    extra = ASSETS / "machines"
+    return [ASSETS, *sorted(p for p in extra.iterdir() if p.is_dir())] if extra.is_dir() else [ASSETS]
+
+
+def recorded_on(curve_set: Path) -> dict:
+    """The fingerprint of the machine that recorded a set."""
+    return json.loads((curve_set / "machine.json").read_text())
+
+
+def set_for(machine: dict) -> Path | None:
+    """The set recorded on a machine with this fingerprint, if any."""
+    return next((s for s in curve_sets() if recorded_on(s) == machine), None)
+
+
+def machine_key(machine: dict) -> str:
+    """A short name for a fingerprint (the folder name of its set under ``machines/``)."""
+    return hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def parse_losses(text: str) -> list[float]:
+    return [float(line.split()[1]) for line in text.splitlines() if line.strip()]
+
+
+def deviation(losses: str, stored: str) -> tuple[float, int]:
+    """(largest per-step relative deviation, its step) of a curve's text from a stored one; the
+    steps must be the same."""
+    ours, theirs = losses.splitlines(), stored.splitlines()
+    if [line.split()[0] for line in ours] != [line.split()[0] for line in theirs]:
+        raise ValueError(f"the curves have different steps ({len(ours)} vs {len(theirs)} lines)")
+    worst, at = 0.0, 0
+    for step, (a, b) in enumerate(zip(parse_losses(losses), parse_losses(stored)), 1):
+        dev = abs(a - b) / abs(b)
+        if dev > worst:
+            worst, at = dev, step
+    return worst, at
 
 
 def run_curve(name: str, dump_folder: Path) -> str:
     """Run a curve's job into ``dump_folder`` (which must not hold checkpoints); its losses.txt text."""
     nproc, args = CURVES[name]
-    run_torchrun(nproc, os.path.join(ROOT, "train.py"), *args, *_COMMON, "--job.dump_folder", str(dump_folder))
+    run_torchrun(nproc, os.path.join(ROOT, "train.py"), *args, *_COMMON, "--job.dump_folder", str(dump_folder),
+                 env=PINNED_ENV)
     return (Path(dump_folder) / "losses.txt").read_text()
 
 
