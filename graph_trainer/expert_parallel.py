@@ -36,9 +36,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.fx.traceback import annotate
+
+from graph_trainer.torch_compat import all_to_all_single, all_to_all_single_autograd
 
 COUNT_EXCHANGE = "count_exchange"
 DISPATCH = "dispatch"
@@ -77,11 +78,11 @@ class ExpertParallelDispatcher:
         group = self.ep_mesh.get_group()
         with annotate(self._tags(COUNT_EXCHANGE)):
             # received[r, e]: rows rank r sends to our local expert e.
-            received = funcol.all_to_all_single(counts, None, None, group).view(self.ep, self.num_local)
+            received = all_to_all_single(counts, None, None, group).view(self.ep, self.num_local)
             send_splits = counts.view(self.ep, self.num_local).sum(dim=1).tolist()
             receive_splits = received.sum(dim=1).tolist()
         with annotate(self._tags(DISPATCH)):
-            x_received = funcol.all_to_all_single_autograd(x_sorted, receive_splits, send_splits, group)
+            x_received = all_to_all_single_autograd(x_sorted, receive_splits, send_splits, group)
             # Rows arrive grouped by source rank, then expert; the experts want them grouped by
             # expert. A stable sort of each row's expert id gives that order.
             block_expert = torch.arange(self.num_local, device=counts.device).repeat(self.ep)
@@ -98,7 +99,7 @@ class ExpertParallelDispatcher:
         with annotate(self._tags(COMBINE)):
             back_to_received = torch.argsort(ctx.order)
             y_received = y_local.index_select(0, back_to_received)
-            return funcol.all_to_all_single_autograd(y_received, ctx.send_splits, ctx.receive_splits, group)
+            return all_to_all_single_autograd(y_received, ctx.send_splits, ctx.receive_splits, group)
 
 
 __all__ = ["COMBINE", "COUNT_EXCHANGE", "DISPATCH", "EP_ROLES", "EXPERT_COMPUTE", "ExpertParallelDispatcher"]

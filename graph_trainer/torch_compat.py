@@ -4,10 +4,13 @@ Everything here reaches below PyTorch's public surface: fx tracing metadata hook
 node sequence numbers, ``_StridedShard`` (the dp-over-tp placement SimpleFSDP needs),
 ``OpOverload.is_view`` / ``_opname`` / ``_schema``, SymInt internals (the cost model reads
 sizes that may be unbacked symbols), process groups by name, mesh flattening, the fake
-process group's store, Inductor's overlap scheduler (its roofline estimate, swapped for ours
+process group's store, fake tensor modes, functional all_to_all (expert parallel),
+``torch._grouped_mm`` (the experts' kernel), Inductor's overlap scheduler (its roofline estimate, swapped for ours
 inside one context manager, and its counters), and gloo's worker-thread count
 (``cpu_backend``). ``tests/test_torch_compat.py`` checks each entry against the installed
-PyTorch so that an upgrade that changes one fails loudly there, not deep inside a training run.
+PyTorch so that an upgrade that changes one fails loudly there, not deep inside a training run;
+and a lookup that fails at run time raises ``TorchCompatError`` (one line: the API, the installed
+torch, the supported range ``SUPPORTED_TORCH``), not an ImportError deep in a traceback.
 """
 
 from __future__ import annotations
@@ -18,7 +21,27 @@ import contextlib
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
+
+from graph_trainer.errors import TorchCompatError
+
+SUPPORTED_TORCH = "2.11 to 2.13"
+"""Torch releases graph_trainer runs on: 2.13 (CPU, where CI runs), 2.11 (CUDA, as on the H100
+machine). ``auto_bucketing`` needs 2.13's overlap scheduler (``overlap_scheduler_problem``)."""
+
+
+@contextlib.contextmanager
+def private_api(name: str):
+    """Turn an ImportError/AttributeError raised while looking ``name`` up into one
+    ``TorchCompatError`` naming the API and the installed torch, instead of a traceback."""
+    try:
+        yield
+    except (ImportError, AttributeError) as e:
+        raise TorchCompatError(f"PyTorch private API {name} is not available in torch {torch.__version__} ({e}); "
+                               f"graph_trainer supports torch {SUPPORTED_TORCH}") from None
+
+
+with private_api("torch.distributed.tensor.placement_types._StridedShard"):
+    from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
 
 
 def tag_backward_with_forward_seq_nr(loss: torch.Tensor) -> None:
@@ -39,20 +62,28 @@ def tag_backward_with_forward_seq_nr(loss: torch.Tensor) -> None:
         if node is None or node in seen:
             continue
         seen.add(node)
-        seq_nr = node._sequence_nr()
+        with private_api("autograd Node._sequence_nr"):
+            seq_nr = node._sequence_nr()
         node.register_prehook(lambda grad_outputs, seq_nr=seq_nr: fx_traceback.set_grad_fn_seq_nr(seq_nr))
         node.register_hook(lambda grad_inputs, grad_outputs: fx_traceback.reset_grad_fn_seq_nr())
         queue.extend(fn for fn, _ in node.next_functions)
 
 
+def is_op_overload(target) -> bool:
+    """Whether an FX node's target is an operator overload (``torch._ops.OpOverload``, e.g.
+    ``aten.mm.default``), as opposed to a Python function or method name."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
 def is_view_op(node: fx.Node) -> bool:
     """Whether ``node`` calls an aten op whose result aliases its input (``OpOverload.is_view``)."""
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+    return is_op_overload(node.target) and node.target.is_view
 
 
 def fake_store():
     """A store for ``init_process_group("fake", ...)``: collectives are recorded, never run."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    with private_api("torch.testing._internal.distributed.fake_pg.FakeStore"):
+        from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
 
@@ -67,17 +98,21 @@ def flatten_mesh_dims(mesh, dim_names: tuple[str, ...], name: str):
     import warnings
 
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
-    return mesh[dim_names]._flatten(name)
+    with private_api("DeviceMesh._flatten"):
+        flatten = mesh[dim_names]._flatten
+    return flatten(name)
 
 
 def op_name(target) -> str:
     """The op's name without namespace and overload (``OpOverload._opname``)."""
-    return target._opname
+    with private_api("OpOverload._opname"):
+        return target._opname
 
 
 def op_schema(target):
     """The op's ``FunctionSchema`` (``OpOverload._schema``): argument names and defaults."""
-    return target._schema
+    with private_api("OpOverload._schema"):
+        return target._schema
 
 
 def sym_expr(x: torch.SymInt):
@@ -91,17 +126,52 @@ def sym_has_hint(x: torch.SymInt) -> bool:
 
 
 def sym_hint(x: torch.SymInt) -> int:
-    """The example value of a backed SymInt."""
-    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+    """The example value of a backed SymInt (``guarding_hint_or_throw`` since torch 2.13,
+    ``hint_int`` before)."""
+    import torch.fx.experimental.symbolic_shapes as symbolic_shapes
 
-    return int(guarding_hint_or_throw(x))
+    with private_api("torch.fx.experimental.symbolic_shapes.guarding_hint_or_throw (or hint_int)"):
+        hint = getattr(symbolic_shapes, "guarding_hint_or_throw", None) or symbolic_shapes.hint_int
+    return int(hint(x))
 
 
 def resolve_process_group(group_name: str):
     """The live ProcessGroup registered under ``group_name`` (as baked into graph collectives)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    with private_api("torch.distributed.distributed_c10d._resolve_process_group"):
+        from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def new_fake_mode(**kwargs):
+    """A ``FakeTensorMode`` (``torch._subclasses.fake_tensor``) built with ``kwargs`` (shape_env, static_shapes, ...)."""
+    with private_api("torch._subclasses.fake_tensor.FakeTensorMode"):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)
+
+
+def all_to_all_single(x: torch.Tensor, output_split_sizes, input_split_sizes, group) -> torch.Tensor:
+    """Functional ``all_to_all_single`` without autograd (``torch.distributed._functional_collectives``):
+    one ``_c10d_functional.all_to_all_single`` node and its wait in a traced graph."""
+    with private_api("torch.distributed._functional_collectives.all_to_all_single"):
+        import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_to_all_single(x, output_split_sizes, input_split_sizes, group)
+
+
+def all_to_all_single_autograd(x: torch.Tensor, output_split_sizes, input_split_sizes, group) -> torch.Tensor:
+    """Functional ``all_to_all_single`` whose backward is the reverse exchange (``_functional_collectives``)."""
+    with private_api("torch.distributed._functional_collectives.all_to_all_single_autograd"):
+        from torch.distributed._functional_collectives import all_to_all_single_autograd as exchange
+    return exchange(x, output_split_sizes, input_split_sizes, group)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``: row block ``i`` of ``a`` (rows up to ``offs[i]``) times ``b[i]``, one kernel."""
+    with private_api("torch._grouped_mm"):
+        kernel = torch._grouped_mm
+    return kernel(a, b, offs=offs)
 
 
 def fake_mode_of(value):
@@ -110,16 +180,43 @@ def fake_mode_of(value):
     Passes that add nodes run the new ops on these fake values (under that mode) to give the
     new nodes a ``meta["val"]`` of the same trace.
     """
-    from torch._subclasses.fake_tensor import FakeTensor
+    with private_api("torch._subclasses.fake_tensor.FakeTensor"):
+        from torch._subclasses.fake_tensor import FakeTensor
 
     return value.fake_mode if isinstance(value, FakeTensor) else None
 
 
 def overlap_scheduling_module():
     """``torch._inductor.fx_passes.overlap_scheduling``: ``schedule_overlap_bucketing`` and its estimators."""
-    from torch._inductor.fx_passes import overlap_scheduling
+    with private_api("torch._inductor.fx_passes.overlap_scheduling"):
+        from torch._inductor.fx_passes import overlap_scheduling
 
     return overlap_scheduling
+
+
+OVERLAP_SCHEDULER_ARGS = ("collective_bucketing", "insert_overlap_deps", "custom_runtime_estimation",
+                          "collective_estimator", "compute_estimator", "max_memory_increase_gb",
+                          "max_memory_increase_ratio", "max_in_flight_gb", "pre_bucketing_fsdp_collectives")
+"""The arguments of ``schedule_overlap_bucketing`` that ``auto_bucketing`` passes (torch 2.13)."""
+
+
+def overlap_scheduler_problem() -> str | None:
+    """Why this torch's overlap scheduler cannot run ``auto_bucketing`` (None: it can). torch 2.11
+    has neither the swappable ``estimate_roofline_runtime_ms`` nor ``compute_estimator``: it
+    benchmarks compute on CUDA."""
+    import inspect
+
+    try:
+        module = overlap_scheduling_module()
+    except TorchCompatError as e:
+        return str(e)
+    missing = [] if hasattr(module, "estimate_roofline_runtime_ms") else ["estimate_roofline_runtime_ms"]
+    params = inspect.signature(module.schedule_overlap_bucketing).parameters
+    missing += [f"argument {name}" for name in OVERLAP_SCHEDULER_ARGS if name not in params]
+    if not missing:
+        return None
+    return (f"auto_bucketing needs PyTorch's overlap scheduler of torch 2.13; torch {torch.__version__}'s "
+            f"overlap_scheduling lacks {', '.join(missing)}")
 
 
 @contextlib.contextmanager
@@ -132,7 +229,8 @@ def roofline_estimate(estimate_ms):
     module attribute is ``estimate_ms``; the original is put back on exit, also on errors.
     """
     module = overlap_scheduling_module()
-    original = module.estimate_roofline_runtime_ms
+    with private_api("overlap_scheduling.estimate_roofline_runtime_ms"):
+        original = module.estimate_roofline_runtime_ms
     module.estimate_roofline_runtime_ms = estimate_ms
     try:
         yield
@@ -142,7 +240,8 @@ def roofline_estimate(estimate_ms):
 
 def inductor_counters() -> collections.Counter:
     """``torch._dynamo.utils.counters["inductor"]``, where the overlap scheduler counts exposed collectives."""
-    from torch._dynamo.utils import counters
+    with private_api("torch._dynamo.utils.counters"):
+        from torch._dynamo.utils import counters
 
     return counters["inductor"]
 
@@ -174,10 +273,11 @@ def cpu_backend() -> str:
     from torch.distributed import ProcessGroupGloo
 
     def create(store, rank: int, size: int, timeout):
-        options = ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._threads = 1
-        options._devices = [ProcessGroupGloo.create_default_device()]
+        with private_api("ProcessGroupGloo._Options (_timeout, _threads, _devices)"):
+            options = ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._threads = 1
+            options._devices = [ProcessGroupGloo.create_default_device()]
         return ProcessGroupGloo(store, rank, size, options)
 
     if ONE_THREAD_GLOO not in dist.Backend.backend_list:

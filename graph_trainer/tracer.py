@@ -41,7 +41,6 @@ import torch
 import torch.fx as fx
 import torch.fx.experimental.symbolic_shapes  # noqa: F401  (make_fx needs it imported first)
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -290,7 +289,7 @@ class TracedStep:
         return loss, grads
 
 
-def _fake_like(t: torch.Tensor, mode: FakeTensorMode, device: torch.device | None) -> torch.Tensor:
+def _fake_like(t: torch.Tensor, mode, device: torch.device | None) -> torch.Tensor:
     """A fake tensor with ``t``'s metadata; meta tensors become fake tensors on ``device``."""
     if t.device.type == "meta":
         target = device if device is not None else t.device
@@ -358,7 +357,7 @@ def trace_train_step(
 
     # Static shapes: a graph is made for one batch shape (see GraphStep). The ShapeEnv is still
     # needed for data-dependent sizes (unbacked symbols), e.g. expert-parallel split sizes.
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=False)
+    fake_mode = torch_compat.new_fake_mode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=False)
     fake_inputs = [_fake_like(t, fake_mode, fake_device) for t in (*flat, tokens, labels)]
     with (
         torch.fx.traceback.preserve_node_meta(),

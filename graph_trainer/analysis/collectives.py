@@ -13,14 +13,14 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from graph_trainer.torch_compat import op_name
+from graph_trainer.torch_compat import is_op_overload, op_name
 
 _C10D = torch.ops._c10d_functional
 
 
 def collective_name(node: fx.Node) -> str | None:
     """The functional-collective op name of a node (e.g. 'all_gather_into_tensor'), else None."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not is_op_overload(node.target):
         return None
     if node.target.namespace != "_c10d_functional":
         return None

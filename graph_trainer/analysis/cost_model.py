@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from graph_trainer.analysis.collectives import collective_name
 from graph_trainer.torch_compat import (
+    is_op_overload,
     is_view_op,
     op_name,
     op_schema,
@@ -252,7 +253,7 @@ def _attention_flops(node: fx.Node, hints: SizeHints) -> tuple[float, torch.dtyp
 def node_flops(node: fx.Node, hints: SizeHints | None = None) -> tuple[float, torch.dtype | None]:
     """(FLOPs, dtype deciding the peak) of a matmul or attention node; (0, None) otherwise."""
     hints = hints or SizeHints()
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not is_op_overload(node.target):
         return 0.0, None
     out = _val(node)
     if node.target in _MATMULS or node.target == aten._grouped_mm.default:
@@ -281,7 +282,7 @@ def is_free(node: fx.Node) -> bool:
     """Nodes that launch no kernel: placeholders, output, views, getitem, sym arithmetic."""
     if node.op != "call_function":
         return True
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not is_op_overload(node.target):
         return True  # operator.* on SymInts and other Python-level calls
     return node.target in _ZERO_COST or is_view_op(node)
 
@@ -351,7 +352,7 @@ def group_info(node: fx.Node, ranks_per_node: int = 8, group_size: int | None = 
 
         ranks = dist.get_process_group_ranks(pg)
     if group_size is None:
-        args = _named_args(node) if isinstance(node.target, torch._ops.OpOverload) else {}
+        args = _named_args(node) if is_op_overload(node.target) else {}
         group_size = args.get("group_size") or (len(ranks) if ranks else None)
     if group_size is None:
         raise ValueError(f"cannot find the group size of {node.name}: pass group_size")

@@ -94,7 +94,12 @@ from graph_trainer.analysis.cost_model import (
 from graph_trainer.errors import ConfigError
 from graph_trainer.passes.ep_overlap import find_regions, reorders, schedule_regions
 from graph_trainer.passes.registry import PassContext, PassError, PassSpec
-from graph_trainer.torch_compat import inductor_counters, overlap_scheduling_module, roofline_estimate
+from graph_trainer.torch_compat import (
+    inductor_counters,
+    overlap_scheduler_problem,
+    overlap_scheduling_module,
+    roofline_estimate,
+)
 
 logger = logging.getLogger("graph_trainer")
 
@@ -188,6 +193,9 @@ def auto_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
 
 
 def check_config(cfg: Any, degrees: dict[str, int]) -> None:
+    problem = overlap_scheduler_problem()
+    if problem:
+        raise ConfigError(f"compile.passes: {problem}")
     if all(degrees.get(k, 1) <= 1 for k in ("dp_replicate", "dp_shard", "tp", "ep")):
         raise ConfigError("compile.passes: auto_bucketing schedules and buckets collectives and needs a "
                           "multi-process layout (parallelism.dp_shard, dp_replicate, tp or ep > 1)")

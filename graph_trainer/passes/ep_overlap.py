@@ -64,7 +64,7 @@ from graph_trainer.chunking import CHUNK_DIMS, CHUNK_ID, CHUNK_REGION, install_c
 from graph_trainer.errors import ConfigError
 from graph_trainer.expert_parallel import COUNT_EXCHANGE, ExpertParallelDispatcher
 from graph_trainer.passes.registry import PassContext, PassError, PassSpec
-from graph_trainer.torch_compat import op_schema
+from graph_trainer.torch_compat import is_op_overload, op_schema
 
 logger = logging.getLogger("graph_trainer")
 
@@ -203,7 +203,7 @@ def _mutation_edges(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     """Extra predecessors keeping every read and write of an in-place-mutated tensor in order."""
     mutated: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        if node.op == "call_function" and is_op_overload(node.target):
             for arg, value in zip(op_schema(node.target).arguments, node.args):
                 if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
                     mutated.add(value)

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from graph_trainer.torch_compat import grouped_mm
 from models.deepseek_v3.flavors import DeepSeekV3Args
 from models.init_rules import InitRule, init_plain_parameters
 from models.llama3.model import FeedForward, RMSNorm, apply_rope
@@ -248,13 +249,14 @@ def _grouped_mm_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, 
                        w3: torch.Tensor) -> torch.Tensor:
     """All experts in three ``torch._grouped_mm`` calls (row blocks ending at the cumulative counts).
 
-    Used for bf16 on CUDA only; NOT exercised on this project's CPU CI (the CPU path is the
-    loop). On H100 the kernel wants 16-byte aligned strides (dim and hidden multiples of 8).
+    The bf16 path on every device (what H100s run; on CPU, ``torch._grouped_mm`` takes only bf16);
+    fp32 runs the per-expert loop. On H100 the kernel wants 16-byte aligned strides (dim and
+    hidden multiples of 8).
     """
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets).type_as(x)
+    h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+    h = h * grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+    return grouped_mm(h, w2.transpose(-2, -1), offs=offsets).type_as(x)
 
 
 class MoE(nn.Module):
