@@ -456,7 +456,18 @@ def test_registry_entry():
     with torch.device("meta"):
         model = spec.build(TINY)
     assert spec.bucket_plan(model) == [["tok_embeddings"], ["layers.0"], ["layers.1"], ["norm", "output"]]
-    assert spec.flops_per_token(FLAVORS["debugmodel"], 128) == flops_per_token(FLAVORS["debugmodel"], 128)
+    assert spec.flops_per_token is flops_per_token
+    # MFU of the debug model: 6 FLOPs per active weight (counted on the built model: all but the
+    # embedding and the experts a token does not visit) plus 6 * n_heads * (qk + v head dims) * seq
+    # per layer for attention's score and value matmuls.
+    args, seq = FLAVORS["debugmodel"], 128
+    with torch.device("meta"):
+        debug = spec.build(args)
+    idle = [p.numel() * (args.n_routed_experts - args.n_activated_experts) // args.n_routed_experts
+            for name, p in debug.named_parameters() if ".moe.experts." in name]
+    active = sum(p.numel() for p in debug.parameters()) - debug.tok_embeddings.weight.numel() - sum(idle)
+    head_dims = args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
+    assert spec.flops_per_token(args, seq) == 6 * active + 6 * args.n_layers * args.n_heads * head_dims * seq
 
 
 def test_debug_config_validates():

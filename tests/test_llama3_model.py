@@ -103,8 +103,10 @@ def test_rope_matches_complex_reference(scaling):
 
     assert ours.dtype == x.dtype
     torch.testing.assert_close(ours.double(), ref, atol=1e-6, rtol=0)
-    if scaling:  # the scaling really changes the low frequencies
-        assert _reference_freqs(head_dim, theta, True)[-1] < _reference_freqs(head_dim, theta, False)[-1]
+    if scaling:  # at these positions scaling moves the rotation far beyond the tolerance above,
+        # so that comparison tells a scaled table from an unscaled one
+        unscaled = apply_rope(x, rope_table(head_dim, seq, theta, False)[positions])
+        assert (ours.double() - unscaled.double()).abs().max() > 1e-3
 
 
 def test_forward_shape_finite_and_causal():
@@ -155,9 +157,11 @@ def test_init_rules_draw_what_they_say():
     t = materialize_init(rule, (4096,), torch.float32, g, "cpu")
     assert t.abs().max() <= 1.0 and 0.3 < t.std() < 0.5
     assert torch.equal(materialize_init(InitRule("ones"), (3,), torch.float32, None, "cpu"), torch.ones(3))
+    # Every (seed, parameter) pair draws its own stream, as a generator seed (63 bits).
+    seeds = [stable_seed(s, name) for s in (0, 1) for name in ("w", "a.weight")]
+    assert len(set(seeds)) == 4 and all(0 <= s < 2 ** 63 for s in seeds)
     # stable_seed is a fixed function of its inputs (sha256), not Python's salted hash():
     # the pinned value guards against silent changes that would alter every initial model.
-    assert stable_seed(0, "w") == stable_seed(0, "w") != stable_seed(1, "w")
     assert stable_seed(0, "a.weight") == 8424978472857445225
 
 

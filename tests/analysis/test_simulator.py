@@ -136,7 +136,15 @@ def test_debug_llama3_world_size_4_end_to_end(tmp_path):
     assert set(kinds) == {"all_gather", "reduce_scatter"}
     assert all(c.group_size == 4 for c in r.collectives)
     assert r.memory is not None and r.peak_memory_bytes > 0
+    # The trace of a real step accounts for the whole step: compute and exposed waits on track 0
+    # add up to the step time, one span per collective on the group tracks.
     r.to_chrome_trace(str(tmp_path / "t.json"))
+    spans = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    compute = sum(e["dur"] for e in spans if e["cat"] == "compute")
+    waits = sum(e["dur"] for e in spans if e["cat"] == "exposed_comm")
+    assert compute == pytest.approx(r.compute_time * 1e6) and waits == pytest.approx(r.exposed_comm_time * 1e6)
+    comm = [e for e in spans if e["tid"] != 0]
+    assert len(comm) == len(r.collectives) and sum(e["dur"] for e in comm) == pytest.approx(r.comm_time * 1e6)
 
 
 def test_analyze_cli_compare(capsys):
