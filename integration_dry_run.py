@@ -53,9 +53,9 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
     from graph_trainer.passes.ep_overlap import find_regions, verify_schedule
     from graph_trainer.analysis.collectives import collective_name, process_group_of
     from graph_trainer.passes.transformer_block_bucketing import bucket_index
-    from models.registry import MODEL_SPECS
+    from graph_trainer.config import model_args
 
-    args = MODEL_SPECS[cfg.model.name].flavors[cfg.model.flavor]
+    args = model_args(cfg)
     problems = []
     nodes, ref_nodes = _launches(gm), _launches(reference)
 

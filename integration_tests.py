@@ -1,11 +1,14 @@
 """End-to-end suites: every case is a real ``torchrun train.py`` job, checked from its outputs.
 
-    python integration_tests.py OUTPUT_DIR --suite cpu|h100 [--test_name NAME[,NAME]] [--ngpu N]
+    python integration_tests.py OUTPUT_DIR --suite cpu|h100|gpu [--test_name NAME[,NAME]] [--ngpu N]
                                 [--dry-run] [--list]
 
 ``cpu`` runs on gloo with the debug LLaMA-3 and DeepSeek-V3, 1 to 4 processes (what CI can run:
-2 cores, no GPU). ``h100`` runs real flavors with NCCL on 8 GPUs (4 where a case says so); it
-refuses to start without the GPUs its cases need. ``--ngpu N`` skips the cases (and their
+2 cores, no GPU). ``h100`` runs real flavors with NCCL on 8 GPUs (4 where a case says so).
+``gpu`` needs ONE GPU: the debug models graph vs eager and run-to-run, bitwise under
+``--debug.deterministic True``, and real 8B- and 16B-shaped models cut to 4 layers in bf16, whose
+tok/s, MFU and peak memory the table shows. The GPU suites refuse to start without the GPUs
+their cases need. ``--ngpu N`` skips the cases (and their
 dependents) that need more than N processes. ``--test_name`` runs the named cases and the cases
 they are compared with.
 
@@ -13,7 +16,12 @@ A case passes when its job exits 0, writes one finite loss per step, the loss fa
 log has the metrics line (loss, tok/s/dev, mem) agreeing with ``losses.txt``. A case naming
 ``same_as`` must have per-step losses bitwise those of that case (graph vs eager of one layout,
 graph vs graph + a value-preserving pass); one naming ``close_to`` must stay within
-``CLOSE_RTOL`` of that one-process run on the same global batch.
+``CLOSE_RTOL`` of that one-process run on the same global batch. Where the suite records
+gradients (``--debug.grad_record_step 1``, the cpu suite), the first step's gradients before
+clipping are compared too (``graph_trainer.grad_record``): bitwise for ``same_as``; for
+``close_to`` the global norm and every parameter's norm and sampled entries within
+``GRAD_RTOL`` of the one-process run, which catches a wrong gradient scale that the losses
+cannot show (AdamW and clipping hide it).
 
 ``--dry-run`` runs no job: each graph case is traced at its real world size on the fake process
 group in this one CPU process (``graph_trainer.analysis.fake_trace``, as ``analyze`` does), its
@@ -38,7 +46,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tests.launch import run_torchrun  # noqa: E402  (one launcher, with the gloo-teardown retry)
+from graph_trainer.grad_record import compare_records, load_record, record_path  # noqa: E402
+from tests.launch import run_torchrun  # noqa: E402  (the one launcher of torchrun jobs)
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,12 @@ class Case:
 
 
 CLOSE_RTOL = 1e-4
+GRAD_RTOL = 1e-5
+"""Bound on the relative deviation of a ``close_to`` case's step-1 gradients (global norm, each
+parameter's norm, each parameter's sample) from its one-process reference. Measured on the cpu
+suite: at most 1.3e-6 (FSDP=4 and HSDP 2x2, whose 4-rank sums order terms most differently),
+2-rank layouts 0.8e-7 to 3.4e-7. A doubled gradient deviates by 1."""
+GRAD_RECORD_STEP = 1
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,10 @@ class Suite:
     gpus: bool = False
     """Needs one CUDA device per process."""
     timeout: float = 900
+    report_speed: bool = False
+    """The table shows each case's tok/s, MFU and peak memory at its last step."""
+    record_grads: bool = False
+    """Every job writes its step-``GRAD_RECORD_STEP`` gradient record, and comparisons check it."""
     dry_run_overrides: list[str] = field(default_factory=list)
 
 
@@ -120,11 +139,18 @@ _CPU_LAYOUTS = {
     "ddp2": (2, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"], "single_b4"),
     "tp2": (2, ["--parallelism.tp", "2"], "single_graph"),
     "fsdp2xtp2": (4, ["--parallelism.tp", "2"], "single_b4"),
-    "fsdp2_keep_params": (2, ["--parallelism.fsdp_reshard_after_forward", "never"], "single_b4"),
+    # bf16 compute on float32 master weights without a data-parallel dim (SimpleFSDP does not
+    # cast here): graph vs eager only, bf16 rounding is no 1e-4 match for one process in fp32.
+    "tp2_bf16": (2, ["--parallelism.tp", "2", "--training.mixed_precision_param", "bfloat16"], ""),
 }
+# Keeping the gathered parameters for backward (no re-gather) is bitwise re-gathering them.
+# (Eager mode has no graph to reshard, so this has no eager twin.)
+_CPU_KEEP_PARAMS = [Case("fsdp2_keep_params", 2, ["--parallelism.fsdp_reshard_after_forward", "never"],
+                         same_as="fsdp2_graph")]
 _DEEPSEEK = "configs/deepseek_v3_debug.toml"
 _CPU_DEEPSEEK_REFERENCES = [Case("deepseek_single_b4", 1, _batch(4), config=_DEEPSEEK)]
 _CPU_DEEPSEEK_LAYOUTS = {
+    "deepseek_fsdp2": (2, [], "deepseek_single_b4"),
     "deepseek_ep2": (2, ["--parallelism.ep", "2"], "deepseek_single_b4"),
     "deepseek_fsdp2xep2": (4, ["--parallelism.ep", "2", *_batch(1)], "deepseek_single_b4"),
 }
@@ -165,7 +191,7 @@ CPU_EP_OVERLAP_CASES: list[Case] = _ep_overlap_cases(_CPU_DEEPSEEK_LAYOUTS, [
 ], _DEEPSEEK)
 
 CPU_CASES = (
-    _CPU_REFERENCES + _layout_cases(_CPU_LAYOUTS)
+    _CPU_REFERENCES + _layout_cases(_CPU_LAYOUTS) + _CPU_KEEP_PARAMS
     + _pass_cases(_CPU_LAYOUTS, ["fsdp2", "hsdp2x2", "fsdp2xtp2"])
     + _CPU_DEEPSEEK_REFERENCES + _layout_cases(_CPU_DEEPSEEK_LAYOUTS, _DEEPSEEK)
     + _pass_cases(_CPU_DEEPSEEK_LAYOUTS, ["deepseek_ep2", "deepseek_fsdp2xep2"], _DEEPSEEK)
@@ -207,12 +233,39 @@ H100_CASES = (
     + H100_EP_OVERLAP_CASES
 )
 
+# ---- gpu: ONE GPU, one process per case. Numerics: graph vs eager and run-to-run, bitwise, on
+# the debug models; on CUDA that holds only with deterministic kernels (the attention backward
+# is not run-to-run deterministic otherwise). Speed and memory: real flavors cut to a few layers,
+# bf16 compute with fp32 master weights; the table shows their tok/s, MFU and peak memory.
+_DETERMINISTIC = ["--debug.deterministic", "True"]
+_REAL_SHAPES = ["--training.mixed_precision_param", "bfloat16", "--training.warmup_steps", "2",
+                "--metrics.log_freq", "1"]
+
+
+def _bitwise_cases(name: str, config: str) -> list[Case]:
+    graph = Case(f"{name}_graph", 1, _DETERMINISTIC, config=config)
+    return [graph,
+            Case(f"{name}_eager", 1, [*_DETERMINISTIC, "--compile.mode", "eager"], same_as=graph.name, config=config),
+            Case(f"{name}_graph_again", 1, _DETERMINISTIC, same_as=graph.name, config=config)]
+
+
+GPU_CASES = (
+    _bitwise_cases("llama3_debug", "configs/llama3_debug.toml")
+    + _bitwise_cases("deepseek_debug", _DEEPSEEK)
+    + [Case("llama3_8b_4layers_bf16", 1, ["--model.n_layers", "4", "--training.seq_len", "8192",
+                                          *_batch(1), *_REAL_SHAPES], config="configs/llama3_8b.toml"),
+       Case("deepseek16b_4layers_bf16", 1, ["--model.n_layers", "4", "--training.seq_len", "4096", *_batch(2),
+                                            "--parallelism.ep", "1", *_REAL_SHAPES],
+            config="configs/deepseek_v3_16b.toml")]
+)
+
 SUITES = {
     "cpu": Suite(
         config="configs/llama3_debug.toml",
         overrides=["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "5",
                    "--metrics.enable_tensorboard", "False", "--checkpoint.interval", "0", "--job.device", "cpu"],
         steps=10,
+        record_grads=True,
         cases=CPU_CASES,
     ),
     "h100": Suite(
@@ -223,10 +276,20 @@ SUITES = {
         gpus=True,
         timeout=3600,
     ),
+    "gpu": Suite(
+        config="configs/llama3_debug.toml",
+        overrides=["--metrics.log_freq", "5", "--checkpoint.interval", "0", "--job.device", "cuda",
+                   "--metrics.enable_tensorboard", "False"],
+        steps=10,
+        cases=GPU_CASES,
+        gpus=True,
+        report_speed=True,
+        timeout=1800,
+    ),
 }
 
-LOG_LINE = re.compile(r"step (\d+) \| loss (\S+) \|.*\| tok/s/dev ([\d,]+) \|.*\| mem ([\d.]+) GiB")
-"""The metrics line of ``graph_trainer.metrics.MetricsLogger`` (loss, tokens/s per device, memory)."""
+LOG_LINE = re.compile(r"step (\d+) \| loss (\S+) \|.*\| tok/s/dev ([\d,]+) \| mfu (\S+) \| mem ([\d.]+) GiB")
+"""The metrics line of ``graph_trainer.metrics.MetricsLogger`` (loss, tokens/s per device, MFU, memory)."""
 
 
 @dataclass
@@ -245,8 +308,9 @@ class Result:
 
 def job_args(suite: Suite, case: Case, extra: list[str] = ()) -> list[str]:
     """train.py flags of a case: its config, the suite's overrides, ``extra``, its own args."""
+    record = ["--debug.grad_record_step", str(GRAD_RECORD_STEP)] if suite.record_grads else []
     return ["--job.config_file", os.path.join(ROOT, case.config or suite.config), *suite.overrides,
-            "--training.steps", str(suite.steps), *extra, *case.args]
+            "--training.steps", str(suite.steps), *record, *extra, *case.args]
 
 
 def read_losses(folder: str) -> list[tuple[int, str]]:
@@ -271,38 +335,71 @@ def check_job(output: str, losses: list[tuple[int, str]], steps: int) -> str | N
         m = logged[step]
         if m[2] != f"{values[step - 1]:.6f}":
             return f"step {step}: the log says loss {m[2]}, losses.txt {losses[step - 1][1]}"
-        if float(m[3].replace(",", "")) <= 0 or float(m[4]) <= 0:
-            return f"step {step}: tok/s/dev {m[3]} and mem {m[4]} GiB must be > 0"
+        if float(m[3].replace(",", "")) <= 0 or float(m[5]) <= 0:
+            return f"step {step}: tok/s/dev {m[3]} and mem {m[5]} GiB must be > 0"
     return None
 
 
-def compare(case: Case, losses: list[str], done: dict[str, list[str]]) -> tuple[str | None, str]:
-    """Check a case's losses against its reference; (problem or None, note)."""
+@dataclass(frozen=True)
+class Finished:
+    """What a passed job left for the cases compared with it."""
+
+    losses: list[str]
+    grads: dict | None = None
+    """Its gradient record (``graph_trainer.grad_record``) if the suite asked for one."""
+
+
+def steady_metrics(output: str) -> str:
+    """Speed and memory of the last logged step (``tok/s``, MFU, peak memory), for the table."""
+    last = list(LOG_LINE.finditer(output))[-1]
+    return f"tok/s {last[3]}, mfu {last[4]}, mem {last[5]} GiB"
+
+
+def compare(case: Case, run: Finished, done: dict[str, Finished]) -> tuple[str | None, str]:
+    """Check a case's losses (and gradient record) against its reference; (problem or None, note)."""
     name = case.same_as or case.close_to
     if not name:
         return None, ""
     reference = done.get(name)
-    if reference is None or len(reference) != len(losses):
+    losses = run.losses
+    if reference is None or len(reference.losses) != len(losses):
         return f"reference case {name} did not produce {len(losses)} losses", ""
+    if (run.grads is None) != (reference.grads is None):
+        return f"only one of {case.name} and {name} wrote a gradient record", ""
     if case.same_as:
-        if reference != losses:
-            step = next(i for i, (a, b) in enumerate(zip(reference, losses), 1) if a != b)
-            return f"losses differ from {name} from step {step}: {reference[step - 1]} vs {losses[step - 1]}", ""
-        return None, f"bitwise {name}"
-    deviation = max(abs(float(a) - float(b)) / abs(float(b)) for a, b in zip(losses, reference))
+        if reference.losses != losses:
+            step = next(i for i, (a, b) in enumerate(zip(reference.losses, losses), 1) if a != b)
+            return (f"losses differ from {name} from step {step}: {reference.losses[step - 1]} vs "
+                    f"{losses[step - 1]}"), ""
+        note = f"bitwise {name}"
+        if run.grads is not None:
+            problems, _ = compare_records(run.grads, reference.grads, rtol=0.0)
+            if problems:
+                return f"step-{GRAD_RECORD_STEP} gradients differ from {name}: {'; '.join(problems[:3])}", note
+            note += " (losses, grads)"
+        return None, note
+    deviation = max(abs(float(a) - float(b)) / abs(float(b)) for a, b in zip(losses, reference.losses))
     note = f"max rel dev vs {name} {deviation:.1e}"
     if deviation > CLOSE_RTOL:
         return f"losses deviate {deviation:.1e} (> {CLOSE_RTOL}) from {name}", note
+    if run.grads is not None:
+        problems, worst = compare_records(run.grads, reference.grads, rtol=GRAD_RTOL)
+        note += f", grads {worst:.1e}"
+        if problems:
+            return (f"step-{GRAD_RECORD_STEP} gradients deviate from {name} (> {GRAD_RTOL:.0e}): "
+                    f"{'; '.join(problems[:3])}" + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")), note
     return None, note
 
 
-def run_case(suite: Suite, case: Case, output_dir: str, done: dict[str, list[str]]) -> Result:
-    """Run one case as a torchrun job in ``output_dir/<name>`` (log: ``<name>.log``) and check it."""
+def run_case(suite: Suite, case: Case, output_dir: str, done: dict[str, Finished],
+             script: str = os.path.join(ROOT, "train.py")) -> Result:
+    """Run one case as a torchrun job of ``script`` in ``output_dir/<name>`` (log: ``<name>.log``) and
+    check it (tests run scripts that inject a bug into train.py, to see the checks catch it)."""
     folder = os.path.join(output_dir, case.name)
     shutil.rmtree(folder, ignore_errors=True)  # a stale checkpoint would be resumed
     start = time.perf_counter()
     try:
-        proc = run_torchrun(case.nproc, os.path.join(ROOT, "train.py"),
+        proc = run_torchrun(case.nproc, script,
                             *job_args(suite, case, ["--job.dump_folder", folder]), timeout=suite.timeout, check=False)
         output, code = proc.stdout + proc.stderr, proc.returncode
     except Exception as e:  # subprocess.TimeoutExpired
@@ -317,8 +414,17 @@ def run_case(suite: Suite, case: Case, output_dir: str, done: dict[str, list[str
     losses = read_losses(folder) if os.path.exists(os.path.join(folder, "losses.txt")) else []
     result.problem = check_job(output, losses, suite.steps)
     if result.problem is None:
-        done[case.name] = [v for _, v in losses]
+        grads = None
+        if suite.record_grads:
+            path = record_path(folder, GRAD_RECORD_STEP)
+            if not os.path.exists(path):
+                result.problem = f"no gradient record {path}"
+                return result
+            grads = load_record(path)
+        done[case.name] = Finished([v for _, v in losses], grads)
         result.note = f"loss {losses[0][1][:6]} -> {losses[-1][1][:6]}"
+        if suite.report_speed:
+            result.note += f", {steady_metrics(output)}"
         result.problem, note = compare(case, done[case.name], done)
         result.note += f", {note}" if note else ""
     return result
@@ -354,7 +460,7 @@ def run_suite(suite_name: str, output_dir: str, names: list[str] = (), ngpu: int
     suite = SUITES[suite_name]
     cases, skipped = select(suite.cases, list(names), ngpu if ngpu is not None else max(c.nproc for c in suite.cases))
     os.makedirs(output_dir, exist_ok=True)
-    done: dict[str, list[str]] = {}
+    done: dict[str, Finished] = {}
     results = []
     for case in cases:
         result = Result(case, skipped=skipped[case.name]) if case.name in skipped else run_case(

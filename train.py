@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from graph_trainer.errors import ConfigError
+from graph_trainer.errors import ConfigError, TorchCompatError
 
 
 def _report(message: str) -> None:
@@ -20,12 +20,13 @@ def _report(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from graph_trainer.config import load_config, validate_config
+    from graph_trainer.config import check_device, load_config, validate_config
 
     try:
         cfg = load_config(argv)
         validate_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    except ConfigError as e:
+        check_device(cfg.job.device)
+    except (ConfigError, TorchCompatError) as e:
         _report(str(e))
         return 2
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             # Leave together: a rank tearing gloo down while its peer still talks to it
             # can abort the peer at exit ("terminate called without an active exception").
             dist.barrier()
-    except ConfigError as e:  # problems only found while building (dataset path, checkpoint, ...)
+    except (ConfigError, TorchCompatError) as e:  # found while building (checkpoint, a private API, ...)
         _report(str(e))
         return 2
     finally:

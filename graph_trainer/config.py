@@ -46,6 +46,9 @@ class Model:
     """Model family: a key of ``models.registry.MODEL_SPECS`` (e.g. 'llama3')."""
     flavor: str = "debugmodel"
     """Size of the model within its family (e.g. 'debugmodel', '8B', '70B', '405B')."""
+    n_layers: int = 0
+    """Transformer blocks to build: 0 = the flavor's; N = the flavor's shapes with only N blocks
+    (e.g. to measure a real block's speed and memory on one GPU). Logs, MFU and the memory estimate use N."""
 
 
 @dataclass
@@ -85,9 +88,12 @@ class Training:
     tokenizer_path: str = ""
     """Path to a Hugging Face tokenizer.json; empty means the built-in byte-level tokenizer."""
     mixed_precision_param: str = "float32"
-    """Dtype parameters are cast to for compute (SimpleFSDP casts before the all-gather): float32, bfloat16 or float16."""
+    """Dtype parameters are cast to for compute, on every layout (SimpleFSDP casts before the all-gather;
+    without data parallelism a cast parametrization does it): float32, bfloat16 or float16. The
+    optimizer keeps float32 master weights either way."""
     mixed_precision_reduce: str = "float32"
-    """Dtype gradients are reduced in: float32, bfloat16 or float16."""
+    """Dtype gradients are reduced in across data-parallel ranks: float32, bfloat16 or float16
+    (no effect without data parallelism: nothing is reduced)."""
 
 
 @dataclass
@@ -160,6 +166,10 @@ class Debug:
     """Intra-op CPU threads (torch.set_num_threads); 0 keeps torch's default."""
     log_level: str = "INFO"
     """Python logging level: DEBUG, INFO, WARNING or ERROR."""
+    grad_record_step: int = 0
+    """At this step (>= 1) write <dump_folder>/grad_record_step<N>.pt: the gradient norm before clipping and,
+    per parameter, the norm and a fixed sample of the full (gathered) gradient, to compare layouts
+    (graph_trainer/grad_record.py); 0: off."""
 
 
 @dataclass
@@ -319,6 +329,42 @@ def resolve_parallel_degrees(p: Parallelism, world_size: int) -> dict[str, int]:
     return {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "ep": p.ep}
 
 
+def model_args(cfg: JobConfig):
+    """The model's shape: the flavor's arguments, with ``model.n_layers`` applied when set."""
+    import dataclasses as dc
+
+    from models.registry import MODEL_SPECS
+
+    args = MODEL_SPECS[cfg.model.name].flavors[cfg.model.flavor]
+    return dc.replace(args, n_layers=cfg.model.n_layers) if cfg.model.n_layers else args
+
+
+def resolve_device(requested: str) -> str:
+    """``job.device`` as the job will run it: 'auto' is 'cuda' when CUDA is available, else 'cpu'."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def check_device(requested: str) -> None:
+    """Whether THIS machine can run the job on ``job.device`` (a check of the machine, not of the
+    config: ``analyze`` and the dry run trace CUDA jobs on a CPU): CUDA at all when it is asked
+    for, and one CUDA device per process of this node (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    import torch
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        reason = "this PyTorch has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ConfigError(f"job.device = 'cuda' but {reason} (torch {torch.__version__}); use --job.device cpu")
+    if resolve_device(requested) == "cuda":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        visible = torch.cuda.device_count()
+        if local > visible:
+            raise ConfigError(f"{local} processes on this node need {local} CUDA devices, {visible} visible; "
+                              f"use --job.device cpu or fewer processes")
+
+
 def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     """Check every field before anything is built; raise ConfigError on the first problem."""
     from graph_trainer.passes import PASS_REGISTRY
@@ -329,7 +375,13 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     _one_of(cfg.model.name, tuple(MODEL_SPECS), "model.name")
     spec = MODEL_SPECS[cfg.model.name]
     _one_of(cfg.model.flavor, tuple(spec.flavors), f"model.flavor (for {cfg.model.name})")
-    args = spec.flavors[cfg.model.flavor]
+    flavor = spec.flavors[cfg.model.flavor]
+    _require(cfg.model.n_layers >= 0, f"model.n_layers = {cfg.model.n_layers} must be >= 0 (0: the flavor's "
+                                      f"{flavor.n_layers})")
+    try:
+        args = model_args(cfg)
+    except ValueError as e:  # the flavor's own shape checks (e.g. DeepSeek-V3's dense layers)
+        raise ConfigError(f"model.n_layers = {cfg.model.n_layers} does not fit flavor {cfg.model.flavor}: {e}") from None
 
     _require(t.steps >= 1, f"training.steps = {t.steps} must be >= 1")
     _require(t.local_batch_size >= 1, f"training.local_batch_size = {t.local_batch_size} must be >= 1")
@@ -371,5 +423,7 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     _require(cfg.metrics.peak_tflops >= 0, f"metrics.peak_tflops = {cfg.metrics.peak_tflops} must be >= 0")
     _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval = {cfg.checkpoint.interval} must be >= 0")
     _require(cfg.checkpoint.load_step >= -1, f"checkpoint.load_step = {cfg.checkpoint.load_step} must be >= -1")
+    _require(cfg.debug.grad_record_step >= 0,
+             f"debug.grad_record_step = {cfg.debug.grad_record_step} must be >= 0 (0: off)")
     _require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")
     _one_of(cfg.debug.log_level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"), "debug.log_level")

@@ -97,6 +97,33 @@ class ReplicateComputation(nn.Module):
         return DTensor.from_local(full, self.inner_mesh, self.inner_placements, run_check=False)
 
 
+class CastForCompute(nn.Module):
+    """The parametrization for mixed precision where nothing is gathered (one process, or tensor
+    parallel alone): the module computes with the parameter cast to ``param_dtype``; autograd casts
+    the gradient back to the parameter's own dtype, so the optimizer updates the fp32 master
+    weights, as under SimpleFSDP. The same module runs in graph and eager mode."""
+
+    def __init__(self, param_dtype: torch.dtype):
+        super().__init__()
+        self.param_dtype = param_dtype
+
+    def forward(self, param: torch.Tensor) -> torch.Tensor:
+        return param.to(self.param_dtype)
+
+
+def cast_for_compute(model: nn.Module, mp: MixedPrecision) -> nn.Module:
+    """Mixed precision without data parallelism: every parameter not already behind a
+    parametrization (SimpleFSDP's casts itself), and not already in ``mp.param_dtype``, gets
+    ``CastForCompute``. ``mp.reduce_dtype`` has nothing to act on (no gradient is reduced)."""
+    for module_fqn, module in list(model.named_modules()):
+        if _is_parametrization(module_fqn):
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dtype != mp.param_dtype and not parametrize.is_parametrized(module, name):
+                parametrize.register_parametrization(module, name, CastForCompute(mp.param_dtype), unsafe=True)
+    return model
+
+
 def data_parallel_placements(mode: str | None, inner_placement: Placement | None, inner_degree: int) -> list[Placement]:
     """Placements over the data-parallel mesh dims for one parameter ([] without data parallelism)."""
     if mode is None:

@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from graph_trainer.build import build_model
 from graph_trainer.checkpoint import Checkpointer
-from graph_trainer.config import JobConfig, resolve_parallel_degrees
+from graph_trainer.config import JobConfig, check_device, model_args, resolve_device, resolve_parallel_degrees
 from graph_trainer.data import build_dataloader, build_tokenizer
+from graph_trainer.grad_record import gather_record, record_path, save_record
 from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
 from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from graph_trainer.parallel import ParallelDims, average_over_dp, build_mesh, dp_rank, sum_over_dp
@@ -47,9 +48,8 @@ def setup_distributed(cfg: JobConfig) -> DistInfo:
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    kind = cfg.job.device
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(cfg.job.device)
+    kind = resolve_device(cfg.job.device)
     if kind == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -85,7 +85,7 @@ class Trainer:
         _set_determinism(cfg)
         t = cfg.training
         spec = MODEL_SPECS[cfg.model.name]
-        self.model_args = spec.flavors[cfg.model.flavor]
+        self.model_args = model_args(cfg)
 
         self.dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, self.dist.world_size))
         self.mesh = build_mesh(self.dims, self.dist.device.type)
@@ -93,25 +93,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, self.dist.rank, self.dist.world_size, self.dims.as_dict(),
                                          self.dist.device)
         resume_step = self.checkpointer.resolve_load_step()
-        mp = MixedPrecision(param_dtype=getattr(torch, t.mixed_precision_param),
-                            reduce_dtype=getattr(torch, t.mixed_precision_reduce))
-
-        start = time.perf_counter()
-        logger.info("building %s %s on %s, parallelism %s ...", cfg.model.name, cfg.model.flavor,
-                    self.dist.device, _describe(self.dims))
-        self.model = build_model(spec.build, self.model_args, self.dist.device, t.seed,
-                                 parallelize=lambda m: spec.parallelize(m, self.mesh, self.dims, mp))
-        prepare_model_for_passes(self.model, cfg)
-        self.params = [p for p in self.model.parameters()]
-        n_params = sum(p.numel() for p in self.params)
-        logger.info("model built in %.2fs: %s parameters", time.perf_counter() - start, f"{n_params:,}")
-        # Each data-parallel rank averages over its own batch; gradients are summed over
-        # ranks, so scaling by 1/dp makes the update that of the mean over the global batch.
-        self.grad_scale = 1.0 / self.dims.dp_size
-        self.bucket_plan = spec.bucket_plan(self.model)
-
-        self.optimizer = build_optimizer(self.params, t)
-        self.scheduler = build_lr_scheduler(self.optimizer, t)
+        # The data next, still before the model: a dataset or tokenizer that cannot be read fails fast.
         tokenizer = build_tokenizer(t.tokenizer_path)
         self.dataloader = build_dataloader(
             dataset=t.dataset,
@@ -125,6 +107,26 @@ class Trainer:
             dataset_split=t.dataset_split,
             text_field=t.text_field,
         )
+        mp = MixedPrecision(param_dtype=getattr(torch, t.mixed_precision_param),
+                            reduce_dtype=getattr(torch, t.mixed_precision_reduce))
+
+        start = time.perf_counter()
+        layers = f" ({cfg.model.n_layers} layers)" if cfg.model.n_layers else ""
+        logger.info("building %s %s%s on %s, parallelism %s, compute dtype %s ...", cfg.model.name,
+                    cfg.model.flavor, layers, self.dist.device, _describe(self.dims), t.mixed_precision_param)
+        self.model = build_model(spec.build, self.model_args, self.dist.device, t.seed,
+                                 parallelize=lambda m: spec.parallelize(m, self.mesh, self.dims, mp))
+        prepare_model_for_passes(self.model, cfg)
+        self.params = [p for p in self.model.parameters()]
+        n_params = sum(p.numel() for p in self.params)
+        logger.info("model built in %.2fs: %s parameters", time.perf_counter() - start, f"{n_params:,}")
+        # Each data-parallel rank averages over its own batch; gradients are summed over
+        # ranks, so scaling by 1/dp makes the update that of the mean over the global batch.
+        self.grad_scale = 1.0 / self.dims.dp_size
+        self.bucket_plan = spec.bucket_plan(self.model)
+
+        self.optimizer = build_optimizer(self.params, t)
+        self.scheduler = build_lr_scheduler(self.optimizer, t)
         self.step = 0
         if resume_step is not None:
             self.checkpointer.load(resume_step, self.model, self.optimizer, self.scheduler, self.dataloader)
@@ -166,7 +168,13 @@ class Trainer:
         loss, grads = self.step_fn(tokens, labels)
         for p, g in zip(self.params, grads):
             p.grad = g
+        record = None
+        if self.step == self.cfg.debug.grad_record_step:  # before clipping scales them
+            record = gather_record([(name, p.grad) for name, p in self.model.named_parameters()])
         grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm)
+        if record is not None and self.dist.rank == 0:
+            record["norm"] = grad_norm.item()
+            save_record(record, record_path(self.cfg.job.dump_folder, self.step))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

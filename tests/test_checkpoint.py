@@ -1,7 +1,7 @@
 """Distributed checkpointing: bitwise resume, resharding FSDP=2 -> FSDP=4, clear errors.
 
 The multi-process jobs (gloo, via ``tests.launch.run_train``) are shared through module-scoped
-fixtures so the file runs five short torchrun jobs in all.
+fixtures so the file runs four short torchrun jobs in all.
 """
 
 import json
@@ -26,18 +26,29 @@ from tests.launch import FAST_ARGS, read_losses, run_train
 # ------------------------------------------------------------------ multi-process jobs (graph mode)
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """FSDP=2, 10 steps, no checkpointing: the reference losses."""
+def straight_run(tmp_path_factory):
+    """FSDP=2, 10 steps, saving at steps 5 and 10: the reference, and the step-5 checkpoint."""
     folder = tmp_path_factory.mktemp("straight")
-    run_train(2, folder, "--training.steps", "10", "--checkpoint.interval", "0")
-    return read_losses(folder)
+    run_train(2, folder, "--training.steps", "10", "--checkpoint.interval", "5")
+    return folder
 
 
 @pytest.fixture(scope="module")
-def first_half(tmp_path_factory):
-    """FSDP=2, 5 steps saving at step 5: the job that is later extended to 10 steps."""
+def straight(straight_run):
+    """The reference losses of 10 uninterrupted steps."""
+    return read_losses(straight_run)
+
+
+@pytest.fixture(scope="module")
+def first_half(straight_run, tmp_path_factory):
+    """What the same job stopped after step 5 leaves: its step-5 checkpoint and 5 lines of losses.txt.
+
+    (Steps 1-5 use the same learning rates whether the job runs 5 or 10 steps: 4 warmup steps,
+    then the decay starts at the peak.)"""
     folder = tmp_path_factory.mktemp("resumed")
-    run_train(2, folder, "--training.steps", "5", "--checkpoint.interval", "5")
+    shutil.copytree(straight_run / "checkpoint" / "step-5", folder / "checkpoint" / "step-5")
+    lines = (straight_run / "losses.txt").read_text().splitlines(keepends=True)
+    (folder / "losses.txt").write_text("".join(lines[:5]))
     return folder
 
 

@@ -118,6 +118,53 @@ def test_train_py_exits_2_with_one_line(args, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_one_line_exit_2():
+    result = _run_train("--job.device", "cuda")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: job.device = 'cuda' but "), result.stderr
+    assert lines[0].endswith("; use --job.device cpu"), result.stderr
+
+
+def test_more_local_processes_than_gpus_is_one_line_error(monkeypatch):
+    import torch
+
+    from graph_trainer.config import check_device, resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for device in ("cuda", "auto"):  # auto picks cuda when it is there
+        with pytest.raises(ConfigError) as info:
+            check_device(device)
+        assert str(info.value) == ("2 processes on this node need 2 CUDA devices, 1 visible; use --job.device cpu "
+                                   "or fewer processes")
+    check_device("cpu")  # gloo: any number of processes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    check_device("cuda")
+    assert resolve_device("auto") == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+
+
+def test_n_layers_cuts_a_flavor_and_is_validated():
+    from graph_trainer.config import model_args
+
+    cfg = load_config(["--model.flavor", "8B", "--model.n_layers", "4"])
+    validate_config(cfg)
+    args = model_args(cfg)
+    assert (args.n_layers, args.dim, args.vocab_size) == (4, 4096, 128256)
+    assert model_args(load_config(["--model.flavor", "8B"])).n_layers == 32
+    with pytest.raises(ConfigError, match="model.n_layers = -1 must be >= 0"):
+        validate_config(load_config(["--model.n_layers", "-1"]))
+    deepseek = ["--job.config_file", os.path.join(ROOT, "configs", "deepseek_v3_16b.toml"), "--parallelism.ep", "1"]
+    validate_config(load_config([*deepseek, "--model.n_layers", "4"]), world_size=8)
+    with pytest.raises(ConfigError) as info:  # 16B's first layer is dense: one layer leaves no MoE for ep
+        validate_config(load_config([*deepseek, "--model.n_layers", "1", "--parallelism.ep", "8"]), world_size=8)
+    assert "parallelism.ep > 1 needs MoE layers" in str(info.value)
+
+
 def test_train_py_unknown_toml_key(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[model]\nflavour = '8B'\n")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from graph_trainer.build import build_model
 from graph_trainer.config import JobConfig, resolve_parallel_degrees
+from graph_trainer.config import model_args as config_model_args
 from graph_trainer.parallel import ParallelDims, build_mesh
 from graph_trainer.passes import PassContext, prepare_model_for_passes, run_passes
 from graph_trainer.simple_fsdp import MixedPrecision
@@ -43,7 +44,7 @@ def trace_without_passes(cfg: JobConfig, world_size: int, device_type: str = "cp
     """The job's training step at ``world_size`` traced on fake tensors, and the pass context
     the trainer would give its passes. ``model_args`` overrides the flavor's (e.g. fewer layers)."""
     spec = MODEL_SPECS[cfg.model.name]
-    args = model_args if model_args is not None else spec.flavors[cfg.model.flavor]
+    args = model_args if model_args is not None else config_model_args(cfg)
     t = cfg.training
     dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
     mesh = build_mesh(dims, device_type)

@@ -33,7 +33,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from graph_trainer.errors import ConfigError
 from graph_trainer.expert_parallel import ExpertParallelDispatcher
 from graph_trainer.parallel import ParallelDims, dp_mesh_dims, expert_dp_mesh_dims
-from graph_trainer.simple_fsdp import MixedPrecision, data_parallel
+from graph_trainer.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
 from models.deepseek_v3.flavors import DeepSeekV3Args
 from models.llama3.parallelize import bucket_plan  # same layout: embeddings, blocks, norm + output
 
@@ -76,11 +76,12 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims
 
 def parallelize_deepseek_v3(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims,
                             mp: MixedPrecision) -> nn.Module:
-    """Apply expert parallel (if ep > 1), then SimpleFSDP (if any data parallelism), on meta."""
+    """Apply expert parallel (if ep > 1), then SimpleFSDP (if any data parallelism; otherwise
+    the plain mixed-precision cast), on meta."""
     if dims.tp > 1:
         raise ConfigError(_TP_NOT_WIRED)
     if mesh is None:
-        return model
+        return cast_for_compute(model, mp)
     if dims.ep > 1:
         apply_expert_parallel(model, mesh, dims, mp)
     dp_dims = dp_mesh_dims(dims)

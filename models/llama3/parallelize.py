@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from graph_trainer.errors import ConfigError
 from graph_trainer.parallel import ParallelDims, dp_mesh_dims
-from graph_trainer.simple_fsdp import MixedPrecision, data_parallel
+from graph_trainer.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
 from models.llama3.flavors import Llama3Args
 
 
@@ -67,15 +67,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def parallelize_llama3(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims,
                        mp: MixedPrecision) -> nn.Module:
-    """Apply TP (if tp > 1), then SimpleFSDP (if any data parallelism). Model is on meta."""
+    """Apply TP (if tp > 1), then SimpleFSDP (if any data parallelism; otherwise the plain
+    mixed-precision cast). Model is on meta."""
     if mesh is None:
-        return model
+        return cast_for_compute(model, mp)
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     dp_dims = dp_mesh_dims(dims)
     if dp_dims:
         full = mesh[(*dp_dims, "tp")] if dims.tp > 1 else None
         data_parallel(model, mesh[dp_dims], dims.fsdp_mode, mp, full_mesh=full)
+    else:
+        cast_for_compute(model, mp)
     return model
 
 

@@ -1,4 +1,6 @@
-"""reshard_after_forward: backward re-gathers every parameter it reads, values unchanged."""
+"""reshard_after_forward: backward re-gathers every parameter it reads.
+
+That values do not change is the cpu suite's case `fsdp2_keep_params` (bitwise `fsdp2_graph`, on gloo)."""
 
 import pytest
 
@@ -7,7 +9,6 @@ from graph_trainer.analysis.fake_trace import fake_world, trace_job
 from graph_trainer.analysis.memory import estimate_peak_memory
 from graph_trainer.config import load_config
 from graph_trainer.passes.reshard_after_forward import unshard_chains, with_forward_views
-from tests.launch import run_train, read_losses
 
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32"]
 
@@ -51,11 +52,3 @@ def test_single_process_graph_is_left_alone():
     gm = trace_job(cfg, 1).gm
     assert not unshard_chains(gm.graph)
     assert not any(n.meta["custom"].get("recomputed") for n in gm.graph.nodes)
-
-
-def test_bitwise_with_and_without_on_two_processes(tmp_path):
-    run_train(2, tmp_path / "always", "--training.steps", "4")
-    run_train(2, tmp_path / "never", "--training.steps", "4", "--parallelism.fsdp_reshard_after_forward", "never")
-    always, never = read_losses(tmp_path / "always"), read_losses(tmp_path / "never")
-    assert len(always) == 4
-    assert [repr(v) for _, v in always] == [repr(v) for _, v in never]
