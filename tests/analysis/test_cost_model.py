@@ -208,3 +208,26 @@ def test_embedding_reads_only_its_rows_and_coalesced_bytes():
     rs = _node(g, c10d.reduce_scatter_tensor_coalesced.default, ([a, b], "sum", 8, "g"), [_meta(128), _meta(256)])
     assert collective_bytes(rs) == (1024 + 2048) * 2
     assert collective_time(rs, D) == pytest.approx(15 * US + 7 / 8 * 6144 / (450e9 * 0.8))
+
+
+def test_bytes_of_expanded_inputs_fills_and_nll_loss():
+    from graph_trainer.analysis.cost_model import node_bytes
+
+    f32 = torch.float32
+    g = fx.Graph()
+    # mean's backward: a (N, 1) gradient expanded to (N, D) is read once per row.
+    small = _placeholder(g, "small", _meta(8192, 1, dtype=f32).expand(8192, 4096))
+    div = _node(g, aten.div.Scalar, (small, 4096), _meta(8192, 4096, dtype=f32))
+    assert node_bytes(div) == 8192 * 4 + 8192 * 4096 * 4
+    x = _placeholder(g, "x", _meta(8192, 4096))
+    zeros = _node(g, aten.zeros_like.default, (x,), _meta(8192, 4096))
+    assert node_bytes(zeros) == 8192 * 4096 * 2
+    logp = _placeholder(g, "logp", _meta(8192, 128256, dtype=f32))
+    target = _placeholder(g, "target", torch.empty(8192, dtype=torch.long, device="meta"))
+    scalar = torch.empty((), dtype=f32, device="meta")
+    loss = _node(g, aten.nll_loss_forward.default, (logp, target, None, 1, -100), (scalar, scalar))
+    assert node_bytes(loss) == 2 * 4 + 8192 * 8 + 8192 * 4  # one logit per target, not the whole input
+    grad, total = _placeholder(g, "grad", scalar), _placeholder(g, "total", scalar)
+    back = _node(g, aten.nll_loss_backward.default, (grad, logp, target, None, 1, -100, total),
+                 _meta(8192, 128256, dtype=f32))
+    assert node_bytes(back) == 8192 * 128256 * 4 + 8192 * 8  # fill + scatter, never reads logp
