@@ -133,10 +133,10 @@ class DeviceModel:
 # Each profiled aten op (name + input shapes) was matched to the nodes of the same graph
 # traced here (``fake_trace``: ``param_dtype=bfloat16, gpu_attention=True``); a class's
 # efficiency is sum(roofline time at 100%) / sum(profiled CUDA time) over its matched ops,
-# pooled over both profiles. Per profile (8B / 16B) and what the pool covers:
+# pooled over both profiles (rows mixing two kernel classes, e.g. pow(x, 1.0) running as a
+# copy_, are left out). Per profile (8B / 16B) and what the pool covers:
 H100_KERNELS = KernelEfficiency(
-    # mm: 0.776 / 0.803 over 110 ms of mm (84 + 96 calls per step). Large GEMMs of the 8B
-    # FFN/output reach 0.75-0.81; the K=1024 (GQA k/v) ones 0.63-0.79.
+    # mm: 0.776 / 0.803 over 110 ms of mm (87 + 96 calls per step); single shapes 0.63-0.84.
     matmul=0.78,
     # _grouped_mm (MoE experts, 64 groups of ~768 rows): 0.52-0.59, 16B only, 13.9 ms.
     grouped_mm=0.56,
@@ -145,7 +145,8 @@ H100_KERNELS = KernelEfficiency(
     attention_forward=0.59,
     # backward (2.5x the forward FLOPs): 0.442 / 0.384.
     attention_backward=0.43,
-    # Vectorized pointwise kernels (add, mul, silu(_backward), fill): 0.922 / 0.865, 20 ms.
+    # Contiguous pointwise kernels, fills, gathers (add, mul, silu(_backward), nll_loss_backward's
+    # zero-fill, embedding_dense_backward; 16B: index_copy at 0.56): 0.922 / 0.865, 20 ms.
     elementwise=0.90,
     # Broadcast or strided operands (RMSNorm scale by rsqrt / by weight, RoPE on strided
     # halves, stack/cat interleaving): 0.488 / 0.493, 17 ms; single ops range 0.29-0.70.
@@ -399,18 +400,11 @@ def node_bytes(node: fx.Node, hints: SizeHints | None = None) -> int:
 def _read_bytes(t: torch.Tensor, hints: SizeHints) -> int:
     """Bytes a kernel reads from input ``t``: an expanded (stride 0) dim is read once."""
     n = t.element_size()
-    for size, stride in zip(t.shape, _strides(t)):
+    for size, stride in zip(t.shape, t.stride() if t.layout == torch.strided else (1,) * t.dim()):
         # Structural test on symbolic strides: comparing an unbacked one would guard on it.
         if (sym_expr(stride) if isinstance(stride, torch.SymInt) else stride) != 0:
             n *= hints.concrete(size)
     return n
-
-
-def _strides(t: torch.Tensor) -> tuple:
-    try:
-        return tuple(t.stride())
-    except Exception:  # no strides (e.g. sparse): count every element
-        return (1,) * t.dim()
 
 
 def is_free(node: fx.Node) -> bool:
