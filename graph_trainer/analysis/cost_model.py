@@ -1,15 +1,26 @@
 """Analytic cost model: how long one graph node takes on a device.
 
-Compute nodes follow a roofline: ``max(flops / (peak(dtype) * flops_efficiency),
-bytes / (hbm_bandwidth * bandwidth_efficiency)) + launch_overhead``. FLOPs are counted only
-for matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``: ``2 * out.numel() * K``)
-and scaled-dot-product attention (forward ``2*B*H*Sq*Sk*(Dqk+Dv)`` = ``4*B*H*S*S*D``, halved
-when causal; backward 2.5x the forward). Everything else is memory-bound: bytes are the
-logical sizes of the tensor inputs plus outputs from ``node.meta["val"]`` (gather-like ops
-such as ``embedding`` read only the rows they output). Views, ``getitem``, ``empty``,
-placeholders and the output cost nothing; ``_c10d_functional`` nodes are costed by
-``collective_time`` instead. Each kernel is assumed to run alone (no fusion, no two kernels
-at once), which is eager PyTorch without CUDA graphs.
+Compute nodes follow a roofline: ``max(flops / (peak(dtype) * e_flops), bytes /
+(hbm_bandwidth * e_bytes)) + launch_overhead``. FLOPs are counted only for matmuls (``mm``,
+``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``: ``2 * out.numel() * K``) and scaled-dot-product
+attention (forward ``2*B*H*Sq*Sk*(Dqk+Dv)`` = ``4*B*H*S*S*D``, halved when causal; backward
+2.5x the forward). Everything else is memory-bound: bytes are the logical sizes of the tensor
+outputs plus inputs from ``node.meta["val"]``, an expanded (stride 0) input dim counted once;
+ops that read less say so (gathers such as ``embedding`` read only the rows they output,
+``nll_loss_forward`` one logit per target, ``nll_loss_backward`` and ``zeros_like``-style
+fills write without reading). Views, ``getitem``, ``empty``, placeholders and the output cost
+nothing; ``_c10d_functional`` nodes are costed by ``collective_time`` instead. Each kernel is
+assumed to run alone (no fusion, no two kernels at once), which is eager PyTorch without CUDA
+graphs, on a GPU kept busy by its host (host-side stalls are not modelled).
+
+The efficiencies depend on the kernel: ``kernel_class`` sorts every compute node into a class
+of ``KernelEfficiency`` (matmul, grouped_mm, attention forward / backward, elementwise,
+strided (broadcast / non-contiguous operands, cat), dtype_cast, reduction, softmax forward /
+backward, scatter_add) and a device with ``kernel_efficiency`` applies that class's fraction
+of the roofline: to the FLOP side for matmuls and attention (their byte side uses
+``elementwise``), to the byte side for the rest. A device without it (``CPU_2CORE``) uses its
+global ``flops_efficiency`` and ``bandwidth_efficiency``. ``H100_SXM``'s classes are
+calibrated on profiles of real H100 steps; ``H100_KERNELS`` says from which ops and numbers.
 
 Collectives follow ring models over the slowest link the group crosses:
 all_gather / reduce_scatter ``(n-1)/n * bytes / bw``, all_reduce ``2*(n-1)/n * bytes / bw``,
@@ -51,6 +62,38 @@ aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
+class KernelEfficiency:
+    """Fraction of the roofline one class of kernels reaches (``kernel_class`` names the class).
+
+    Compute classes (matmuls, attention) scale the FLOP side of the roofline; memory classes
+    scale the byte side. The memory side of a compute class uses ``elementwise``.
+    """
+
+    matmul: float
+    """Dense GEMMs (mm, addmm, bmm, baddbmm), of the dtype's peak FLOP/s."""
+    grouped_mm: float
+    """``_grouped_mm`` (MoE experts), of the dtype's peak FLOP/s."""
+    attention_forward: float
+    """Fused SDPA forward kernels, of peak FLOP/s for the counted attention FLOPs."""
+    attention_backward: float
+    """Fused SDPA backward kernels (counted as 2.5x the forward FLOPs), of peak FLOP/s."""
+    elementwise: float
+    """Elementwise and copy kernels whose operands are contiguous and of the output's size."""
+    strided: float
+    """Elementwise kernels with a broadcast or non-contiguous operand, and cat / stack."""
+    dtype_cast: float
+    """Copies that change the dtype (``_to_copy`` bf16 <-> fp32)."""
+    reduction: float
+    """Sums, means, norms and other reductions."""
+    softmax_forward: float
+    """(log_)softmax forward over rows (the loss over the vocabulary)."""
+    softmax_backward: float
+    """(log_)softmax backward."""
+    scatter_add: float
+    """Accumulating scatters (index_add, scatter_add, index_put with accumulate): atomics."""
+
+
+@dataclass(frozen=True)
 class DeviceModel:
     """Throughputs and fixed costs of one accelerator and its interconnect (SI units)."""
 
@@ -68,11 +111,14 @@ class DeviceModel:
     collective_latency: float
     """Fixed seconds per collective (launch, synchronisation, ring start-up)."""
     flops_efficiency: float
-    """Fraction of peak FLOP/s that real kernels achieve."""
+    """Fraction of peak FLOP/s that real kernels achieve (when ``kernel_efficiency`` is None)."""
     bandwidth_efficiency: float
-    """Fraction of peak memory / link bandwidth that real kernels and collectives achieve."""
+    """Fraction of peak link bandwidth that collectives achieve, and of memory bandwidth that
+    kernels achieve when ``kernel_efficiency`` is None."""
     launch_overhead: float
-    """Seconds added to every compute kernel (launch and tail effects)."""
+    """Seconds added to every compute kernel (launch gap and tail effects)."""
+    kernel_efficiency: KernelEfficiency | None = None
+    """Per kernel class fractions of the roofline (see ``kernel_class``); None: the two global ones."""
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -82,19 +128,63 @@ class DeviceModel:
         return self.peak_flops_fp32
 
 
+# Calibration of H100_SXM's kernels (2026-11, ``h100_measurements.md`` and the two
+# torch.profiler tables in ``h100_profiles/``: llama3 8B shape x 4 layers at 1 x 8192 and
+# deepseek_v3 16B shape x 4 layers at 2 x 4096, pure bf16, traced graph, 2 steady steps).
+# Each profiled aten op (name + input shapes) was matched to the nodes of the same graph
+# traced here (``fake_trace``: ``param_dtype=bfloat16, gpu_attention=True``); a class's
+# efficiency is sum(roofline time at 100%) / sum(profiled CUDA time) over its matched ops,
+# pooled over both profiles (rows mixing two kernel classes, e.g. pow(x, 1.0) running as a
+# copy_, are left out). Per profile (8B / 16B) and what the pool covers:
+H100_KERNELS = KernelEfficiency(
+    # mm: 0.776 / 0.803 over 110 ms of mm (87 + 96 calls per step); single shapes 0.63-0.84.
+    matmul=0.78,
+    # _grouped_mm (MoE experts, 64 groups of ~768 rows): 0.52-0.59, 16B only, 13.9 ms.
+    grouped_mm=0.56,
+    # cuDNN flash attention (sm90), causal, FLOPs as counted by ``_attention_flops``:
+    # forward 0.611 (8B, d=128, S=8192) / 0.533 (16B, d_qk=192, d_v=128, S=4096).
+    attention_forward=0.59,
+    # backward (2.5x the forward FLOPs): 0.442 / 0.384.
+    attention_backward=0.43,
+    # Contiguous pointwise kernels, fills, gathers (add, mul, silu(_backward), nll_loss_backward's
+    # zero-fill, embedding_dense_backward; 16B: index_copy at 0.56): 0.922 / 0.865, 20 ms.
+    elementwise=0.90,
+    # Broadcast or strided operands (RMSNorm scale by rsqrt / by weight, RoPE on strided
+    # halves, stack/cat interleaving): 0.488 / 0.493, 17 ms; single ops range 0.29-0.70.
+    strided=0.49,
+    # bf16 <-> fp32 _to_copy (RMSNorm upcasts, logits to fp32 and back): 0.695 / 0.710, 12.5 ms.
+    dtype_cast=0.70,
+    # sums over rows/columns (norm-weight gradients, MoE combine): 0.588 / 0.699, 2.4 ms.
+    reduction=0.66,
+    # cunn_SoftMaxForward on (tokens, vocab) fp32: 0.452 / 0.452 (it reads its input twice).
+    softmax_forward=0.45,
+    # cunn_SoftMaxBackward: 0.659 / 0.662.
+    softmax_backward=0.66,
+    # index_add of 49152 bf16 rows into 8192 (MoE combine, atomics): 0.094 (16B, 2.6 ms).
+    scatter_add=0.094,
+)
+
 H100_SXM = DeviceModel(
     name="H100 SXM",
     peak_flops_bf16=989e12,
     # fp32 matmuls at PyTorch's default (torch.backends.cuda.matmul.allow_tf32 = False) run on
     # the non-tensor-core FP32 units: 67 TFLOP/s. With TF32 enabled it would be 494e12.
+    # No fp32 profile exists: fp32 kernels take the bf16-derived class efficiencies, which the
+    # measured fp32 step time checks in aggregate (tests/analysis/test_calibration.py).
     peak_flops_fp32=67e12,
     hbm_bandwidth=3.35e12,
     intra_node_bandwidth=450e9,  # NVLink 4, 900 GB/s bidirectional, 8 GPUs per node
     inter_node_bandwidth=50e9,  # 400 Gb/s InfiniBand NIC per GPU
     collective_latency=15e-6,
-    flops_efficiency=0.7,
-    bandwidth_efficiency=0.8,
-    launch_overhead=5e-6,
+    flops_efficiency=0.7,  # unused for kernels (kernel_efficiency is set)
+    bandwidth_efficiency=0.8,  # links only (collectives); not re-calibrated here
+    # GPU time per step not spent in any kernel, per kernel launched: (step time from tok/s -
+    # profiled CUDA time) / launches, 8B: (204.45 - 203.36 ms) / ~1140 (1048 cudaLaunchKernel
+    # + 95 cuBLAS/cuDNN), 16B: (148.68 - 141.01 ms) / ~1720; pooled 8.8 ms / 2860 = 3.1 us.
+    # Per profile 1.0 / 4.5 us: the 16B step has host-bound stretches (GPU idle) that the
+    # simulator does not model; the tables have no timeline to locate them.
+    launch_overhead=3.1e-6,
+    kernel_efficiency=H100_KERNELS,
 )
 
 CPU_2CORE = DeviceModel(
@@ -215,6 +305,25 @@ _GATHER_LIKE = {aten.embedding.default: 1, aten.index_select.default: 2, aten.ga
 _MATMULS = {
     aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1, aten.baddbmm.default: 1,
 }
+_FILLS = {
+    aten.zeros.default, aten.ones.default, aten.full.default, aten.zeros_like.default,
+    aten.ones_like.default, aten.full_like.default, aten.new_zeros.default, aten.new_ones.default,
+    aten.new_full.default, aten.fill.Scalar, aten.fill_.Scalar, aten.zero_.default, aten.scalar_tensor.default,
+}
+"""Ops that write their output without reading a tensor input (at most a 0-d value)."""
+# Kernel classes by op name (overload-independent), see ``kernel_class``.
+_COMPUTE_CLASSES = {"matmul", "grouped_mm", "attention_forward", "attention_backward"}
+_SOFTMAX_FORWARD = {"_log_softmax", "_softmax", "_safe_softmax"}
+_SOFTMAX_BACKWARD = {"_log_softmax_backward_data", "_softmax_backward_data"}
+_SCATTER_ADD = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
+                "_embedding_bag_backward"}
+_REDUCTIONS = {
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "norm",
+    "linalg_vector_norm", "argmax", "argmin", "any", "all", "logsumexp", "cumsum", "cumprod",
+    "topk", "sort", "histc",
+}
+_CONCATS = {"cat", "stack"}
+_CASTS = {"_to_copy", "to", "copy", "copy_", "_to_dtype"}
 
 
 def _named_args(node: fx.Node) -> dict:
@@ -269,13 +378,34 @@ def node_flops(node: fx.Node, hints: SizeHints | None = None) -> tuple[float, to
 
 
 def node_bytes(node: fx.Node, hints: SizeHints | None = None) -> int:
-    """Bytes a kernel reads and writes: tensor inputs plus outputs (logical sizes)."""
+    """Bytes a kernel reads and writes: tensor inputs plus outputs (logical sizes), except for
+    ops that read only part of an input (gathers, ``nll_loss``) or none of it (``*_like`` fills)."""
     hints = hints or SizeHints()
     out = hints.nbytes(_val(node))
     if node.target in _GATHER_LIKE:  # reads only the gathered rows, plus the indices
         index = node.args[_GATHER_LIKE[node.target]]
         return 2 * out + hints.nbytes(_val([i for i in index if i is not None] if isinstance(index, list) else index))
-    return out + sum(hints.nbytes(_val(a)) for a in node.all_input_nodes)
+    if node.target in _FILLS:  # writes its output, reads at most a scalar
+        return out
+    if node.target == aten.nll_loss_forward.default:
+        # Reads one logit per target (a gather), not the whole (N, vocab) input.
+        target = _val(node.args[1])
+        return out + hints.nbytes(target) + hints.numel(target) * _val(node.args[0]).element_size()
+    if node.target == aten.nll_loss_backward.default:
+        # Zero-fills the (N, vocab) gradient and scatters one value per target; never reads
+        # ``self`` (the profiled kernels: fill_ 1.27 ms + a 12 us scatter at 8192 x 128256).
+        return out + hints.nbytes(_val(node.args[2]))
+    return out + sum(_read_bytes(t, hints) for a in node.all_input_nodes for t in _tensors(_val(a)))
+
+
+def _read_bytes(t: torch.Tensor, hints: SizeHints) -> int:
+    """Bytes a kernel reads from input ``t``: an expanded (stride 0) dim is read once."""
+    n = t.element_size()
+    for size, stride in zip(t.shape, t.stride() if t.layout == torch.strided else (1,) * t.dim()):
+        # Structural test on symbolic strides: comparing an unbacked one would guard on it.
+        if (sym_expr(stride) if isinstance(stride, torch.SymInt) else stride) != 0:
+            n *= hints.concrete(size)
+    return n
 
 
 def is_free(node: fx.Node) -> bool:
@@ -287,6 +417,66 @@ def is_free(node: fx.Node) -> bool:
     return node.target in _ZERO_COST or is_view_op(node)
 
 
+def kernel_class(node: fx.Node, hints: SizeHints | None = None) -> str:
+    """The ``KernelEfficiency`` field that applies to ``node``'s kernel (a compute node)."""
+    target = node.target
+    if target in _MATMULS:
+        return "matmul"
+    if target == aten._grouped_mm.default:
+        return "grouped_mm"
+    name = op_name(target) if isinstance(target, torch._ops.OpOverload) else ""
+    if name.startswith("_scaled_dot_product_"):
+        return "attention_backward" if name.endswith("_backward") else "attention_forward"
+    if name in _SOFTMAX_FORWARD:
+        return "softmax_forward"
+    if name in _SOFTMAX_BACKWARD:
+        return "softmax_backward"
+    if name in _SCATTER_ADD or (name in ("index_put", "index_put_") and _named_args(node).get("accumulate")):
+        return "scatter_add"
+    if name in _REDUCTIONS:
+        return "reduction"
+    if name in _CONCATS:
+        return "strided"
+    if name in _CASTS and _changes_dtype(node):
+        return "dtype_cast"
+    if _has_strided_operand(node, hints or SizeHints()):
+        return "strided"
+    return "elementwise"
+
+
+def _changes_dtype(node: fx.Node) -> bool:
+    """Whether a copy's tensor input (``_to_copy(x)``, ``copy(dst, src)``) differs in dtype from its output."""
+    out = _val(node)
+    return isinstance(out, torch.Tensor) and any(
+        t.dtype != out.dtype for a in node.all_input_nodes for t in _tensors(_val(a)))
+
+
+def _has_strided_operand(node: fx.Node, hints: SizeHints) -> bool:
+    """Whether a pointwise op has a broadcast operand (fewer elements than the output, more
+    than one) or a non-contiguous one: PyTorch then runs its generic, non-vectorized kernel."""
+    out = _tensors(_val(node))
+    if not out or torch.Tag.pointwise not in getattr(node.target, "tags", ()):
+        return False
+    out_numel = hints.numel(out[0])
+    for arg in node.all_input_nodes:
+        t = _val(arg)
+        if not isinstance(t, torch.Tensor):
+            continue
+        numel = hints.numel(t)
+        if 1 < numel < out_numel:
+            return True
+        if numel > 1 and not _is_contiguous(t):
+            return True
+    return False
+
+
+def _is_contiguous(t: torch.Tensor) -> bool:
+    try:
+        return bool(t.is_contiguous())
+    except Exception:  # data-dependent strides of unbacked sizes: assume dense
+        return True
+
+
 def node_compute_time(node: fx.Node, device: DeviceModel, hints: SizeHints | None = None) -> float:
     """Seconds ``node`` occupies the compute stream (0 for free nodes and collectives)."""
     if is_free(node) or collective_name(node) is not None:
@@ -296,9 +486,21 @@ def node_compute_time(node: fx.Node, device: DeviceModel, hints: SizeHints | Non
     if node.target == aten._local_scalar_dense.default:
         return device.launch_overhead  # a device-to-host read of one scalar
     flops, dtype = node_flops(node, hints)
-    t_compute = flops / (device.peak_flops(dtype) * device.flops_efficiency) if flops else 0.0
-    t_memory = node_bytes(node, hints) / (device.hbm_bandwidth * device.bandwidth_efficiency)
+    flops_eff, bytes_eff = _efficiencies(node, device, hints)
+    t_compute = flops / (device.peak_flops(dtype) * flops_eff) if flops else 0.0
+    t_memory = node_bytes(node, hints) / (device.hbm_bandwidth * bytes_eff)
     return max(t_compute, t_memory) + device.launch_overhead
+
+
+def _efficiencies(node: fx.Node, device: DeviceModel, hints: SizeHints) -> tuple[float, float]:
+    """(FLOP-side, byte-side) roofline efficiency of ``node`` on ``device``."""
+    eff = device.kernel_efficiency
+    if eff is None:
+        return device.flops_efficiency, device.bandwidth_efficiency
+    cls = kernel_class(node, hints)
+    if cls in _COMPUTE_CLASSES:
+        return getattr(eff, cls), eff.elementwise
+    return 1.0, getattr(eff, cls)  # memory classes: the FLOP side is 0 anyway
 
 
 # ---------------------------------------------------------------------------------------
@@ -402,7 +604,7 @@ def collective_time(
 
 
 __all__ = [
-    "CPU_2CORE", "DEVICES", "DeviceModel", "GroupInfo", "H100_SXM", "SizeHints", "collective_bytes",
-    "collective_kind", "collective_time", "group_info", "group_name_of", "is_free", "node_bytes",
-    "node_compute_time", "node_flops",
+    "CPU_2CORE", "DEVICES", "DeviceModel", "GroupInfo", "H100_SXM", "KernelEfficiency", "SizeHints",
+    "collective_bytes", "collective_kind", "collective_time", "group_info", "group_name_of", "is_free",
+    "kernel_class", "node_bytes", "node_compute_time", "node_flops",
 ]

@@ -6,6 +6,19 @@ meta device with its real parallel layout (TP, SimpleFSDP, ...), traces the trai
 fake tensors and runs the job's pass pipeline. Nothing is allocated at model size: this is
 how real-size layouts (Llama3-8B at FSDP=8 ...) are inspected and simulated on a machine
 without GPUs.
+
+Two opt-in knobs make the CPU trace the graph a GPU run executes (both default off, which
+traces exactly what the trainer traces on this machine):
+
+- ``param_dtype``: cast the floating-point parameters to this dtype before tracing ("pure"
+  low precision: parameters, and so gradients and optimizer state, in that dtype, no fp32
+  master copy). This is how one-GPU bf16 runs were measured (``h100_measurements.md``).
+- ``gpu_attention``: trace ``F.scaled_dot_product_attention`` as the fused kernel PyTorch
+  picks on an H100 (cuDNN attention for bf16/fp16, memory-efficient attention for fp32, as
+  the measured profiles show). A CPU build cannot select them itself: it traces the CPU flash
+  kernel, or for unequal q/v head dims (DeepSeek MLA) an fp32 math decomposition whose cost
+  has nothing to do with the GPU's. The fused ops only have fake/meta kernels here, so such a
+  graph is for analysis, not for running on CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +28,9 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from graph_trainer.build import build_model
 from graph_trainer.config import JobConfig, resolve_parallel_degrees
@@ -39,10 +55,52 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every floating-point parameter of ``model`` to ``dtype`` in place (buffers keep
+    theirs); a parameter shared by several modules stays shared."""
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in cast:
+                cast[id(param)] = nn.Parameter(param.detach().to(dtype), param.requires_grad)
+            module._parameters[name] = cast[id(param)]
+
+
+class _GpuAttention(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` to the fused op an H100 runs (module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            fused = _gpu_attention(*args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+
+def _gpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """The output of the fused GPU attention op for these inputs, or None where PyTorch would
+    not pick one (masks, GQA inside the op): the caller then traces the original call."""
+    if attn_mask is not None or enable_gqa:
+        return None
+    aten = torch.ops.aten
+    # compute_log_sumexp=True: training keeps the logsumexp for the backward kernel.
+    if query.dtype in (torch.bfloat16, torch.float16):
+        return aten._scaled_dot_product_cudnn_attention(
+            query, key, value, None, True, dropout_p, is_causal, False, scale=scale)[0]
+    return aten._scaled_dot_product_efficient_attention(
+        query, key, value, None, True, dropout_p, is_causal, scale=scale)[0]
+
+
 def trace_without_passes(cfg: JobConfig, world_size: int, device_type: str = "cpu",
-                         model_args=None) -> tuple[TracedStep, PassContext]:
+                         model_args=None, param_dtype: torch.dtype | None = None,
+                         gpu_attention: bool = False) -> tuple[TracedStep, PassContext]:
     """The job's training step at ``world_size`` traced on fake tensors, and the pass context
-    the trainer would give its passes. ``model_args`` overrides the flavor's (e.g. fewer layers)."""
+    the trainer would give its passes. ``model_args`` overrides the flavor's (e.g. fewer layers);
+    ``param_dtype`` and ``gpu_attention`` are described in the module docstring."""
     spec = MODEL_SPECS[cfg.model.name]
     args = model_args if model_args is not None else config_model_args(cfg)
     t = cfg.training
@@ -52,23 +110,28 @@ def trace_without_passes(cfg: JobConfig, world_size: int, device_type: str = "cp
                         reduce_dtype=getattr(torch, t.mixed_precision_reduce))
     model = build_model(spec.build, args, torch.device("meta"), t.seed,
                         parallelize=lambda m: spec.parallelize(m, mesh, dims, mp))
+    if param_dtype is not None:
+        cast_parameters(model, param_dtype)
     prepare_model_for_passes(model, cfg)
     batch = torch.empty(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
-    traced = trace_train_step(model, batch, batch, grad_scale=1.0 / dims.dp_size,
-                              fake_device=torch.device(device_type))
+    with _GpuAttention() if gpu_attention else contextlib.nullcontext():
+        traced = trace_train_step(model, batch, batch, grad_scale=1.0 / dims.dp_size,
+                                  fake_device=torch.device(device_type))
     context = PassContext(config=cfg, degrees=dims.as_dict(), extras={"bucket_plan": spec.bucket_plan(model)})
     return traced, context
 
 
-def trace_job(cfg: JobConfig, world_size: int, device_type: str = "cpu", model_args=None) -> TracedStep:
+def trace_job(cfg: JobConfig, world_size: int, device_type: str = "cpu", model_args=None,
+              param_dtype: torch.dtype | None = None, gpu_attention: bool = False) -> TracedStep:
     """The job's training step at ``world_size``, traced on fake tensors, after its passes.
 
     Must run inside ``fake_world(world_size)`` when ``world_size > 1``. ``device_type`` is
     the device the graph is made for (fake tensors never touch it).
     """
-    traced, context = trace_without_passes(cfg, world_size, device_type, model_args)
+    traced, context = trace_without_passes(cfg, world_size, device_type, model_args,
+                                           param_dtype=param_dtype, gpu_attention=gpu_attention)
     traced.gm = run_passes(traced.gm, context, cfg.compile.passes)
     return traced
 
 
-__all__ = ["fake_world", "trace_job", "trace_without_passes"]
+__all__ = ["cast_parameters", "fake_world", "trace_job", "trace_without_passes"]

@@ -12,7 +12,8 @@ Execution model (the one NCCL + one CUDA compute stream give in eager PyTorch):
 - A ``wait_tensor`` blocks the compute stream until its collective has finished; the time
   the compute stream spends blocked there is that collective's *exposed* time.
 
-``step_time`` is when the last stream finishes, ``compute_time`` the sum of compute costs,
+``step_time`` is when the last stream finishes, ``compute_time`` the sum of compute costs
+(``compute_by_class`` splits it by ``cost_model.kernel_class``),
 ``comm_time`` the sum of collective durations and ``exposed_comm_time`` the sum of blocked
 time (so ``step_time == compute_time + exposed_comm_time`` when every collective is waited).
 The peak memory estimate is ``graph_trainer.analysis.memory.estimate_peak_memory``.
@@ -36,6 +37,7 @@ from graph_trainer.analysis.cost_model import (
     collective_time,
     group_info,
     group_name_of,
+    kernel_class,
     node_compute_time,
 )
 from graph_trainer.analysis.memory import MemoryEstimate, estimate_peak_memory
@@ -78,6 +80,8 @@ class SimulationResult:
     """(node name, start, duration, module FQN) of every compute kernel, for the timeline."""
     wait_events: list[tuple[str, float, float]] = field(default_factory=list, repr=False)
     """(collective name, start, duration) of every stall of the compute stream."""
+    compute_by_class: dict[str, float] = field(default_factory=dict)
+    """Seconds of compute per kernel class (``cost_model.kernel_class``); sums to ``compute_time``."""
 
     @property
     def exposed_fraction(self) -> float:
@@ -158,6 +162,7 @@ def simulate(
     records: list[CollectiveRecord] = []
     compute_events: list[tuple[str, float, float, str]] = []
     wait_events: list[tuple[str, float, float]] = []
+    by_class: dict[str, float] = {}
     for node in graph.nodes:
         inputs_ready = max((ready.get(a, 0.0) for a in node.all_input_nodes), default=0.0)
         name = collective_name(node)
@@ -194,13 +199,16 @@ def simulate(
                     compute_events.append((node.name, now, cost, fqn))
                 now += cost
                 compute_total += cost
+                cls = kernel_class(node, hints)
+                by_class[cls] = by_class.get(cls, 0.0) + cost
             ready[node] = max(now, inputs_ready)
     step = max([now, *(r.end for r in records)])
     memory = estimate_peak_memory(graph, hints)
     return SimulationResult(
         device=device.name, step_time=step, compute_time=compute_total,
         comm_time=sum(r.duration for r in records), exposed_comm_time=exposed_total,
-        collectives=records, memory=memory, compute_events=compute_events, wait_events=wait_events)
+        collectives=records, memory=memory, compute_events=compute_events, wait_events=wait_events,
+        compute_by_class=by_class)
 
 
 def format_table(rows: list[dict[str, object]]) -> str:

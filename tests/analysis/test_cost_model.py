@@ -17,6 +17,8 @@ from graph_trainer.analysis.cost_model import (
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 D = H100_SXM
+K = D.kernel_efficiency  # calibrated per kernel class (cost_model.H100_KERNELS)
+LAUNCH = D.launch_overhead
 US = 1e-6
 
 
@@ -50,16 +52,17 @@ def test_mm_flops_and_dtype_aware_peak():
     g, mm = _mm_graph(m, k, n, torch.bfloat16)
     flops, dtype = node_flops(mm)
     assert flops == 2 * m * k * n and dtype == torch.bfloat16
-    expected = 2 * m * k * n / (989e12 * 0.7) + 5 * US
+    expected = 2 * m * k * n / (989e12 * K.matmul) + LAUNCH
     assert node_compute_time(mm, D) == pytest.approx(expected)
     _, mm32 = _mm_graph(m, k, n, torch.float32)
-    assert node_compute_time(mm32, D) == pytest.approx(2 * m * k * n / (67e12 * 0.7) + 5 * US)
+    assert node_compute_time(mm32, D) == pytest.approx(2 * m * k * n / (67e12 * K.matmul) + LAUNCH)
 
 
 def test_small_mm_is_memory_bound_and_addmm_bmm_count():
     g, mm = _mm_graph(8, 8192, 8192, torch.bfloat16)  # reads a 128 MiB weight for 1 GFLOP
     bytes_ = (8 * 8192 + 8192 * 8192 + 8 * 8192) * 2
-    assert node_compute_time(mm, D) == pytest.approx(bytes_ / (3.35e12 * 0.8) + 5 * US)
+    # The byte side of a matmul uses the elementwise (streaming) efficiency.
+    assert node_compute_time(mm, D) == pytest.approx(bytes_ / (3.35e12 * K.elementwise) + LAUNCH)
     g = fx.Graph()
     bias, a, b = (_placeholder(g, n, v) for n, v in (("bias", _meta(32)), ("a", _meta(16, 64)), ("b", _meta(64, 32))))
     addmm = _node(g, aten.addmm.default, (bias, a, b), _meta(16, 32))
@@ -76,7 +79,7 @@ def test_elementwise_is_bytes_over_bandwidth_and_views_are_free():
     add = _node(g, aten.add.Tensor, (x, y), _meta(1 << 20, dtype=torch.float32))
     view = _node(g, aten.view.default, (add, [1024, 1024]), _meta(1024, 1024, dtype=torch.float32))
     g.output(view)
-    assert node_compute_time(add, D) == pytest.approx(3 * 4 * (1 << 20) / (3.35e12 * 0.8) + 5 * US)
+    assert node_compute_time(add, D) == pytest.approx(3 * 4 * (1 << 20) / (3.35e12 * K.elementwise) + LAUNCH)
     assert node_compute_time(view, D) == 0.0
     assert node_compute_time(x, D) == 0.0
     assert node_compute_time(list(g.nodes)[-1], D) == 0.0  # output
@@ -208,3 +211,78 @@ def test_embedding_reads_only_its_rows_and_coalesced_bytes():
     rs = _node(g, c10d.reduce_scatter_tensor_coalesced.default, ([a, b], "sum", 8, "g"), [_meta(128), _meta(256)])
     assert collective_bytes(rs) == (1024 + 2048) * 2
     assert collective_time(rs, D) == pytest.approx(15 * US + 7 / 8 * 6144 / (450e9 * 0.8))
+
+
+def _class_graph():
+    """One node of each kernel class, with the shapes the calibration profiles had."""
+    f32, i64 = torch.float32, torch.long
+    g = fx.Graph()
+    x = _placeholder(g, "x", _meta(8192, 4096))
+    y = _placeholder(g, "y", _meta(8192, 4096))
+    w = _placeholder(g, "w", _meta(4096, 4096))
+    row = _placeholder(g, "row", _meta(8192, 1))
+    logits = _placeholder(g, "logits", _meta(8192, 1024, dtype=f32))
+    idx = _placeholder(g, "idx", torch.empty(8192, dtype=i64, device="meta"))
+    nodes = {
+        "matmul": _node(g, aten.mm.default, (x, w), _meta(8192, 4096)),
+        "elementwise": _node(g, aten.add.Tensor, (x, y), _meta(8192, 4096)),
+        "strided": _node(g, aten.mul.Tensor, (x, row), _meta(8192, 4096)),
+        "dtype_cast": _node(g, aten._to_copy.default, (x,), _meta(8192, 4096, dtype=f32)),
+        "reduction": _node(g, aten.sum.dim_IntList, (x, [0]), _meta(4096)),
+        "softmax_forward": _node(g, aten._log_softmax.default, (logits, 1, False), _meta(8192, 1024, dtype=f32)),
+        "scatter_add": _node(g, aten.index_add.default, (x, 0, idx, y), _meta(8192, 4096)),
+    }
+    nodes["concat"] = _node(g, aten.cat.default, ([x, y], 1), _meta(8192, 8192))
+    return g, nodes
+
+
+def test_kernel_classes_pick_their_calibrated_efficiency():
+    from graph_trainer.analysis.cost_model import kernel_class, node_bytes
+
+    _, nodes = _class_graph()
+    for cls, node in nodes.items():
+        assert kernel_class(node) == ("strided" if cls == "concat" else cls)
+    assert node_compute_time(nodes["matmul"], D) == pytest.approx(2 * 8192 * 4096 * 4096 / (989e12 * K.matmul) + LAUNCH)
+    for cls in ("elementwise", "strided", "dtype_cast", "reduction", "softmax_forward", "scatter_add"):
+        node = nodes[cls]
+        expected = node_bytes(node) / (3.35e12 * getattr(K, cls)) + LAUNCH
+        assert node_compute_time(node, D) == pytest.approx(expected), cls
+    # Memory-bound kernels of different classes moving similar bytes: the calibrated order.
+    t = {cls: node_compute_time(n, D) for cls, n in nodes.items()}
+    assert t["elementwise"] < t["strided"] and t["scatter_add"] > 5 * t["elementwise"]
+
+
+def test_cpu_device_keeps_global_efficiencies():
+    from graph_trainer.analysis.cost_model import CPU_2CORE, node_bytes
+
+    _, nodes = _class_graph()
+    cpu = CPU_2CORE
+    assert cpu.kernel_efficiency is None
+    for node in nodes.values():
+        flops, dtype = node_flops(node)
+        expected = max(flops / (cpu.peak_flops(dtype) * cpu.flops_efficiency) if flops else 0.0,
+                       node_bytes(node) / (cpu.hbm_bandwidth * cpu.bandwidth_efficiency)) + cpu.launch_overhead
+        assert node_compute_time(node, cpu) == pytest.approx(expected)
+
+
+def test_bytes_of_expanded_inputs_fills_and_nll_loss():
+    from graph_trainer.analysis.cost_model import node_bytes
+
+    f32 = torch.float32
+    g = fx.Graph()
+    # mean's backward: a (N, 1) gradient expanded to (N, D) is read once per row.
+    small = _placeholder(g, "small", _meta(8192, 1, dtype=f32).expand(8192, 4096))
+    div = _node(g, aten.div.Scalar, (small, 4096), _meta(8192, 4096, dtype=f32))
+    assert node_bytes(div) == 8192 * 4 + 8192 * 4096 * 4
+    x = _placeholder(g, "x", _meta(8192, 4096))
+    zeros = _node(g, aten.zeros_like.default, (x,), _meta(8192, 4096))
+    assert node_bytes(zeros) == 8192 * 4096 * 2
+    logp = _placeholder(g, "logp", _meta(8192, 128256, dtype=f32))
+    target = _placeholder(g, "target", torch.empty(8192, dtype=torch.long, device="meta"))
+    scalar = torch.empty((), dtype=f32, device="meta")
+    loss = _node(g, aten.nll_loss_forward.default, (logp, target, None, 1, -100), (scalar, scalar))
+    assert node_bytes(loss) == 2 * 4 + 8192 * 8 + 8192 * 4  # one logit per target, not the whole input
+    grad, total = _placeholder(g, "grad", scalar), _placeholder(g, "total", scalar)
+    back = _node(g, aten.nll_loss_backward.default, (grad, logp, target, None, 1, -100, total),
+                 _meta(8192, 128256, dtype=f32))
+    assert node_bytes(back) == 8192 * 128256 * 4 + 8192 * 8  # fill + scatter, never reads logp

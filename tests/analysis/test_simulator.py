@@ -61,6 +61,16 @@ def test_collective_hidden_behind_enough_compute():
     assert r.comm_time == pytest.approx(collective_time(ag, D, 8))
 
 
+def test_compute_split_by_kernel_class():
+    b = _Builder()
+    mm = b.mm()
+    cast = b._call(aten._to_copy.default, (mm,), torch.empty(8192, 8192, dtype=torch.float32, device="meta"))
+    r = simulate(b.done(cast), D)
+    assert r.compute_by_class == pytest.approx({"matmul": node_compute_time(mm, D),
+                                                "dtype_cast": node_compute_time(cast, D)})
+    assert sum(r.compute_by_class.values()) == pytest.approx(r.compute_time)
+
+
 def test_collective_waited_immediately_is_fully_exposed():
     b = _Builder()
     ag = b.all_gather()
