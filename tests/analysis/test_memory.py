@@ -197,3 +197,15 @@ def test_acceptance_command_prints_the_parts(capsys):
     optimizer_gib = 2 * 4 * 8_030_261_248 / 8 / GIB
     assert f"optimizer {optimizer_gib:.2f} GiB" in line and "params 3.74 GiB" in line
     assert "grads" in line and "activations" in line
+
+
+def test_dry_run_memory_cells():
+    from integration_dry_run import memory_columns
+
+    limit = DEVICE_MEMORY_BYTES["h100"]
+    cells = memory_columns(_estimate(round(75.25 * GIB)), limit)
+    assert cells == {"peak GiB": "75.2", "params": "18.8", "grads": "0", "optim": "37.6", "activ": "18.8",
+                     "mem": "ok"}
+    assert memory_columns(_estimate(round(86.5 * GIB)), limit)["mem"] == "> 79.1 GiB"
+    assert memory_columns(_estimate(round(86.5 * GIB)), None)["mem"] == ""  # cpu suite: no limit
+    assert set(memory_columns(None, limit).values()) == {"-", ""}  # a failed case has no graph
