@@ -1,5 +1,10 @@
 """``integration_tests.py --dry-run``: trace each graph case at its real world size on the fake
-process group in one CPU process, run its passes, and check the graph (``check_graph``)."""
+process group in one CPU process, run its passes, and check the graph (``check_graph``).
+
+Each row also shows the estimated per-rank peak memory of the case's training step and its parts
+(``graph_trainer.analysis.memory.estimate_step_memory``: parameters, gradients, AdamW state,
+activations, in GiB); for a suite on GPUs, a case whose peak exceeds an H100's memory gets a
+warning line and ``mem`` says so (a warning: the case still passes or fails on its graph)."""
 
 from __future__ import annotations
 
@@ -154,10 +159,28 @@ def _trace_key(args: list[str]) -> tuple[str, ...]:
     return (*key, "chunked") if "ep_overlap" in passes.split(",") else tuple(key)
 
 
+_MEMORY_COLUMNS = ("peak GiB", "params", "grads", "optim", "activ")
+
+
+def memory_columns(memory, limit: int | None) -> dict[str, str]:
+    """The row's memory cells: the step's peak and its parts (GiB), and ``mem``: "ok", or the
+    limit it exceeds ("" without a limit, e.g. the cpu suite)."""
+    from graph_trainer.analysis.memory import GIB
+
+    if memory is None:
+        return {**{c: "-" for c in _MEMORY_COLUMNS}, "mem": ""}
+    p = memory.peak
+    cells = dict(zip(_MEMORY_COLUMNS, (f"{v / GIB:.3g}" for v in
+                                       (p.total, p.params, p.grads, p.optimizer, p.activations))))
+    cells["mem"] = "" if limit is None else "ok" if p.total <= limit else f"> {limit / GIB:.1f} GiB"
+    return cells
+
+
 def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
     """Trace each layout once per world size, run each graph case's passes on a copy, check it."""
     from graph_trainer.analysis.collectives import collective_name
     from graph_trainer.analysis.fake_trace import fake_world, trace_without_passes
+    from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, estimate_step_memory, memory_warning
     from graph_trainer.config import load_config, resolve_parallel_degrees, validate_config
     from graph_trainer.passes import run_passes
 
@@ -165,6 +188,7 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
     for case in cases:
         if not case.eager:
             groups.setdefault((case.nproc, case.config, _trace_key(case.args)), []).append(case)
+    limit = DEVICE_MEMORY_BYTES["h100"] if suite.gpus else None
     rows = []
     for (nproc, _, key), group in groups.items():
         chunked = key[-1:] == ("chunked",)
@@ -186,15 +210,20 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
                                     cfg.compile.passes)
                     problems = check_graph(gm, reference, cfg, resolve_parallel_degrees(cfg.parallelism, nproc),
                                            context.extras["bucket_plan"])
+                    memory = estimate_step_memory(gm.graph, None, cfg.training)
                 except Exception as e:  # a pass or the config failed: that is this case's result
-                    gm, problems = None, [f"{type(e).__name__}: {e}"]
+                    gm, memory, problems = None, None, [f"{type(e).__name__}: {e}"]
                 nodes = _launches(gm) if gm is not None else []
                 fsdp_ag = [len(_fsdp(nodes, FSDP_GATHER, p)) for p in ("forward", "backward")]
                 row.update({k: sum(collective_name(n) in v for n in nodes) for k, v in _KINDS.items()})
                 row.update({"FSDP AG fwd+bwd": f"{fsdp_ag[0]}+{fsdp_ag[1]}",
+                            **memory_columns(memory, limit),
                             "trace s": f"{trace_s:.1f}", "passes s": f"{time.perf_counter() - start:.1f}",
                             "status": "FAIL: " + "; ".join(problems) if problems else "PASS"})
                 trace_s = 0.0
                 rows.append(row)
                 print(f"[dry-run] {case.name:34s} {row['status']}", flush=True)
+                warning = memory_warning(memory, limit, "an H100") if memory is not None else None
+                if warning:
+                    print(f"[dry-run] {case.name:34s} WARNING: {warning}", flush=True)
     return rows

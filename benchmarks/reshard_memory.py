@@ -7,7 +7,8 @@
 Traces the job twice in this one process on the fake process group (no real memory, no
 communication), with ``parallelism.fsdp_reshard_after_forward`` never and always, and prints
 the collectives of each graph and the peak memory ``graph_trainer.analysis.memory`` estimates
-for one rank, with their difference.
+for one rank (the graph's own peak, and the step's with parameters, gradients and AdamW state),
+with their difference (the optimizer state is the same in both modes).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ GIB = float(1 << 30)
 def main(argv: list[str]) -> int:
     from graph_trainer.analysis.collectives import collective_counts, format_counts
     from graph_trainer.analysis.fake_trace import fake_world, trace_job
-    from graph_trainer.analysis.memory import estimate_peak_memory
+    from graph_trainer.analysis.memory import estimate_peak_memory, estimate_step_memory
     from graph_trainer.config import load_config, validate_config
 
     world_size = 8
@@ -34,14 +35,17 @@ def main(argv: list[str]) -> int:
         validate_config(cfg, world_size)
         with fake_world(world_size):
             traced = trace_job(cfg, world_size)
-        results[mode] = (collective_counts(traced.gm.graph), estimate_peak_memory(traced.gm.graph))
+        graph = traced.gm.graph
+        results[mode] = (collective_counts(graph), estimate_peak_memory(graph),
+                         estimate_step_memory(graph, None, cfg.training))
     t = cfg.training
     print(f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "
           f"{t.local_batch_size}x{t.seq_len}, param dtype {t.mixed_precision_param}")
-    for mode, (counts, mem) in results.items():
+    for mode, (counts, mem, step) in results.items():
         print(f"reshard_after_forward={mode:6s}: {format_counts(counts)}")
-        print(f"    estimated peak {mem.peak_bytes / GIB:.2f} GiB (inputs {mem.input_bytes / GIB:.2f} GiB, "
+        print(f"    graph's estimated peak {mem.peak_bytes / GIB:.2f} GiB (inputs {mem.input_bytes / GIB:.2f} GiB, "
               f"at node {mem.peak_node})")
+        print(f"    step: {step.summary()}")
     never, always = results["never"][1].peak_bytes, results["always"][1].peak_bytes
     print(f"peak always - never: {(always - never) / GIB:+.2f} GiB; always/never: {always / never:.3f}")
     return 0

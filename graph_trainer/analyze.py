@@ -1,7 +1,8 @@
 """Simulate a job's training step on a device model, from one CPU process.
 
     python -m graph_trainer.analyze --world_size N [--device h100|cpu] [--ranks_per_node 8]
-        [--trace_out trace.json] [--compare "none;pass_a;pass_a,pass_b"] [--section.key value ...]
+        [--trace_out trace.json] [--compare "none;pass_a;pass_a,pass_b"] [--device_memory_gib G]
+        [--section.key value ...]
 
     python -m graph_trainer.analyze --world_size 8 --model.flavor 8B --training.seq_len 8192 \\
         --training.local_batch_size 1 --training.mixed_precision_param bfloat16
@@ -13,8 +14,12 @@ its passes run (``compile.passes``, or each list given to ``--compare``, one tra
 ``none`` is the empty list), and the graph is simulated with
 ``graph_trainer.analysis.simulator`` on the device model. Prints, per pass list, the
 collectives by type, simulated step / compute / communication / exposed communication time
-and the estimated peak memory of one rank, then the communication by collective kind.
-``--trace_out`` writes a Chrome/Perfetto timeline (one file per pass list with ``--compare``).
+and the estimated peak memory of one rank with its parts (parameters, gradients, AdamW state,
+activations: ``graph_trainer.analysis.memory.estimate_step_memory``), then the communication
+by collective kind, then one memory line per pass list and a warning where the peak exceeds
+the device's memory (``--device_memory_gib``, default the device's: 79.1 GiB for ``h100``,
+none for ``cpu``). ``--trace_out`` writes a Chrome/Perfetto timeline (one file per pass list
+with ``--compare``).
 """
 
 from __future__ import annotations
@@ -67,7 +72,10 @@ def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
     return traced, result, traced_s, time.perf_counter() - start - traced_s
 
 
-def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int) -> dict[str, object]:
+def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int,
+                memory=None) -> dict[str, object]:
+    """One table row. ``memory`` (a ``StepMemoryEstimate``): "peak GiB" is the step's peak and
+    its parts follow; without it, "peak GiB" is the graph's own peak (no optimizer state)."""
     counts = {k: 0 for k, _ in _KIND_COLUMNS}
     for c in result.collectives:
         counts[c.kind] = counts.get(c.kind, 0) + 1
@@ -79,7 +87,13 @@ def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int) ->
         "comm ms": result.comm_time * 1e3,
         "exposed ms": result.exposed_comm_time * 1e3,
         "exposed %": 100 * result.exposed_fraction,
-        "peak GiB": result.peak_memory_bytes / GIB,
+        "peak GiB": (memory.peak_bytes if memory is not None else result.peak_memory_bytes) / GIB,
+    })
+    if memory is not None:
+        peak = memory.peak
+        row.update({"params GiB": peak.params / GIB, "grads GiB": peak.grads / GIB,
+                    "optim GiB": peak.optimizer / GIB, "activ GiB": peak.activations / GIB})
+    row.update({
         "trace s": trace_s,
         "sim s": sim_s,
     })
@@ -107,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     argv, ranks_per_node = _take_flag(argv, "--ranks_per_node", "8")
     argv, trace_out = _take_flag(argv, "--trace_out", None)
     argv, compare = _take_flag(argv, "--compare", None)
+    argv, device_memory_gib = _take_flag(argv, "--device_memory_gib", None)
 
     from graph_trainer.analysis.cost_model import DEVICES
+    from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, estimate_step_memory, memory_warning
     from graph_trainer.analysis.simulator import format_table
     from graph_trainer.config import load_config, validate_config
     from graph_trainer.errors import ConfigError
@@ -118,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown --device {device_name!r}; choose from {', '.join(DEVICES)}", file=sys.stderr)
         return 2
     device = DEVICES[device_name]
+    try:
+        limit = (round(float(device_memory_gib) * GIB) if device_memory_gib is not None
+                 else DEVICE_MEMORY_BYTES.get(device_name))
+    except ValueError:
+        print(f"error: --device_memory_gib {device_memory_gib!r} is not a number", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(argv)
         pass_lists = parse_pass_lists(compare) if compare is not None else [cfg.compile.passes]
@@ -135,11 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "
           f"{t.local_batch_size}x{t.seq_len}, param dtype {t.mixed_precision_param}, reduce dtype "
           f"{t.mixed_precision_reduce}; simulated on {device.name} ({ranks_per_node} ranks/node)")
-    summary, kinds = [], []
+    summary, kinds, memory_lines = [], [], []
     for c in configs:
         label = ",".join(c.compile.passes) or "none"
         traced, result, trace_s, sim_s = analyze_job(c, world_size, device, ranks_per_node)
-        summary.append(summary_row(label, result, trace_s, sim_s, len(traced.gm.graph.nodes)))
+        memory = estimate_step_memory(traced.gm.graph, None, c.training)
+        summary.append(summary_row(label, result, trace_s, sim_s, len(traced.gm.graph.nodes), memory))
+        memory_lines.append(f"memory per rank ({label}): {memory.summary()}")
+        warning = memory_warning(memory, limit, device.name)
+        if warning:
+            memory_lines.append(f"WARNING ({label}): {warning}")
         kinds.extend(kind_rows(label, result))
         if trace_out:
             path = _trace_path(trace_out, label, len(configs) > 1)
@@ -148,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(summary))
     print()
     print(format_table(kinds))
+    print()
+    print("\n".join(memory_lines))
     return 0
 
 

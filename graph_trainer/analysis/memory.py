@@ -1,25 +1,78 @@
-"""Peak memory of a traced graph, estimated by replaying its node order.
+"""Peak memory of one training step on one rank: parameters, gradients, optimizer state and
+the traced graph's own transient memory, reported apart.
 
-The estimate counts allocations, not nodes: a view (or a ``wait_tensor``, which returns its
-collective's buffer, or a ``getitem`` of a multi-output op) shares its input's memory and
-costs nothing more. An allocation is made when its node runs and freed after the last node
-reading it or any of its aliases, in the graph's order, the way the FX interpreter drops
-values. Graph inputs
-(parameters, optimizer-independent buffers, the batch) are held by the caller for the whole
-step; graph outputs (loss and gradients) live until the end.
+Reads: a graph traced by ``graph_trainer.tracer.trace_train_step`` (inputs: the parameters'
+local tensors first, then buffers, tokens and labels; outputs: the loss, then one gradient
+tensor per parameter tensor), optionally the parameters themselves (plain tensors or
+DTensors: their local shard on this rank counts) and the optimizer (a torch optimizer, the
+job's ``Training`` section, or an ``OptimizerMemory``). Sizes come from ``node.meta["val"]``
+(fake or real tensors recorded while tracing) and the tensors' metadata, so real-size
+models traced on the fake process group are estimated without allocating anything.
 
-Sizes come from ``node.meta["val"]`` (fake or real tensors recorded while tracing), so this
-works on graphs traced at real-model sizes on the fake process group without allocating
-anything. It ignores allocator fragmentation, workspace of kernels and the memory a
-collective library keeps for itself: compare two graphs of one model with it, rather than
-reading it as the exact number a device will report.
+Reports (``StepMemoryEstimate``): per phase of the step, the bytes of
+
+- **params**: the parameters as stored (the local shard of each DTensor parameter, in its
+  own dtype: the fp32 master weights under mixed precision);
+- **grads**: the gradients alive at that phase's peak (the local reduced shard of each, as
+  the graph outputs them; the parameters' layout and dtype when no graph is given);
+- **optimizer**: the state the optimizer keeps between steps (AdamW: ``exp_avg`` and
+  ``exp_avg_sq``, each of the parameter's shape and dtype; its ``step`` scalars are
+  negligible and not counted);
+- **activations**: the phase's transient memory. In the graph: everything the graph
+  allocates besides gradients (activations saved for backward, gathered parameters,
+  collectives' buffers, the loss region) plus the non-parameter inputs (buffers, tokens,
+  labels), which ``estimate_peak_memory`` below replays node by node. In the optimizer step:
+  the temporaries of clipping and of the update of one parameter;
+
+and the peak: the phase with the largest sum of its parts.
+
+Model of time (one steady-state step, i.e. from the second step on, per rank):
+
+1. Before the graph: parameters and optimizer state are resident; the previous step's
+   gradients are gone (the trainer sets ``p.grad`` to None after ``optimizer.step()`` and
+   drops its list of gradients when the step returns).
+2. **Graph** (forward, loss, backward): the replay below. Parameters and optimizer state
+   stay resident throughout. Each gradient is allocated by the node that produces it
+   (the reduce-scatter's result, or its cast) and, being a graph output, lives to the end:
+   gradients accumulate during backward, so at the graph's peak only those produced so far
+   count. Every other allocation is made when its node runs and freed after its last reader.
+3. **Optimizer step** (clip, AdamW, then ``zero_grad``): parameters, all gradients,
+   optimizer state, plus the temporaries of the parameter being worked on: clipping squares
+   one gradient at a time (``g.float().pow(2)``: one fp32 copy, two if the gradient is not
+   fp32); single-tensor AdamW (``foreach=False``, as ``graph_trainer.optim.build_optimizer``
+   makes it) builds ``exp_avg_sq.sqrt() / c`` for one parameter at a time (two temporaries
+   of its size at once); a ``foreach`` AdamW builds that for all parameters of a group at
+   once (counted as all parameters); a ``fused`` one none.
+
+The peak is the larger of phases 2 and 3. The first step is lower: the optimizer state is
+created lazily inside its first ``step()``. In eager mode (no graph) the activations are not
+known: the estimate is phase 3 only, a lower bound (``activations_estimated`` is False).
+
+Assumptions and what is ignored: allocations are counted, not nodes (a view, a
+``wait_tensor``, a ``getitem`` share their source's memory); the caching allocator's
+fragmentation and rounding, kernels' workspaces (cuBLAS, attention), the CUDA context and
+the memory a collective library keeps for itself are not counted: the estimate compares with
+``torch.cuda.max_memory_allocated``, and the device needs somewhat more. The graph's
+activations are those of the kernels it was traced for: a graph traced on a (fake) CPU
+device counts what CPU kernels allocate, e.g. the S x S attention matrix of the math SDPA
+fallback that DeepSeek-V3's MLA (query/key head dim != value head dim) takes on CPU and no
+CUDA attention kernel allocates, so such graphs are over-estimated. Data-dependent sizes
+(expert-parallel all_to_all) are made concrete by balanced routing (``SizeHints.from_graph``).
+``memory_warning`` compares the peak with a device memory the caller gives (this module
+never asks CUDA).
+
+Checked against one H100 (``torch.cuda.max_memory_allocated``, one process, 2026-11-24):
+LLaMA-3 8B shape, 4 layers, fp32, 1x4096: 33.56 GiB estimated, 33.6 measured; pure bf16
+at 1x8192 with 2 / 4 / 6 layers: 23.56 / 29.24 / 34.93 GiB estimated, 23.59 / 29.3 / 34.97
+measured. DeepSeek-V3 16B shape, 4 layers, bf16, 2x4096: 36.8 estimated, 28.5 measured (the
+CPU attention fallback above: 2 GiB per layer).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import operator
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import torch
 import torch.fx as fx
@@ -27,20 +80,44 @@ import torch.fx as fx
 from graph_trainer.analysis.cost_model import SizeHints
 from graph_trainer.torch_compat import is_view_op
 
+GIB = float(1 << 30)
+
+DEVICE_MEMORY_BYTES: dict[str, int] = {"h100": round(79.1 * (1 << 30))}
+"""Usable memory by device model name (``cost_model.DEVICES``): an H100 SXM "80 GB" shows
+about 79.1 GiB to PyTorch. Devices without an entry (``cpu``) are not checked."""
+
+
+# --------------------------------------------------------------------------------------
+# The graph: replay the node order
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """Peak of one traced graph's live allocations, inputs and produced outputs included."""
+
     peak_bytes: int
     """Largest sum of live allocations at any point of the step (inputs included)."""
     input_bytes: int
     """Bytes of the graph inputs, live throughout."""
     peak_node: str
     """Name of the node at which the peak is reached."""
+    param_bytes: int = 0
+    """Bytes of the parameter inputs (the first placeholders, one per gradient output)."""
+    grad_bytes: int = 0
+    """Bytes of the gradient outputs already produced at the peak."""
+    total_grad_bytes: int = 0
+    """Bytes of all gradient outputs (alive once the graph has run)."""
 
     @property
     def peak_activation_bytes(self) -> int:
         """The peak minus the inputs: what the step itself allocates at its worst point."""
         return self.peak_bytes - self.input_bytes
+
+    @property
+    def transient_bytes(self) -> int:
+        """The peak minus parameters and gradients: activations, gathered parameters,
+        collective buffers, and the non-parameter inputs."""
+        return self.peak_bytes - self.param_bytes - self.grad_bytes
 
 
 def _aliases_input(node: fx.Node) -> bool:
@@ -50,17 +127,16 @@ def _aliases_input(node: fx.Node) -> bool:
     return is_view_op(node)
 
 
-def estimate_peak_memory(graph: fx.Graph, sizes: SizeHints | None = None) -> MemoryEstimate:
-    """Replay ``graph`` in node order and return its peak of live allocation bytes.
+def _graph_outputs(nodes: list[fx.Node]) -> list:
+    """The output node's values, flat: [loss, *gradients] for a traced step."""
+    if not nodes or nodes[-1].op != "output":
+        return []
+    out = nodes[-1].args[0]
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
-    Allocations are identified by the node that made them (views, waits and getitems
-    resolve to their source node), not by the tensors recorded in ``meta["val"]``: a pass
-    that copies nodes may share those records between the original and the copy.
-    Data-dependent sizes (expert-parallel all_to_all) are made concrete by ``sizes``
-    (default ``SizeHints.from_graph``: balanced routing).
-    """
-    sizes = sizes or SizeHints.from_graph(graph)
-    nodes = list(graph.nodes)
+
+def _allocations(nodes: list[fx.Node], sizes: SizeHints) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, int]]:
+    """(owner of every value: the node that allocated its memory, bytes of every owner)."""
     owner: dict[fx.Node, fx.Node] = {}
     size: dict[fx.Node, int] = {}
     for node in nodes:
@@ -72,7 +148,11 @@ def estimate_peak_memory(graph: fx.Graph, sizes: SizeHints | None = None) -> Mem
         else:
             owner[node] = node
             size[node] = sizes.nbytes(node.meta.get("val"))
+    return owner, size
 
+
+def _frees(nodes: list[fx.Node], owner: dict[fx.Node, fx.Node], pinned: set[fx.Node]) -> dict[int, list[fx.Node]]:
+    """Index of the node after which each unpinned allocation is freed (its last reader)."""
     last_use: dict[fx.Node, int] = {}
     for i, node in enumerate(nodes):
         if node in owner:
@@ -80,22 +160,222 @@ def estimate_peak_memory(graph: fx.Graph, sizes: SizeHints | None = None) -> Mem
         for arg in node.all_input_nodes:
             if arg in owner:
                 last_use[owner[arg]] = i
-    pinned = {owner[n] for n in nodes if n.op == "placeholder"}
-    pinned |= {owner[a] for a in nodes[-1].all_input_nodes if a in owner}
     frees_at: dict[int, list[fx.Node]] = {}
     for alloc, i in last_use.items():
         if alloc not in pinned:
             frees_at.setdefault(i, []).append(alloc)
+    return frees_at
 
-    input_bytes = sum(size[n] for n in nodes if n.op == "placeholder")
-    peak, peak_node, current = 0, "", 0
+
+def estimate_peak_memory(graph: fx.Graph, sizes: SizeHints | None = None) -> MemoryEstimate:
+    """Replay ``graph`` in node order and return its peak of live allocation bytes.
+
+    Allocations are identified by the node that made them (views, waits and getitems
+    resolve to their source node), not by the tensors recorded in ``meta["val"]``: a pass
+    that copies nodes may share those records between the original and the copy. Inputs are
+    held by the caller for the whole step; outputs live from their node to the end.
+    Data-dependent sizes (expert-parallel all_to_all) are made concrete by ``sizes``
+    (default ``SizeHints.from_graph``: balanced routing).
+    """
+    sizes = sizes or SizeHints.from_graph(graph)
+    nodes = list(graph.nodes)
+    owner, size = _allocations(nodes, sizes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    returned = _graph_outputs(nodes)
+    params = placeholders[: max(len(returned) - 1, 0)]
+    grads = {owner[a] for a in returned[1:] if isinstance(a, fx.Node) and a in owner} - set(placeholders)
+    pinned = {owner[n] for n in placeholders} | {owner[a] for a in returned if isinstance(a, fx.Node) and a in owner}
+    frees_at = _frees(nodes, owner, pinned)
+
+    peak, peak_node, peak_grads, current, current_grads = 0, "", 0, 0, 0
     for i, node in enumerate(nodes):
         current += size.get(node, 0)
+        if node in grads:
+            current_grads += size[node]
         if current > peak:
-            peak, peak_node = current, node.name
+            peak, peak_node, peak_grads = current, node.name, current_grads
         for alloc in frees_at.get(i, []):
             current -= size[alloc]
-    return MemoryEstimate(peak_bytes=peak, input_bytes=input_bytes, peak_node=peak_node)
+    return MemoryEstimate(
+        peak_bytes=peak, input_bytes=sum(size[n] for n in placeholders), peak_node=peak_node,
+        param_bytes=sum(size[n] for n in params), grad_bytes=peak_grads,
+        total_grad_bytes=sum(size[n] for n in grads))
 
 
-__all__ = ["MemoryEstimate", "estimate_peak_memory"]
+# --------------------------------------------------------------------------------------
+# The optimizer
+
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    """What an optimizer keeps and allocates, in units of one parameter's own bytes."""
+
+    name: str
+    state_tensors: int
+    """Tensors of each parameter's shape and dtype kept between steps (AdamW: 2)."""
+    temporaries: int
+    """Parameter-sized temporaries alive at once while one parameter is updated."""
+    all_at_once: bool = False
+    """The update works on all parameters at once (``foreach``): temporaries of all of them."""
+
+
+ADAMW = OptimizerMemory("AdamW", state_tensors=2, temporaries=2)
+"""``torch.optim.AdamW(..., foreach=False)``: ``graph_trainer.optim.build_optimizer``."""
+
+
+def optimizer_memory(optimizer) -> OptimizerMemory:
+    """The memory model of ``optimizer``: an ``OptimizerMemory``; the job's ``Training``
+    section (or None): the project's AdamW; or a torch optimizer, read from its class and
+    ``defaults`` (Adam / AdamW, with ``amsgrad``, ``foreach`` and ``fused``)."""
+    if isinstance(optimizer, OptimizerMemory):
+        return optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        from graph_trainer.config import Training
+
+        if optimizer is None or isinstance(optimizer, Training):
+            return ADAMW
+        raise TypeError(f"optimizer_memory: expected an optimizer or a Training config, got {type(optimizer).__name__}")
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(f"no memory model for {type(optimizer).__name__}: give an OptimizerMemory")
+    d = optimizer.defaults
+    states = 3 if d.get("amsgrad") else 2
+    if d.get("fused"):
+        return OptimizerMemory(type(optimizer).__name__, states, temporaries=0)
+    return OptimizerMemory(type(optimizer).__name__, states, temporaries=1 if d.get("foreach") else 2,
+                           all_at_once=bool(d.get("foreach")))
+
+
+# --------------------------------------------------------------------------------------
+# The step
+
+
+@dataclass(frozen=True)
+class MemoryParts:
+    """Bytes resident at one phase's peak, by kind (see the module docstring)."""
+
+    phase: str
+    """"graph" or "optimizer step"."""
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    """The phase's transient memory: the graph's activations, gathered parameters, collective
+    buffers and non-parameter inputs; or the optimizer step's temporaries."""
+    peak_node: str = ""
+    """The graph node at which the graph's peak is reached."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class StepMemoryEstimate:
+    """Per-rank memory of one steady-state training step, by phase."""
+
+    phases: tuple[MemoryParts, ...]
+    """The graph (when one was given), then the optimizer step."""
+    activations_estimated: bool
+    """False without a graph (eager): the peak is then a lower bound."""
+
+    @property
+    def peak(self) -> MemoryParts:
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total
+
+    def summary(self) -> str:
+        """One line: the peak, its parts and where it happens."""
+        p = self.peak
+        where = p.phase + (f", at node {p.peak_node}" if p.peak_node else "")
+        transient = "activations" if p.phase == "graph" else "step temporaries"
+        bound = "" if self.activations_estimated else "at least "
+        note = "" if self.activations_estimated else "; activations not estimated (no graph)"
+        return (f"peak {bound}{_gib(p.total)} = params {_gib(p.params)} + grads {_gib(p.grads)} + "
+                f"optimizer {_gib(p.optimizer)} + {transient} {_gib(p.activations)} ({where}{note})")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor, a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _param_tensors(graph: fx.Graph | None, params: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
+    """Local parameter tensors: ``params``' local shards, or the graph's parameter inputs."""
+    if params is not None:
+        return [_local(p) for p in params]
+    if graph is None:
+        raise ValueError("estimate_step_memory needs a graph or the parameters")
+    nodes = list(graph.nodes)
+    n_params = max(len(_graph_outputs(nodes)) - 1, 0)
+    return [n.meta["val"] for n in nodes if n.op == "placeholder"][:n_params]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _clip_temporary_bytes(grad_numel: int, grad_itemsize: int) -> int:
+    """``g.float().pow(2)`` of one gradient: one fp32 copy, two when the gradient is not fp32."""
+    return grad_numel * 4 * (1 if grad_itemsize == 4 else 2)
+
+
+def _step_temporary_bytes(params: Sequence[torch.Tensor], opt: OptimizerMemory) -> int:
+    """Largest transient allocation of the optimizer step (clip, then the update)."""
+    if not params:
+        return 0
+    clip = max(_clip_temporary_bytes(p.numel(), p.element_size()) for p in params)
+    update = (sum if opt.all_at_once else max)(_nbytes(p) for p in params) * opt.temporaries
+    return max(clip, update)
+
+
+def estimate_step_memory(graph: fx.Graph | None, params: Iterable[torch.Tensor] | None = None,
+                         optimizer=None, sizes: SizeHints | None = None) -> StepMemoryEstimate:
+    """Per-rank peak memory of a training step, with its parts (module docstring).
+
+    ``graph``: the traced step (after its passes), or None in eager mode (activations are
+    then unknown). ``params``: the model's parameters (DTensors count their local shard);
+    None takes them from the graph's parameter inputs. ``optimizer``: see
+    ``optimizer_memory`` (default: the project's AdamW). ``sizes``: concrete values for
+    data-dependent sizes (default: balanced routing).
+    """
+    local = _param_tensors(graph, params)
+    opt = optimizer_memory(optimizer)
+    param_bytes = sum(_nbytes(p) for p in local)
+    state_bytes = opt.state_tensors * param_bytes
+    phases = []
+    other_inputs = 0
+    grad_bytes = param_bytes  # the parameters' layout and dtype, without a graph
+    if graph is not None:
+        g = estimate_peak_memory(graph, sizes)
+        other_inputs = g.input_bytes - g.param_bytes
+        grad_bytes = g.total_grad_bytes
+        phases.append(MemoryParts("graph", param_bytes, g.grad_bytes, state_bytes,
+                                  g.peak_bytes - g.param_bytes - g.grad_bytes, g.peak_node))
+    phases.append(MemoryParts("optimizer step", param_bytes, grad_bytes, state_bytes,
+                              other_inputs + _step_temporary_bytes(local, opt)))
+    return StepMemoryEstimate(tuple(phases), activations_estimated=graph is not None)
+
+
+def memory_warning(estimate: StepMemoryEstimate, device_memory_bytes: int | None,
+                   device: str = "the device") -> str | None:
+    """One line if ``estimate``'s peak exceeds ``device_memory_bytes`` (None: no limit), else None."""
+    if device_memory_bytes is None or estimate.peak_bytes <= device_memory_bytes:
+        return None
+    over = estimate.peak_bytes - device_memory_bytes
+    return (f"estimated memory per rank exceeds {device}'s {_gib(device_memory_bytes)} "
+            f"by {_gib(over)}: {estimate.summary()}")
+
+
+__all__ = [
+    "ADAMW", "DEVICE_MEMORY_BYTES", "MemoryEstimate", "MemoryParts", "OptimizerMemory", "StepMemoryEstimate",
+    "estimate_peak_memory", "estimate_step_memory", "memory_warning", "optimizer_memory",
+]
