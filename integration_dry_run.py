@@ -197,7 +197,8 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
         base.compile.passes = ["ep_overlap"] if chunked else []  # ep_overlap chunks the model before tracing
         start = time.perf_counter()
         with fake_world(nproc):
-            traced, context = trace_without_passes(base, nproc)
+            # A GPU suite's graphs are traced with the attention kernels its GPUs run.
+            traced, context = trace_without_passes(base, nproc, gpu_attention=suite.gpus)
             reference = run_passes(copy.deepcopy(traced.gm), context, [])
             trace_s = time.perf_counter() - start
             for case in group:

@@ -65,7 +65,7 @@ def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
 
     start = time.perf_counter()
     with fake_world(world_size):
-        traced = trace_job(cfg, world_size)
+        traced = trace_job(cfg, world_size, gpu_attention=device.fused_attention)
         traced_s = time.perf_counter() - start
         # Groups are resolved while the fake process group is alive.
         result = simulate(traced.gm.graph, device, ranks_per_node=ranks_per_node)

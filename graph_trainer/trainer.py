@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from graph_trainer.analysis.memory import estimate_step_memory, memory_warning
 from graph_trainer.build import build_model
 from graph_trainer.checkpoint import Checkpointer
 from graph_trainer.config import JobConfig, check_device, model_args, resolve_device, resolve_parallel_degrees
@@ -148,6 +149,7 @@ class Trainer:
         if cfg.compile.mode == "graph":
             self.step_fn = GraphStep(self.model, grad_scale=self.grad_scale, post_trace=self._run_passes)
         else:
+            self._report_memory(None)
             self.step_fn = lambda tokens, labels: eager_step(self.model, tokens, labels,
                                                              grad_scale=self.grad_scale)
 
@@ -158,7 +160,19 @@ class Trainer:
         context = PassContext(config=self.cfg, degrees=self.dims.as_dict(),
                               extras={"bucket_plan": self.bucket_plan})
         traced.gm = run_passes(traced.gm, context, self.cfg.compile.passes, self.cfg.compile.dump_graphs)
+        self._report_memory(traced.gm.graph)
         return traced
+
+    def _report_memory(self, graph) -> None:
+        """Log the estimated per-rank peak with its parts, and warn before the first step when it
+        exceeds the device's memory (CUDA; on CPU no limit is known). ``graph`` None: eager mode."""
+        estimate = estimate_step_memory(graph, self.params, self.optimizer)
+        logger.info("estimated memory per rank: %s", estimate.summary())
+        device = self.dist.device
+        limit = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        warning = memory_warning(estimate, limit, str(device))
+        if warning:
+            logger.warning("%s", warning)
 
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
         """One optimizer step on one batch; returns (loss averaged over data-parallel ranks,

@@ -119,6 +119,9 @@ class DeviceModel:
     """Seconds added to every compute kernel (launch gap and tail effects)."""
     kernel_efficiency: KernelEfficiency | None = None
     """Per kernel class fractions of the roofline (see ``kernel_class``); None: the two global ones."""
+    fused_attention: bool = False
+    """The device runs attention as a fused GPU kernel: graphs simulated for it are traced with
+    ``fake_trace``'s ``gpu_attention`` (a CPU trace would hold the math fallback's S x S scores)."""
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         if dtype in (torch.bfloat16, torch.float16):
@@ -185,6 +188,7 @@ H100_SXM = DeviceModel(
     # simulator does not model; the tables have no timeline to locate them.
     launch_overhead=3.1e-6,
     kernel_efficiency=H100_KERNELS,
+    fused_attention=True,
 )
 
 CPU_2CORE = DeviceModel(
