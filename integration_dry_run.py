@@ -153,9 +153,11 @@ def _without_passes(args: list[str]) -> list[str]:
 
 def _trace_key(args: list[str]) -> tuple[str, ...]:
     """What the traced graph depends on: the layout, and whether (and how) ep_overlap chunks the
-    model before tracing; not the passes that run after tracing (nor ep_overlap's reorder flag)."""
+    model before tracing; not the passes that run after tracing (nor ep_overlap's reorder flag,
+    nor the activation-checkpointing mode: its passes run on the traced graph)."""
     passes = args[args.index("--compile.passes") + 1] if "--compile.passes" in args else ""
-    key = _without_flag(_without_passes(args), "--compile.ep_overlap.reorder")
+    key = _without_flag(_without_flag(_without_passes(args), "--compile.ep_overlap.reorder"),
+                        "--activation_checkpoint.mode")
     return (*key, "chunked") if "ep_overlap" in passes.split(",") else tuple(key)
 
 

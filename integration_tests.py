@@ -190,12 +190,37 @@ CPU_EP_OVERLAP_CASES: list[Case] = _ep_overlap_cases(_CPU_DEEPSEEK_LAYOUTS, [
     ("deepseek_fsdp2xep2", "moe_seq", "transformer_block_bucketing"),
 ], _DEEPSEEK)
 
+# ---- the memory policy (activation checkpointing) and the chunked loss: bitwise the same
+# graph without them, with the passes they must compose with.
+def _ac(mode: str) -> list[str]:
+    return ["--activation_checkpoint.mode", mode]
+
+
+_CHUNKED_LOSS = ["--training.loss_chunks", "4"]
+CPU_MEMORY_POLICY_CASES = [
+    *[Case(f"fsdp2_ac_{mode}_tbb", 2, [*_ac(mode), "--compile.passes", BUCKETING["tbb"]], same_as="fsdp2_graph")
+      for mode in ("selective", "full")],
+    *[Case(f"fsdp2xtp2_ac_{mode}", 4, [*_CPU_LAYOUTS["fsdp2xtp2"][1], *_ac(mode)], same_as="fsdp2xtp2_graph")
+      for mode in ("selective", "full")],
+    # the chunked loss is within rounding of one process (it sums the output weight's gradient per chunk)
+    Case("fsdp2_loss_chunks4", 2, _CHUNKED_LOSS, close_to="single_b4"),
+    Case("fsdp2_loss_chunks4_eager", 2, [*_CHUNKED_LOSS, "--compile.mode", "eager"], same_as="fsdp2_loss_chunks4"),
+    Case("fsdp2_loss_chunks4_ac_selective", 2, [*_CHUNKED_LOSS, *_ac("selective")], same_as="fsdp2_loss_chunks4"),
+]
+CPU_DEEPSEEK_MEMORY_POLICY_CASES = [
+    *[Case(f"deepseek_ep2_ac_{mode}", 2, [*_CPU_DEEPSEEK_LAYOUTS["deepseek_ep2"][1], *_ac(mode)],
+           same_as="deepseek_ep2_graph", config=_DEEPSEEK) for mode in ("selective", "full")],
+    Case("deepseek_ep2_ep_overlap_moe_batch_ac_full", 2,
+         [*_CPU_DEEPSEEK_LAYOUTS["deepseek_ep2"][1], *EP_OVERLAP["moe_batch"], "--compile.passes", "ep_overlap",
+          *_ac("full")], same_as="deepseek_ep2_ep_overlap_moe_batch_chunked", config=_DEEPSEEK),
+]
+
 CPU_CASES = (
     _CPU_REFERENCES + _layout_cases(_CPU_LAYOUTS) + _CPU_KEEP_PARAMS
     + _pass_cases(_CPU_LAYOUTS, ["fsdp2", "hsdp2x2", "fsdp2xtp2"])
     + _CPU_DEEPSEEK_REFERENCES + _layout_cases(_CPU_DEEPSEEK_LAYOUTS, _DEEPSEEK)
     + _pass_cases(_CPU_DEEPSEEK_LAYOUTS, ["deepseek_ep2", "deepseek_fsdp2xep2"], _DEEPSEEK)
-    + CPU_EP_OVERLAP_CASES
+    + CPU_EP_OVERLAP_CASES + CPU_MEMORY_POLICY_CASES + CPU_DEEPSEEK_MEMORY_POLICY_CASES
 )
 
 # ---- h100: real flavors (and the debug DeepSeek) on NCCL. No one-process references at these
@@ -223,6 +248,14 @@ H100_EP_OVERLAP_CASES: list[Case] = (
     + _ep_overlap_cases(_16B_LAYOUTS, [("deepseek16b_fsdp8_ep2", "blocks", "transformer_block_bucketing")],
                         "configs/deepseek_v3_16b.toml")
 )
+H100_MEMORY_POLICY_CASES = [
+    Case("fsdp8_loss_chunks8", 8, ["--training.loss_chunks", "8"]),
+    *[Case(f"fsdp8_loss_chunks8_ac_{mode}_tbb", 8, ["--training.loss_chunks", "8", *_ac(mode), "--compile.passes",
+                                                    BUCKETING["tbb"]], same_as="fsdp8_loss_chunks8")
+      for mode in ("selective", "full")],
+    Case("deepseek16b_fsdp8xep8_ac_full", 8, _ac("full"), same_as="deepseek16b_fsdp8xep8_graph",
+         config="configs/deepseek_v3_16b.toml"),
+]
 H100_CASES = (
     _layout_cases(_8B_LAYOUTS) + _pass_cases(_8B_LAYOUTS, ["fsdp8", "fsdp4xtp2"])
     + _layout_cases(_DEEPSEEK_DEBUG_LAYOUTS, _DEEPSEEK)
@@ -230,7 +263,7 @@ H100_CASES = (
     + _layout_cases(_16B_LAYOUTS, "configs/deepseek_v3_16b.toml")
     + _pass_cases(_16B_LAYOUTS, ["deepseek16b_fsdp8_ep2"], "configs/deepseek_v3_16b.toml",
                   passes={"tbb": BUCKETING["tbb"]})
-    + H100_EP_OVERLAP_CASES
+    + H100_EP_OVERLAP_CASES + H100_MEMORY_POLICY_CASES
 )
 
 # ---- gpu: ONE GPU, one process per case. Numerics: graph vs eager and run-to-run, bitwise, on
@@ -270,7 +303,9 @@ SUITES = {
     ),
     "h100": Suite(
         config="configs/llama3_8b.toml",
-        overrides=["--metrics.log_freq", "5", "--checkpoint.interval", "0", "--job.device", "cuda"],
+        # bitwise comparisons on CUDA need deterministic kernels (attention backward)
+        overrides=["--metrics.log_freq", "5", "--checkpoint.interval", "0", "--job.device", "cuda",
+                   "--debug.deterministic", "True"],
         steps=20,
         cases=H100_CASES,
         gpus=True,

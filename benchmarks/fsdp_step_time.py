@@ -15,7 +15,7 @@ over cores). Every rank holds two copies of the same model:
     ``torch.distributed.fsdp.fully_shard`` per transformer block and at the root (with the
     job's mixed-precision dtypes and ``parallelism.fsdp_reshard_after_forward``), the
     same AdamW and LR schedule (``graph_trainer.optim``), the same loss
-    (``graph_trainer.tracer.cross_entropy_loss``) and ``torch.nn.utils.clip_grad_norm_``.
+    (``graph_trainer.loss.token_cross_entropy``) and ``torch.nn.utils.clip_grad_norm_``.
 
 Both take the same batches (the Trainer's dataloader, this rank's data-parallel share) and
 their steps alternate, one of (a) then one of (b), so both see the same machine noise. A
@@ -69,7 +69,7 @@ def build_eager_fsdp2(trainer):
 def main(argv: list[str]) -> int:
     from graph_trainer.config import load_config, validate_config
     from graph_trainer.parallel import average_over_dp
-    from graph_trainer.tracer import cross_entropy_loss
+    from graph_trainer.loss import token_cross_entropy
     from graph_trainer.trainer import Trainer
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
 
         def eager_step(tokens: torch.Tensor, labels: torch.Tensor) -> float:
             tokens, labels = tokens.to(device), labels.to(device)
-            loss = cross_entropy_loss(model(tokens), labels)
+            loss = model(tokens, head=lambda h, output: token_cross_entropy(h, output, labels))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             optimizer.step()

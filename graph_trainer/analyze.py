@@ -1,8 +1,8 @@
 """Simulate a job's training step on a device model, from one CPU process.
 
     python -m graph_trainer.analyze --world_size N [--device h100|cpu] [--ranks_per_node 8]
-        [--trace_out trace.json] [--compare "none;pass_a;pass_a,pass_b"] [--device_memory_gib G]
-        [--section.key value ...]
+        [--trace_out trace.json] [--compare "none;pass_a;pass_a,pass_b"] [--ac_modes none,selective,full]
+        [--device_memory_gib G] [--section.key value ...]
 
     python -m graph_trainer.analyze --world_size 8 --model.flavor 8B --training.seq_len 8192 \\
         --training.local_batch_size 1 --training.mixed_precision_param bfloat16
@@ -11,7 +11,8 @@ The job flags are those of ``train.py`` (``graph_trainer.config.load_config``); 
 above are taken out first. The job is traced on the fake process group at ``world_size``
 (``graph_trainer.analysis.fake_trace``: fake tensors, nothing allocated, no communication),
 its passes run (``compile.passes``, or each list given to ``--compare``, one trace per list;
-``none`` is the empty list), and the graph is simulated with
+``none`` is the empty list; with ``--ac_modes``, each list once per activation-checkpointing
+mode), and the graph is simulated with
 ``graph_trainer.analysis.simulator`` on the device model. Prints, per pass list, the
 collectives by type, simulated step / compute / communication / exposed communication time
 and the estimated peak memory of one rank with its parts (parameters, gradients, AdamW state,
@@ -111,7 +112,7 @@ def _trace_path(path: str, label: str, several: bool) -> str:
     if not several:
         return path
     root, ext = os.path.splitext(path)
-    return f"{root}.{label.replace(',', '+')}{ext or '.json'}"
+    return f"{root}.{label.replace(',', '+').replace(' ', '_')}{ext or '.json'}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     argv, trace_out = _take_flag(argv, "--trace_out", None)
     argv, compare = _take_flag(argv, "--compare", None)
     argv, device_memory_gib = _take_flag(argv, "--device_memory_gib", None)
+    argv, ac_modes = _take_flag(argv, "--ac_modes", None)
 
     from graph_trainer.analysis.cost_model import DEVICES
     from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, estimate_step_memory, memory_warning
@@ -143,12 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         pass_lists = parse_pass_lists(compare) if compare is not None else [cfg.compile.passes]
+        modes = ([m.strip() for m in ac_modes.split(",") if m.strip()] if ac_modes is not None
+                 else [cfg.activation_checkpoint.mode])
         configs = []
         for passes in pass_lists:
-            c = load_config(argv)
-            c.compile.passes = passes
-            validate_config(c, world_size)
-            configs.append(c)
+            for mode in modes:
+                c = load_config(argv)
+                c.compile.passes = passes
+                c.activation_checkpoint.mode = mode
+                validate_config(c, world_size)
+                configs.append(c)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -156,10 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     t = cfg.training
     print(f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "
           f"{t.local_batch_size}x{t.seq_len}, param dtype {t.mixed_precision_param}, reduce dtype "
-          f"{t.mixed_precision_reduce}; simulated on {device.name} ({ranks_per_node} ranks/node)")
+          f"{t.mixed_precision_reduce}, activation checkpointing {cfg.activation_checkpoint.mode}, "
+          f"loss chunks {t.loss_chunks}; simulated on {device.name} ({ranks_per_node} ranks/node)")
     summary, kinds, memory_lines = [], [], []
     for c in configs:
         label = ",".join(c.compile.passes) or "none"
+        if ac_modes is not None:
+            label += f" ac={c.activation_checkpoint.mode}"
         traced, result, trace_s, sim_s = analyze_job(c, world_size, device, ranks_per_node)
         memory = estimate_step_memory(traced.gm.graph, None, c.training)
         summary.append(summary_row(label, result, trace_s, sim_s, len(traced.gm.graph.nodes), memory))

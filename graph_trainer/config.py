@@ -1,7 +1,7 @@
 """Job configuration: documented dataclass sections, TOML loading, command-line overrides.
 
 A job is described by one ``JobConfig`` with the sections ``job, model, training,
-parallelism, compile, metrics, checkpoint, debug``. ``load_config(argv)`` reads
+parallelism, compile, activation_checkpoint, metrics, checkpoint, debug``. ``load_config(argv)`` reads
 ``--job.config_file X.toml`` (tomli) and then applies every other ``--section.key value``
 from the command line (tyro); the command line wins over the file.
 
@@ -87,6 +87,11 @@ class Training:
     """Column holding the document text in a Hugging Face dataset."""
     tokenizer_path: str = ""
     """Path to a Hugging Face tokenizer.json; empty means the built-in byte-level tokenizer."""
+    loss_chunks: int = 1
+    """Compute the output projection and cross-entropy in this many blocks of tokens (graph_trainer/loss.py);
+    in graph mode each block's logits are recomputed in backward, so the loss region holds ~1/N of its
+    memory (for one more output matmul). The loss matches the unchunked one to an ulp (bitwise unless a
+    block is a row or two); later steps agree to float rounding."""
     mixed_precision_param: str = "float32"
     """Dtype parameters are cast to for compute, on every layout (SimpleFSDP casts before the all-gather;
     without data parallelism a cast parametrization does it): float32, bfloat16 or float16. The
@@ -135,6 +140,26 @@ class Compile:
     """Settings of the ep_overlap pass."""
 
 
+AC_MODES = ("none", "selective", "full")
+SELECTIVE_OPS = ["mm", "addmm", "bmm", "baddbmm", "_grouped_mm",
+                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"]
+
+
+@dataclass
+class ActivationCheckpoint:
+    """The memory policy (``graph_trainer/passes/activation_checkpoint.py``); TOML table ``[activation_checkpoint]``."""
+
+    mode: str = "none"
+    """'none': backward reads every activation it needs from forward; 'full': each transformer block
+    keeps only its input and recomputes the rest in backward; 'selective': also keeps the outputs of
+    ``selective_ops`` and recomputes only the cheap ops (norms, activations, RoPE). Losses are
+    bitwise the same in every mode. Graph mode only."""
+    selective_ops: list[str] = field(default_factory=lambda: list(SELECTIVE_OPS))
+    """aten ops (names without overload, comma-separated on the command line) whose outputs
+    'selective' saves; the default: matmuls, grouped matmuls and attention."""
+
+
 @dataclass
 class Metrics:
     log_freq: int = 1
@@ -179,6 +204,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     compile: Compile = field(default_factory=Compile)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     debug: Debug = field(default_factory=Debug)
@@ -280,6 +306,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         description="Train a model whose whole training step is one traced FX graph.",
     )
     cfg.compile.passes = normalize_pass_list(cfg.compile.passes)
+    cfg.activation_checkpoint.selective_ops = normalize_pass_list(cfg.activation_checkpoint.selective_ops)
     return cfg
 
 
@@ -389,6 +416,9 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
         1 <= t.seq_len <= args.max_seq_len,
         f"training.seq_len = {t.seq_len} must be between 1 and the flavor's max_seq_len {args.max_seq_len}",
     )
+    _require(1 <= t.loss_chunks <= t.local_batch_size * t.seq_len,
+             f"training.loss_chunks = {t.loss_chunks} must be between 1 and the tokens per batch "
+             f"({t.local_batch_size * t.seq_len})")
     _require(t.lr > 0 and math.isfinite(t.lr), f"training.lr = {t.lr} must be a positive number")
     _require(t.weight_decay >= 0, f"training.weight_decay = {t.weight_decay} must be >= 0")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "training.beta1 and training.beta2 must be in [0, 1)")
@@ -419,6 +449,16 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     for name in c.passes:
         PASS_REGISTRY[name].check_config(cfg, degrees)
 
+    ac = cfg.activation_checkpoint
+    _one_of(ac.mode, AC_MODES, "activation_checkpoint.mode")
+    _require(ac.mode == "none" or c.mode == "graph",
+             f"activation_checkpoint.mode = {ac.mode!r} needs compile.mode = 'graph' (the policy rewrites the "
+             f"traced graph; eager mode keeps every activation)")
+    import torch
+
+    unknown = [op for op in ac.selective_ops if not hasattr(torch.ops.aten, op)]
+    _require(not unknown, f"activation_checkpoint.selective_ops: {', '.join(unknown)} is not an aten op name "
+                          f"(e.g. {', '.join(SELECTIVE_OPS[:3])})")
     _require(cfg.metrics.log_freq >= 1, f"metrics.log_freq = {cfg.metrics.log_freq} must be >= 1")
     _require(cfg.metrics.peak_tflops >= 0, f"metrics.peak_tflops = {cfg.metrics.peak_tflops} must be >= 0")
     _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval = {cfg.checkpoint.interval} must be >= 0")

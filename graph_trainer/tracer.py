@@ -46,11 +46,10 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graph_trainer import torch_compat
 from graph_trainer.analysis.collectives import collective_counts, collective_name
+from graph_trainer.loss import LOSS_CHUNK, token_cross_entropy
 from graph_trainer.simple_fsdp import REDUCE_GRAD, UNSHARD
 
 logger = logging.getLogger("graph_trainer")
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 # --------------------------------------------------------------------------------------
@@ -156,7 +155,7 @@ def annotate_module_fqns(model: nn.Module) -> Iterator[None]:
             h.remove()
 
 
-INHERITED_BY_BACKWARD = ("ep_role", "moe_fqn", "chunk_region", "chunk_id")
+INHERITED_BY_BACKWARD = ("ep_role", "moe_fqn", "chunk_region", "chunk_id", LOSS_CHUNK)
 """Forward tags that the backward nodes differentiating a node carry too."""
 
 
@@ -245,9 +244,9 @@ def _finalize_meta(gm: fx.GraphModule, input_fqns: list[str]) -> None:
 # Tracing
 
 
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed in float32."""
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+def _loss_head(labels: torch.Tensor, chunks: int) -> Callable[[torch.Tensor, nn.Module], torch.Tensor]:
+    """The models' ``head``: the mean token cross-entropy (``graph_trainer.loss``)."""
+    return lambda hidden, output: token_cross_entropy(hidden, output, labels, chunks)
 
 
 def batch_signature(tokens: torch.Tensor, labels: torch.Tensor) -> tuple:
@@ -302,7 +301,7 @@ def trace_train_step(
     model: nn.Module,
     tokens: torch.Tensor,
     labels: torch.Tensor,
-    loss_fn: LossFn = cross_entropy_loss,
+    loss_chunks: int = 1,
     *,
     grad_scale: float = 1.0,
     fake_device: torch.device | None = None,
@@ -338,10 +337,8 @@ def trace_train_step(
         buffers = [unflatten_tensor(inner, layout)
                    for inner, layout in zip(groups[len(param_layouts):], buffer_layouts)]
         tensors = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
-        with torch.fx.traceback.annotate({"phase": "forward"}):
-            logits = torch.func.functional_call(model, tensors, (tok,))
-        with torch.fx.traceback.annotate({"phase": "loss", "module_fqn": "loss"}):
-            loss = loss_fn(logits, lab)
+        with torch.fx.traceback.annotate({"phase": "forward"}):  # the loss head tags its own nodes "loss"
+            loss = torch.func.functional_call(model, tensors, (tok,), {"head": _loss_head(lab, loss_chunks)})
         with torch.fx.traceback.annotate({"phase": "loss", "module_fqn": "loss"}):
             scaled = loss * grad_scale if grad_scale != 1.0 else loss
         torch_compat.tag_backward_with_forward_seq_nr(scaled)
@@ -393,10 +390,10 @@ class GraphStep:
     shape retraces instead of running a graph made for another shape.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn = cross_entropy_loss, grad_scale: float = 1.0,
+    def __init__(self, model: nn.Module, loss_chunks: int = 1, grad_scale: float = 1.0,
                  post_trace: Callable[[TracedStep], TracedStep] | None = None):
         self.model = model
-        self.loss_fn = loss_fn
+        self.loss_chunks = loss_chunks
         self.grad_scale = grad_scale
         self.post_trace = post_trace
         self.graphs: dict[tuple, TracedStep] = {}
@@ -407,7 +404,7 @@ class GraphStep:
             if self.graphs:
                 logger.info("batch shape %s is new: retracing", sig)
             logger.info("tracing the training step (forward + loss + backward) ...")
-            traced = trace_train_step(self.model, tokens, labels, self.loss_fn, grad_scale=self.grad_scale)
+            traced = trace_train_step(self.model, tokens, labels, self.loss_chunks, grad_scale=self.grad_scale)
             counts = collective_counts(traced.gm.graph)
             logger.info(
                 "traced in %.2fs: %d nodes, collectives: %s",
@@ -428,10 +425,10 @@ class GraphStep:
 
 
 def eager_step(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
-               loss_fn: LossFn = cross_entropy_loss, grad_scale: float = 1.0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+               loss_chunks: int = 1, grad_scale: float = 1.0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The same step without tracing: the numerics baseline for ``GraphStep``."""
     params = [p for _, p in model.named_parameters()]
-    loss = loss_fn(model(tokens), labels)
+    loss = model(tokens, head=_loss_head(labels, loss_chunks))
     scaled = loss * grad_scale if grad_scale != 1.0 else loss
     grads = torch.autograd.grad(scaled, params)
     return loss.detach(), list(grads)

@@ -147,10 +147,11 @@ class Trainer:
             append_losses=resume_step is not None,  # losses.txt continues the resumed run's file
         )
         if cfg.compile.mode == "graph":
-            self.step_fn = GraphStep(self.model, grad_scale=self.grad_scale, post_trace=self._run_passes)
+            self.step_fn = GraphStep(self.model, t.loss_chunks, grad_scale=self.grad_scale,
+                                     post_trace=self._run_passes)
         else:
             self._report_memory(None)
-            self.step_fn = lambda tokens, labels: eager_step(self.model, tokens, labels,
+            self.step_fn = lambda tokens, labels: eager_step(self.model, tokens, labels, t.loss_chunks,
                                                              grad_scale=self.grad_scale)
 
     def _run_passes(self, traced: TracedStep) -> TracedStep:

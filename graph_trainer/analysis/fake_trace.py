@@ -115,7 +115,7 @@ def trace_without_passes(cfg: JobConfig, world_size: int, device_type: str = "cp
     prepare_model_for_passes(model, cfg)
     batch = torch.empty(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
     with _GpuAttention() if gpu_attention else contextlib.nullcontext():
-        traced = trace_train_step(model, batch, batch, grad_scale=1.0 / dims.dp_size,
+        traced = trace_train_step(model, batch, batch, t.loss_chunks, grad_scale=1.0 / dims.dp_size,
                                   fake_device=torch.device(device_type))
     context = PassContext(config=cfg, degrees=dims.as_dict(), extras={"bucket_plan": spec.bucket_plan(model)})
     return traced, context

@@ -6,7 +6,8 @@ degrees and the model's bucket plan. A pass finds the nodes it works on through
 ``node.meta["custom"]`` tags written by the code that created them (see
 ``graph_trainer.tracer`` for the tags every node carries).
 
-``run_passes`` applies the default passes (always; they keep values bitwise) and then the
+``run_passes`` applies the default passes (chosen by the config; they keep values bitwise:
+dead code, the activation-checkpointing memory policy, reshard-after-forward) and then the
 user's passes in the order given. For each pass it logs wall time, node count and
 collectives by type before -> after, can dump the readable graph code before and after (in
 ``DIR/rank<r>/`` when several processes run), and lints the result: a pass that leaves a
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from graph_trainer.analysis.collectives import collective_counts, format_counts
+from graph_trainer.passes.activation_checkpoint import recompute_activations, tag_activations
 from graph_trainer.passes.auto_bucketing import AUTO_BUCKETING
 from graph_trainer.passes.ep_overlap import EP_OVERLAP
 from graph_trainer.passes.registry import PASS_REGISTRY, PassContext, PassError, PassSpec, register_pass
@@ -55,6 +57,14 @@ def default_passes(context: PassContext) -> list[PassSpec]:
     """Passes that run before the user's, chosen by the config; each keeps every value bitwise."""
     specs = [PassSpec("remove_dead_code", remove_dead_code, "drop unused pure nodes")]
     config = context.config
+    if config is not None and (config.activation_checkpoint.mode != "none" or config.training.loss_chunks > 1):
+        # Before reshard_after_forward: the recomputations are backward readers of the gathered
+        # parameters, so they read its re-gathers (one gather per block for backward).
+        specs.append(PassSpec("tag_activations", tag_activations,
+                              f"activation checkpointing ({config.activation_checkpoint.mode}, "
+                              f"{config.training.loss_chunks} loss chunks): save or recompute"))
+        specs.append(PassSpec("recompute_activations", recompute_activations,
+                              "copy recomputed activations before their first backward use"))
     if config is None or config.parallelism.fsdp_reshard_after_forward == "always":
         specs.append(PassSpec("reshard_after_forward", reshard_after_forward,
                               "re-gather parameters for backward instead of keeping them from forward"))

@@ -376,9 +376,11 @@ class DeepSeekV3(nn.Module):
         for moe in self.moe_layers():
             moe.init_buffers(device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, head: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None
+                ) -> torch.Tensor:
         """``tokens`` [B, S] int64 at positions 0..S-1 -> logits [B, S, vocab] in the output
-        weight's dtype. Also adds this batch's routing counts to every ``tokens_per_expert``."""
+        weight's dtype, or with ``head`` ``head(final normed hidden state, output module)``
+        (see LLaMA-3). Also adds this batch's routing counts to every ``tokens_per_expert``."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {self.args.max_seq_len}")
@@ -386,6 +388,8 @@ class DeepSeekV3(nn.Module):
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
             h = block(h, rope)
+        if head is not None:  # the loss computes the logits itself (e.g. in chunks: graph_trainer.loss)
+            return head(self.norm(h), self.output)
         return self.output(self.norm(h))
 
     @torch.no_grad()

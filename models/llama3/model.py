@@ -17,6 +17,7 @@ Choices made for tracing and sharding:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -203,9 +204,12 @@ class Transformer(nn.Module):
         a = self.args
         self.rope_cache = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, head: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None
+                ) -> torch.Tensor:
         """``tokens`` [B, S] int64 at positions 0..S-1 -> logits [B, S, vocab] in the
-        output weight's dtype (callers upcast for the loss)."""
+        output weight's dtype (callers upcast for the loss); with ``head``,
+        ``head(final normed hidden state, output module)`` instead (the loss, which then
+        computes the logits itself: ``graph_trainer.loss``)."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {self.args.max_seq_len}")
@@ -213,6 +217,8 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
             h = block(h, rope)
+        if head is not None:  # the loss computes the logits itself (e.g. in chunks: graph_trainer.loss)
+            return head(self.norm(h), self.output)
         return self.output(self.norm(h))
 
     def init_rules(self) -> dict[str, InitRule]:
