@@ -40,22 +40,27 @@ LOSS_CHUNK = "loss_chunk"
 def token_cross_entropy(hidden: torch.Tensor, output: nn.Module, labels: torch.Tensor, chunks: int = 1) -> torch.Tensor:
     """Mean cross-entropy of ``output(hidden)`` [B, S, vocab] against ``labels`` [B, S]."""
     rows = hidden.flatten(0, 1)
-    targets = labels.flatten(0, 1)
-    if chunks == 1:
-        return _per_token(output(rows), targets).mean()
+    if chunks == 1:  # the forward ends with the logits; everything after is the loss
+        logits = output(rows)
+        with annotate(_LOSS):
+            return _per_token(logits, labels.flatten(0, 1)).mean()
     per_token = []
     # One gather of a SimpleFSDP-sharded output weight for all blocks, not one per block.
     with parametrize.cached():
-        for k, (block, block_targets) in enumerate(zip(rows.tensor_split(chunks), targets.tensor_split(chunks))):
+        for k, block in enumerate(rows.tensor_split(chunks)):
             with annotate({LOSS_CHUNK: k}):
-                per_token.append(_per_token(output(block), block_targets))
-    with annotate({"phase": "loss", "module_fqn": "loss"}):
+                logits = output(block)  # forward (the projection), then the block's loss
+                with annotate(_LOSS):
+                    per_token.append(_per_token(logits, labels.flatten(0, 1).tensor_split(chunks)[k]))
+    with annotate(_LOSS):
         return torch.cat(per_token).mean()
 
 
+_LOSS = {"phase": "loss", "module_fqn": "loss"}
+
+
 def _per_token(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    with annotate({"phase": "loss", "module_fqn": "loss"}):
-        return F.cross_entropy(logits.float(), targets, reduction="none")
+    return F.cross_entropy(logits.float(), targets, reduction="none")
 
 
 __all__ = ["LOSS_CHUNK", "token_cross_entropy"]
