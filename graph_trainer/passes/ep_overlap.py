@@ -64,7 +64,7 @@ from graph_trainer.chunking import CHUNK_DIMS, CHUNK_ID, CHUNK_REGION, install_c
 from graph_trainer.errors import ConfigError
 from graph_trainer.expert_parallel import COUNT_EXCHANGE, ExpertParallelDispatcher
 from graph_trainer.passes.registry import PassContext, PassError, PassSpec
-from graph_trainer.torch_compat import is_op_overload, op_schema
+from graph_trainer.torch_compat import is_op_overload, op_schema, pass_needs_torch_2_13
 
 logger = logging.getLogger("graph_trainer")
 
@@ -344,6 +344,9 @@ def _is_moe(module: nn.Module) -> bool:
 
 
 def check_config(cfg: Any, degrees: dict[str, int]) -> None:
+    problem = pass_needs_torch_2_13(NAME)
+    if problem:
+        raise ConfigError(f"compile.passes: {problem}")
     settings = cfg.compile.ep_overlap
     if degrees.get("ep", 1) <= 1:
         raise ConfigError(f"compile.passes: {NAME} overlaps expert-parallel all_to_alls and needs a MoE model "

@@ -71,7 +71,7 @@ import torch.fx as fx
 from graph_trainer.errors import ConfigError
 from graph_trainer.passes.registry import PassContext, PassError, PassSpec
 from graph_trainer.simple_fsdp import REDUCE_GRAD, UNSHARD
-from graph_trainer.torch_compat import fake_mode_of
+from graph_trainer.torch_compat import fake_mode_of, pass_needs_torch_2_13
 
 aten = torch.ops.aten
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
@@ -429,6 +429,9 @@ def transformer_block_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.
 
 
 def check_config(cfg: Any, degrees: dict[str, int]) -> None:
+    problem = pass_needs_torch_2_13("transformer_block_bucketing")
+    if problem:
+        raise ConfigError(f"compile.passes: {problem}")
     if degrees.get("dp_shard", 1) <= 1:
         raise ConfigError("compile.passes: transformer_block_bucketing buckets FSDP all-gathers and reduce-scatters "
                           f"and needs parallelism.dp_shard > 1 (got dp_shard = {degrees.get('dp_shard', 1)})")

@@ -23,7 +23,7 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.loss import LOSS_CHUNK
 from graph_trainer.passes.activation_checkpoint import ACTIVATION, RECOMPUTE, RECOMPUTED, recompute_counts
 from models.registry import MODEL_SPECS
-from tests.conftest import ROOT
+from tests.conftest import NEEDS_TORCH_2_13, ROOT
 from tests.graph_compare import node_multiset
 
 SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2"]
@@ -102,6 +102,7 @@ def test_full_recomputes_more_than_selective_and_the_tags_are_the_decision():
     assert {n.name for n in tagged} == copies & names
 
 
+@NEEDS_TORCH_2_13
 @pytest.mark.parametrize("passes", ["transformer_block_bucketing", "transformer_block_bucketing,auto_bucketing"])
 def test_later_passes_keep_the_recomputation_as_decided(passes):
     """Bucketing moves and merges collectives; it must neither drop nor repeat a recomputation."""
@@ -113,6 +114,7 @@ def test_later_passes_keep_the_recomputation_as_decided(passes):
     assert recompute_counts(bucketed.graph) == recompute_counts(plain.graph)
 
 
+@NEEDS_TORCH_2_13
 def test_ep_overlap_schedules_the_recomputed_graph():
     from graph_trainer.passes.ep_overlap import verify_schedule
 

@@ -15,7 +15,9 @@ from graph_trainer.config import load_config, validate_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.passes import PASS_REGISTRY
 from graph_trainer.torch_compat import overlap_scheduling_module
-from tests.conftest import ROOT
+from tests.conftest import NEEDS_TORCH_2_13, ROOT
+
+pytestmark = NEEDS_TORCH_2_13
 
 AUTO = "auto_bucketing"
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32"]

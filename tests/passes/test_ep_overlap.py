@@ -20,8 +20,10 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.expert_parallel import COMBINE, COUNT_EXCHANGE, DISPATCH
 from graph_trainer.passes.ep_overlap import find_regions, verify_schedule
 from models.registry import MODEL_SPECS
-from tests.conftest import ROOT
+from tests.conftest import NEEDS_TORCH_2_13, ROOT
 from tests.graph_compare import node_multiset, node_signatures
+
+pytestmark = NEEDS_TORCH_2_13
 
 DEEPSEEK = ["--job.config_file", f"{ROOT}/configs/deepseek_v3_debug.toml", "--training.seq_len", "32",
             "--training.local_batch_size", "2"]

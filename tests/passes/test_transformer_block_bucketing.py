@@ -22,9 +22,11 @@ from graph_trainer.config import load_config, validate_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.passes import PASS_REGISTRY, PassContext, PassError
 from graph_trainer.passes.transformer_block_bucketing import bucket_index, transformer_block_bucketing
-from tests.conftest import ROOT
+from tests.conftest import NEEDS_TORCH_2_13, ROOT
 from tests.graph_compare import node_signature
 from tests.launch import FAST_ARGS, run_torchrun
+
+pytestmark = NEEDS_TORCH_2_13
 
 TBB = "transformer_block_bucketing"
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32"]
