@@ -22,6 +22,7 @@ from graph_trainer.checkpoint import Checkpointer
 from graph_trainer.config import JobConfig, check_device, model_args, resolve_device, resolve_parallel_degrees
 from graph_trainer.data import build_dataloader, build_tokenizer
 from graph_trainer.grad_record import gather_record, record_path, save_record
+from graph_trainer.guards import check_step
 from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
 from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from graph_trainer.parallel import ParallelDims, average_over_dp, build_mesh, dp_rank, sum_over_dp
@@ -189,6 +190,8 @@ class Trainer:
         if record is not None and self.dist.rank == 0:
             record["norm"] = grad_norm.item()
             save_record(record, record_path(self.cfg.job.dump_folder, self.step))
+        loss, grad_norm = average_over_dp(loss, self.dims).item(), grad_norm.item()
+        check_step(self.step, loss, grad_norm, list(self.model.named_parameters()))  # before the update
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -196,7 +199,7 @@ class Trainer:
             # MoE load balancing (outside the gradient): every rank sees the global counts,
             # so every rank applies the same bias update.
             self.model.update_expert_bias(lambda counts: sum_over_dp(counts, self.dims))
-        return average_over_dp(loss, self.dims).item(), grad_norm.item()
+        return loss, grad_norm
 
     def train(self) -> list[float]:
         """Run the remaining steps; returns this run's losses in step order."""
