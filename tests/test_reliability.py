@@ -216,6 +216,18 @@ def test_no_checkpoint_that_verifies_is_refused_and_nothing_moves(tmp_path, thre
     assert sorted(os.listdir(job / "checkpoint")) == ["step-1", "step-2", "step-3"]
 
 
+def test_checkpoints_without_a_manifest_are_not_loaded_until_sealed(tmp_path, three_steps):
+    # Saved before manifests existed (or by something else): they cannot be verified, so never loaded
+    # unverified; sealing one you trust makes it loadable.
+    job = _copy(three_steps, tmp_path)
+    for step in (1, 2, 3):
+        os.remove(job / "checkpoint" / f"step-{step}" / "manifest.json")
+    with pytest.raises(ConfigError, match=r"holds checkpoints without manifest.json \(step-1, step-2, step-3\)"):
+        _trainer(job, "--training.steps", "4")
+    _seal(job / "checkpoint" / "step-3")
+    assert _trainer(job, "--training.steps", "4").step == 3
+
+
 def test_manifest_cli_verifies_and_seals(tmp_path, three_steps, capsys):
     from graph_trainer import manifest
 
@@ -326,20 +338,29 @@ def test_every_entry_point_accepts_either_spelling(tmp_path, capsys):
 
 # ------------------------------------------------------------------ 6. a stuck rank hangs the job
 
-def _worker_pid(torchrun: int, rank: int) -> int | None:
-    """The pid of torchrun's worker of ``rank`` (a child of torchrun, in a session of its own)."""
+def _children(parent: int) -> list[int]:
+    """Pids whose parent is ``parent`` (torchrun's workers run in sessions of their own)."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            if parent != torchrun:
-                continue
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
+                    found.append(int(pid))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _worker_pid(torchrun: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of ``rank``."""
+    for pid in _children(torchrun):
+        try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
         except OSError:
             continue
-        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
-            return int(pid)
+        if f"RANK={rank}".encode() in env:
+            return pid
     return None
 
 
@@ -349,7 +370,6 @@ def test_stopped_rank_ends_the_job_with_one_line_within_the_timeout(tmp_path):
            "--comm.timeout_seconds", "3"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
-    pid = None
     try:
         deadline = time.monotonic() + 240
         while not ((tmp_path / "losses.txt").is_file() and len(read_losses(tmp_path)) >= 3):
@@ -365,9 +385,9 @@ def test_stopped_rank_ends_the_job_with_one_line_within_the_timeout(tmp_path):
                 break
         proc.wait(timeout=120)
         ended = time.monotonic()
-    finally:
-        for p in (pid, proc.pid):
-            with contextlib.suppress(ProcessLookupError, TypeError):
+    finally:  # whatever happened, no worker outlives the test
+        for p in [*_children(proc.pid), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
     assert line is not None and re.match(r"error: rank 0: step \d+: a collective waited more than 3 s "
                                          r"\(comm.timeout_seconds / comm.init_timeout_seconds\) for another rank", line)
