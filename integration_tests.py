@@ -532,9 +532,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--suite", required=True, choices=sorted(SUITES))
     parser.add_argument("--test_name", default="", help="comma-separated case names (their references run too)")
     parser.add_argument("--ngpu", type=int, default=None, help="most processes a case may use (default: all)")
-    parser.add_argument("--dry-run", action="store_true", help="trace each graph case on the fake process group")
+    parser.add_argument("--dry_run", action="store_true", help="trace each graph case on the fake process group")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
-    opts = parser.parse_args(argv)
+    from graph_trainer.config import normalize_flags
+
+    opts = parser.parse_args(normalize_flags(argv))  # dashes or underscores: --dry-run is --dry_run
     suite = SUITES[opts.suite]
     if opts.ngpu is not None and opts.ngpu < 1:
         parser.error(f"--ngpu must be >= 1, got {opts.ngpu}")

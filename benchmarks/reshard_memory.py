@@ -24,11 +24,10 @@ def main(argv: list[str]) -> int:
     from graph_trainer.analysis.memory import estimate_peak_memory, estimate_step_memory
     from graph_trainer.config import load_config, validate_config
 
-    world_size = 8
-    if "--world_size" in argv:
-        i = argv.index("--world_size")
-        world_size = int(argv[i + 1])
-        argv = argv[:i] + argv[i + 2:]
+    from graph_trainer.analyze import _take_flag
+
+    argv, world_size = _take_flag(argv, "--world_size", "8")
+    world_size = int(world_size)
     results = {}
     for mode in ("never", "always"):
         cfg = load_config([*argv, "--parallelism.fsdp_reshard_after_forward", mode])

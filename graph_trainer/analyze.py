@@ -34,8 +34,11 @@ _KIND_COLUMNS = (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", 
 
 
 def _take_flag(argv: list[str], flag: str, default: str | None) -> tuple[list[str], str | None]:
-    """Remove ``--flag value`` (or ``--flag=value``) from argv; return (argv, value)."""
+    """Remove ``--flag value`` (or ``--flag=value``; dashes or underscores) from argv; return (argv, value)."""
+    from graph_trainer.config import canonical_flag
+
     for i, arg in enumerate(argv):
+        arg = canonical_flag(arg)
         if arg == flag:
             if i + 1 >= len(argv):
                 raise SystemExit(f"error: {flag} needs a value")

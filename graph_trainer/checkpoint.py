@@ -3,34 +3,48 @@
 Contract
 --------
 ``Checkpointer.save(step, ...)`` writes ``<root>/step-<N>`` where ``<root>`` is ``checkpoint.folder``
-(relative to ``job.dump_folder`` unless absolute; all ranks must see it). All ranks write into ``step-<N>.tmp-<token>``
-(token chosen by rank 0); after a barrier rank 0 renames it to ``step-<N>``. Only folders named
-exactly ``step-<N>`` that hold ``metadata.json`` count as checkpoints, so a half-written (crashed)
-save is never found. A checkpoint folder holds:
+(relative to ``job.dump_folder`` unless absolute; all ranks must see it). All ranks write into
+``step-<N>.tmp-<token>`` (token chosen by rank 0), agree that every write succeeded, and hash what
+they wrote; rank 0 writes ``manifest.json`` last (``graph_trainer.manifest``: size and SHA-256 of
+every file of every rank) and renames the folder to ``step-<N>`` (atomically replacing an existing
+one: ``atomic_files.replace_dir``). Only folders named exactly ``step-<N>`` holding ``manifest.json``
+count as checkpoints, so a crashed save is never found. A state with a non-finite tensor is never
+saved (``guards.check_state``). An I/O failure on any rank (full disk, read-only folder) is one
+``JobError`` on every rank; the temporary folder is removed and the earlier checkpoints are untouched.
+A checkpoint folder holds:
 
 * DCP files (``.metadata``, ``*.distcp``): every tensor, under flat keys
   ``model.<fqn>`` (the parameter, or a persistent buffer such as a MoE ``expert_bias``) and ``optim.<fqn>.<exp_avg|exp_avg_sq|step>`` (AdamW state).
   ``<fqn>`` is the clean name (``graph_trainer.build.clean_fqn``), not SimpleFSDP's
   ``...parametrizations.<name>.original``. Sharded parameters and their moments are saved as
   DTensors, i.e. as pieces of the global tensor, so DCP reshards on load: a checkpoint written
-  at one layout (FSDP, HSDP, FSDPxTP) loads at any other, or in one process.
+  at one layout (FSDP, HSDP, FSDPxTP) loads at any other, or in one process. ``.metadata`` is
+  read with ``graph_trainer.safe_metadata`` (only checkpoint classes are unpickled), never plain pickle.
 * ``metadata.json`` (rank 0): model name and flavor, step, parallel degrees, world size, and every
-  parameter's clean FQN and global shape. It is checked before the model is even built (name and
+  parameter's clean FQN and global shape. It is checked before the model is built (name and
   flavor) and again against the built model (names and shapes), so a wrong checkpoint fails with a
   ``ConfigError`` naming what differs rather than a DCP traceback.
 * ``train_state.json`` (rank 0): the step, the LR scheduler's state and the data loader's state
   (``TokenBatchLoader.state_dict()``: a global stream position, identical on all ranks and valid
   under any dp degree).
-* ``rng-rank<R>.pt`` (each rank): that rank's torch CPU RNG state (and CUDA RNG on cuda). RNG
-  streams belong to a rank of a layout, so they are restored only at the same world size.
+* ``rng-rank<R>.pt`` (each rank): that rank's torch CPU RNG state (and CUDA RNG on cuda), read with
+  ``weights_only=True``. RNG streams belong to a rank of a layout, so they are restored only at the
+  same world size.
+* ``manifest.json``: see above.
 
-``Checkpointer.resolve_load_step()`` picks what to resume (``checkpoint.load_step``: -1 latest
-complete checkpoint if any, 0 none, N exactly step-N, else ``ConfigError`` listing the available
-steps); rank 0 decides and broadcasts so every rank resumes from the same step. ``load`` restores
-everything in place before the first step: the AdamW state (created lazily by AdamW) is created
-here with AdamW's layout, so the restored step counts drive bias correction exactly as if training
-had not stopped. The learning rate is recomputed from the *current* config at the restored step.
-Resuming is bitwise identical to not stopping when the layout is unchanged.
+``Checkpointer.resolve_load_step()`` runs first: rank 0 removes what interrupted saves left
+(``atomic_files.clean_leftovers``), then picks what to resume (``checkpoint.load_step``: -1 the
+newest checkpoint that verifies, 0 none, N exactly step-N, else ``ConfigError`` listing the
+available steps). Verifying (``manifest``, split over the ranks) comes before anything is loaded:
+with -1 a checkpoint that fails is reported, renamed ``step-<N>.corrupt-<token>`` and the next
+older one tried; with N it is a ``ConfigError`` naming the file. A run that would leave checkpoints
+of another run beside its own (load_step 0 in a folder holding checkpoints, or load_step N with
+later steps there) is refused unless ``checkpoint.move_aside``. Every decision is rank 0's,
+broadcast, so all ranks resume from the same step. ``load`` restores everything in place before
+the first step: the AdamW state (created lazily by AdamW) is created here with AdamW's layout, so
+the restored step counts drive bias correction exactly as if training had not stopped. The
+learning rate is recomputed from the *current* config at the restored step. Resuming is bitwise
+identical to not stopping when the layout is unchanged.
 """
 
 from __future__ import annotations
@@ -50,9 +64,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from graph_trainer import manifest
+from graph_trainer.atomic_files import clean_leftovers, move_aside, replace_dir, write_text_atomic
 from graph_trainer.build import clean_fqn
+from graph_trainer.comm import agree
 from graph_trainer.config import JobConfig
-from graph_trainer.errors import ConfigError
+from graph_trainer.errors import ConfigError, JobError
+from graph_trainer.guards import check_state
+from graph_trainer.safe_metadata import load_dcp_metadata, metadata_path, safe_reader
+from graph_trainer.torch_compat import dcp_storage_files
 
 logger = logging.getLogger("graph_trainer")
 
@@ -66,18 +86,28 @@ def checkpoint_root(cfg: JobConfig) -> str:
     return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
 
 
-def complete_steps(root: str) -> list[int]:
-    """Steps of the complete checkpoints in ``root``, ascending (tmp / half-written folders excluded)."""
+def _steps_with(root: str, present: str, absent: str | None = None) -> list[int]:
     if not os.path.isdir(root):
         return []
     steps = []
     for name in os.listdir(root):
         match = _STEP_DIR.match(name)
-        # The exact name marks a finished save (rank 0 renames only after every rank wrote);
-        # requiring metadata.json too skips step-N folders this module did not write.
-        if match and os.path.isfile(os.path.join(root, name, "metadata.json")):
+        if (match and os.path.isfile(os.path.join(root, name, present))
+                and not (absent and os.path.exists(os.path.join(root, name, absent)))):
             steps.append(int(match.group(1)))
     return sorted(steps)
+
+
+def complete_steps(root: str) -> list[int]:
+    """Steps of the complete checkpoints in ``root``, ascending (tmp / half-written folders excluded)."""
+    # The exact name marks a finished save (rank 0 renames only after every rank wrote), and the
+    # manifest is written last before that rename; step-N folders without one are not ours, or older.
+    return _steps_with(root, manifest.MANIFEST_FILE)
+
+
+def unsealed_steps(root: str) -> list[int]:
+    """Steps of checkpoints without a manifest (saved by a graph_trainer before manifests existed)."""
+    return _steps_with(root, "metadata.json", absent=manifest.MANIFEST_FILE)
 
 
 def param_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -140,6 +170,10 @@ def _write_json(path: str, obj: dict) -> None:
         os.fsync(f.fileno())  # durable before rank 0's rename declares the checkpoint complete
 
 
+def _steps(steps: list[int]) -> str:
+    return ", ".join(f"step-{s}" for s in steps)
+
+
 def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
@@ -177,66 +211,200 @@ class Checkpointer:
         return interval > 0 and (step % interval == 0 or step == last_step)
 
     def _on_rank0(self, fn):
-        """Run ``fn`` on rank 0 only and give every rank its result (or its ConfigError), so that all
+        """Run ``fn`` on rank 0 only and give every rank its result (or its one-line error), so that all
         ranks take the same decision and none waits in a collective the others skipped."""
         if not self.distributed:
-            return fn()
+            try:
+                return fn()
+            except OSError as e:
+                raise JobError(f"checkpoint folder {self.root}: {e.strerror or e}: {e.filename}") from None
         box: list = [None]
         if self.rank == 0:
             try:
                 box[0] = ("ok", fn())
             except ConfigError as e:
-                box[0] = ("error", str(e))
+                box[0] = ("config", str(e))
+            except (JobError, OSError) as e:
+                box[0] = ("job", str(e) if isinstance(e, JobError) else
+                          f"checkpoint folder {self.root}: {e.strerror or e}: {e.filename}")
             except Exception as e:  # unblock the other ranks, then fail loudly here
                 dist.broadcast_object_list([("crash", repr(e))], src=0)
                 raise
         dist.broadcast_object_list(box, src=0)
         kind, value = box[0]
-        if kind == "error":
+        if kind == "config":
             raise ConfigError(value)
+        if kind == "job":
+            raise JobError(value)
         if kind == "crash":
             raise RuntimeError(f"rank 0 failed while reading checkpoints: {value}")
         return value
 
+    def _gather(self, obj) -> list:
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     # ------------------------------------------------------------------------------ resume
 
-    def resolve_load_step(self) -> int | None:
-        """The step to resume from (None: start fresh). Cheap: call it before building the model."""
-        want = self.cfg.checkpoint.load_step
+    def _scan(self) -> tuple[list[int], list[int], list[str]]:
+        """(rank 0) Clean leftovers of interrupted saves; list sealed and unsealed checkpoints."""
+        try:
+            done = clean_leftovers(self.root)
+        except OSError as e:  # a read-only folder a job only resumes from: the leftovers are never read
+            done = [f"cannot remove what interrupted saves left ({e.strerror or e}); ignored"]
+        return complete_steps(self.root), unsealed_steps(self.root), done
 
-        def decide() -> int | None:
+    def _check_model(self, step: int) -> None:
+        """(rank 0) The checkpoint's format and model are this run's (its metadata.json already verified)."""
+        meta = _read_json(os.path.join(self.step_dir(step), "metadata.json"))
+        if meta.get("format") != FORMAT_VERSION:
+            raise ConfigError(f"checkpoint {self.step_dir(step)} has format {meta.get('format')!r}; "
+                              f"this build reads format {FORMAT_VERSION}")
+        model = self.cfg.model
+        saved = (meta.get("model", {}).get("name"), meta.get("model", {}).get("flavor"))
+        if saved != (model.name, model.flavor):
+            raise ConfigError(
+                f"checkpoint {self.step_dir(step)} holds model {saved[0]} flavor {saved[1]} but this run "
+                f"builds {model.name} flavor {model.flavor}; use checkpoint.load_step = 0 or another "
+                f"checkpoint.folder to start fresh")
+
+    def _check_index(self, step: int, files: dict) -> None:
+        """(rank 0) DCP's index unpickles with only checkpoint classes (else ConfigError: crafted or
+        foreign) and every file it refers to is in the manifest."""
+        path = self.step_dir(step)
+        unlisted = sorted(dcp_storage_files(load_dcp_metadata(metadata_path(path))) - set(files))
+        if unlisted:
+            raise ConfigError(f"checkpoint {path}: DCP's index refers to {unlisted[0]}, which its manifest does "
+                              f"not list")
+
+    def _verify(self, step: int) -> str | None:
+        """Check ``step-<step>`` against its manifest on all ranks (each hashes a share); None when it is
+        exactly what was saved, else one line naming the first file that is not. A checkpoint of another
+        model, or whose index holds anything but checkpoint classes, raises ConfigError instead."""
+        path = self.step_dir(step)
+
+        def head():  # cheap checks first, so a wrong checkpoint fails fast
+            saved, problem = manifest.read(path)
+            problem = problem or manifest.check_listing(path, saved)
+            problem = problem or (manifest.check_files(path, saved, ["metadata.json"])
+                                  if "metadata.json" in saved["files"] else "metadata.json is missing")
+            if problem:
+                return None, problem
+            self._check_model(step)
+            return saved, None
+
+        saved, problem = self._on_rank0(head)
+        if problem:
+            return problem
+        sizes = {name: entry["size"] for name, entry in saved["files"].items() if name != "metadata.json"}
+        mine = manifest.balance(sizes, self.world_size)[self.rank]
+        problems = [p for p in self._gather(manifest.check_files(path, saved, mine)) if p]
+        if problems:
+            return problems[0]
+        self._on_rank0(lambda: self._check_index(step, saved["files"]))
+        return None
+
+    def _writes_beside(self) -> bool:
+        """Whether this run adds to the checkpoint folder, or keeps its losses.txt beside it."""
+        dump = os.path.realpath(self.cfg.job.dump_folder)
+        return self.cfg.checkpoint.interval > 0 or os.path.realpath(self.root).startswith(dump + os.sep)
+
+    def _refuse_or_move_aside(self, chosen: int | None, others: list[int], unsealed: list[int]) -> None:
+        """Other runs' checkpoints would stay beside this run's: refuse, or move them aside (move_aside)."""
+        want = self.cfg.checkpoint.load_step
+        names = _steps(others)
+        if not self.cfg.checkpoint.move_aside:
+            hint = "pass --checkpoint.move_aside True to move them into " \
+                   f"{os.path.normpath(self.root)}.aside-<time>/, or use another checkpoint.folder"
             if want == 0:
-                return None
-            steps = complete_steps(self.root)
-            if want == -1 and not steps:
-                return None
-            step = steps[-1] if want == -1 else want
-            if step not in steps:
+                raise ConfigError(f"checkpoint.load_step = 0 starts fresh, but {self.root} holds checkpoints ({names}) "
+                                  f"of an earlier run, which a later resume would mix with this one; resume them "
+                                  f"(checkpoint.load_step -1), or {hint} (losses.txt too)")
+            if want > 0:
+                raise ConfigError(f"checkpoint.load_step = {want} continues step-{want}, but {self.root} also holds "
+                                  f"later steps ({names}) of the run it abandons, which a later resume would pick "
+                                  f"up; {hint}")
+            raise ConfigError(f"{self.root} holds checkpoints without {manifest.MANIFEST_FILE} "
+                              f"({_steps(sorted(set(others) & set(unsealed)))}): saved before graph_trainer wrote "
+                              f"manifests, or not by graph_trainer, so they cannot be verified; seal one you trust "
+                              f"with `python -m graph_trainer.manifest seal <folder>`, or {hint}")
+        losses = os.path.join(self.cfg.job.dump_folder, "losses.txt")
+        aside = self._on_rank0(lambda: move_aside(self.root, [f"step-{s}" for s in others], losses,
+                                                  keep_losses=chosen is not None))
+        self._warn("checkpoint.move_aside: moved %s%s into %s", names,
+                   " and losses.txt" if chosen is None else " and a copy of losses.txt", aside)
+
+    def _quarantine(self, failed: list[tuple[int, str]]) -> None:
+        """(all ranks) Rename checkpoints that failed verification, so no later resume finds them."""
+        def rename():
+            token = uuid.uuid4().hex[:8]
+            try:
+                for step, _ in failed:
+                    os.rename(self.step_dir(step), f"{self.step_dir(step)}.corrupt-{token}")
+            except OSError as e:  # read-only: every later resume verifies (and skips) them again
+                return f"cannot rename them ({e.strerror or e}); they stay, and fail verification again"
+            return "renamed " + ", ".join(f"step-{s} to step-{s}.corrupt-{token}" for s, _ in failed)
+
+        self._warn("%s (kept for inspection; never loaded)", self._on_rank0(rename))
+
+    def _warn(self, *args) -> None:
+        """A warning about a decision every rank shares: rank 0 logs it."""
+        if self.rank == 0:
+            logger.warning(*args)
+
+    def resolve_load_step(self) -> int | None:
+        """The step to resume from (None: start fresh), verified. Call it before building the model."""
+        want = self.cfg.checkpoint.load_step
+        start = time.perf_counter()
+        sealed, unsealed, cleaned = self._on_rank0(self._scan)
+        for line in cleaned:
+            logger.info("checkpoint folder %s: %s", self.root, line)
+        chosen, failed = None, []
+        if want > 0:
+            if want not in sealed:
+                legacy = f" (step-{want} has no {manifest.MANIFEST_FILE}: saved before manifests; seal it with " \
+                         f"`python -m graph_trainer.manifest seal` if you trust it)" if want in unsealed else ""
                 raise ConfigError(
                     f"checkpoint.load_step = {want}: no complete checkpoint step-{want} in {self.root}; "
-                    f"available steps: {', '.join(map(str, steps)) or 'none'}")
-            meta = _read_json(os.path.join(self.step_dir(step), "metadata.json"))
-            if meta.get("format") != FORMAT_VERSION:
-                raise ConfigError(f"checkpoint {self.step_dir(step)} has format {meta.get('format')!r}; "
-                                  f"this build reads format {FORMAT_VERSION}")
-            model = self.cfg.model
-            saved = (meta.get("model", {}).get("name"), meta.get("model", {}).get("flavor"))
-            if saved != (model.name, model.flavor):
+                    f"available steps: {', '.join(map(str, sealed)) or 'none'}{legacy}")
+            problem = self._verify(want)
+            if problem:
+                raise ConfigError(f"checkpoint {self.step_dir(want)} fails verification: {problem}; nothing was "
+                                  f"loaded")
+            chosen = want
+        elif want == -1:
+            for step in reversed(sealed):
+                problem = self._verify(step)
+                if problem is None:
+                    chosen = step
+                    break
+                failed.append((step, problem))
+                self._warn("checkpoint %s fails verification: %s", self.step_dir(step), problem)
+            if failed and chosen is None:
                 raise ConfigError(
-                    f"checkpoint {self.step_dir(step)} holds model {saved[0]} flavor {saved[1]} but this run "
-                    f"builds {model.name} flavor {model.flavor}; use checkpoint.load_step = 0 or another "
-                    f"checkpoint.folder to start fresh")
-            return step
-
-        step = self._on_rank0(decide)
-        if step is not None:
-            logger.info("resuming from checkpoint %s (step %d)", self.step_dir(step), step)
+                    f"no checkpoint in {self.root} verifies ({'; '.join(f'step-{s}: {p}' for s, p in failed)}); "
+                    f"nothing was loaded. Restore them, or start fresh with checkpoint.load_step 0 and "
+                    f"checkpoint.move_aside True")
+        others = [s for s in sorted(set(sealed) | set(unsealed))
+                  if s not in dict(failed) and (chosen is None or s > chosen)]
+        if others and self._writes_beside():
+            self._refuse_or_move_aside(chosen, others, unsealed)
+        if failed:
+            self._quarantine(failed)
+            self._warn("resuming from %s, the newest checkpoint that verifies", self.step_dir(chosen))
+        if chosen is not None:
+            logger.info("resuming from checkpoint %s (step %d), verified in %.2fs", self.step_dir(chosen), chosen,
+                        time.perf_counter() - start)
         elif want == -1 and os.path.isdir(self.root):
             logger.info("no complete checkpoint in %s; starting from step 1", self.root)
-        return step
+        return chosen
 
     def load(self, step: int, model, optimizer, scheduler, dataloader) -> None:
-        """Restore model, AdamW, LR schedule, data position and RNG in place from ``step-<step>``."""
+        """Restore model, AdamW, LR schedule, data position and RNG in place from ``step-<step>``
+        (verified by ``resolve_load_step``)."""
         start = time.perf_counter()
         path = self.step_dir(step)
         meta = _read_json(os.path.join(path, "metadata.json"))
@@ -247,16 +415,14 @@ class Checkpointer:
         state = tensor_state(model, optimizer, create=True)
         # metadata.json describes parameters only; DCP's own index must also hold every optimizer
         # key with the right global shape, otherwise dcp.load fails with a long planner traceback.
-        try:
-            saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        except Exception as e:
-            raise ConfigError(f"cannot read the DCP index of checkpoint {path}: {e}") from None
+        saved = load_dcp_metadata(metadata_path(path)).state_dict_metadata
         problem = _diff({k: list(v.size) for k, v in saved.items() if isinstance(v, TensorStorageMetadata)},
                         {k: list(v.shape) for k, v in state.items()})
         if problem:
             raise ConfigError(f"checkpoint {path} does not fit this run's model/optimizer state: {problem}")
         with _single_process_ok():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not self.distributed)
+            agree(lambda: dcp.load(state, storage_reader=safe_reader(path), no_dist=not self.distributed),
+                  f"cannot load checkpoint {path}")
 
         train_state = _read_json(os.path.join(path, "train_state.json"))
         counts = {float(optimizer.state[p]["step"]) for p in optimizer.state}
@@ -277,9 +443,7 @@ class Checkpointer:
 
         if int(meta.get("world_size", -1)) == self.world_size:
             rng_path = os.path.join(path, f"rng-rank{self.rank}.pt")
-            if not os.path.isfile(rng_path):
-                raise ConfigError(f"checkpoint {path} lacks {os.path.basename(rng_path)}")
-            rng = torch.load(rng_path, weights_only=True)
+            rng = agree(lambda: torch.load(rng_path, weights_only=True), f"checkpoint {path}")
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], self.device)
@@ -291,7 +455,8 @@ class Checkpointer:
         logger.info("loaded checkpoint %s in %.2fs", path, time.perf_counter() - start)
 
     def _trim_losses(self, step: int) -> None:
-        """Drop ``losses.txt`` lines after ``step`` (left by a longer earlier run) before appending."""
+        """Drop ``losses.txt`` lines after ``step`` (left by a longer earlier run) before appending;
+        atomically, so a crash leaves the old file or the trimmed one."""
         path = os.path.join(self.cfg.job.dump_folder, "losses.txt")
         if not os.path.isfile(path):
             return
@@ -299,27 +464,21 @@ class Checkpointer:
             lines = f.readlines()
         kept = [line for line in lines if not (line[:1].isdigit() and int(line.split()[0]) > step)]
         if len(kept) != len(lines):
-            with open(path, "w", encoding="utf-8") as f:
-                f.writelines(kept)
+            write_text_atomic(path, "".join(kept))
 
     # ------------------------------------------------------------------------------ save
 
-    def save(self, step: int, model, optimizer, scheduler, dataloader) -> str:
-        """Write ``step-<step>`` atomically (all ranks call this); returns its path."""
-        start = time.perf_counter()
-        final = self.step_dir(step)
-        # One token for all ranks so they write into the same tmp folder; unique per attempt so a
-        # leftover from a crashed save is never mixed with this one.
-        token = self._on_rank0(lambda: uuid.uuid4().hex[:8])
-        tmp = f"{final}.tmp-{token}"
-        os.makedirs(tmp, exist_ok=True)
+    def _write_state(self, tmp: str, step: int, state: dict, model, scheduler, dataloader):
+        """(all ranks) Every file of the checkpoint but the manifest; returns DCP's index."""
         with _single_process_ok():
-            dcp.save(tensor_state(model, optimizer, create=False), storage_writer=dcp.FileSystemWriter(tmp),
-                     no_dist=not self.distributed)
+            index = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not self.distributed)
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        torch.save(rng, os.path.join(tmp, f"rng-rank{self.rank}.pt"))
+        with open(os.path.join(tmp, f"rng-rank{self.rank}.pt"), "wb") as f:
+            torch.save(rng, f)
+            f.flush()
+            os.fsync(f.fileno())
         if self.rank == 0:
             _write_json(os.path.join(tmp, "train_state.json"), {
                 "step": step, "scheduler": scheduler.state_dict(), "dataloader": dataloader.state_dict()})
@@ -327,17 +486,44 @@ class Checkpointer:
                 "format": FORMAT_VERSION, "model": {"name": self.cfg.model.name, "flavor": self.cfg.model.flavor},
                 "step": step, "degrees": self.degrees, "world_size": self.world_size,
                 "params": param_shapes(model)})
-        if self.distributed:
-            dist.barrier()  # every rank's files are in tmp before it becomes the checkpoint
-        if self.rank == 0:
-            old = None
-            if os.path.exists(final):  # re-saving a step (resumed from an earlier one): replace it
-                old = f"{final}.old-{token}"
-                os.rename(final, old)
-            os.rename(tmp, final)
-            if old:
-                shutil.rmtree(old)
-        if self.distributed:
-            dist.barrier()  # nobody lists or loads checkpoints before the rename is visible
-        logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - start)
+        return index
+
+    def _seal(self, tmp: str, final: str, hashed: list[dict], index) -> None:
+        """(rank 0) Check every rank's files are there, write the manifest, make the folder ``step-<N>``."""
+        present = manifest.folder_files(tmp)
+        files = {name: entry for share in hashed for name, entry in share.items()}
+        for name in sorted(set(present) - set(files)):  # written by no rank we know of: hash it here
+            files[name] = manifest.file_entry(os.path.join(tmp, name))
+        missing = sorted((set(files) | dcp_storage_files(index)) - set(present))
+        if missing:
+            raise JobError(f"{missing[0]} is not in {tmp}: a rank's write did not reach the shared folder")
+        manifest.write(tmp, manifest.build(files))
+        replace_dir(tmp, final)
+
+    def save(self, step: int, model, optimizer, scheduler, dataloader) -> str:
+        """Write ``step-<step>`` atomically (all ranks call this); returns its path."""
+        start = time.perf_counter()
+        final = self.step_dir(step)
+        state = tensor_state(model, optimizer, create=False)
+        check_state(step, state)
+        # One token for all ranks so they write into the same tmp folder; unique per attempt so a
+        # leftover from a crashed save is never mixed with this one.
+        token = self._on_rank0(lambda: uuid.uuid4().hex[:8])
+        tmp = f"{final}.tmp-{token}"
+        what = f"cannot save checkpoint {final}"
+        try:
+            agree(lambda: os.makedirs(tmp) if self.rank == 0 else None, what)
+            index = agree(lambda: self._write_state(tmp, step, state, model, scheduler, dataloader), what)
+            written = time.perf_counter()
+            # every rank's files are in tmp now (agree gathered from all): hash our own share
+            mine = agree(lambda: {n: manifest.file_entry(os.path.join(tmp, n)) for n in
+                                  manifest.save_share(manifest.folder_files(tmp), self.rank, self.world_size)}, what)
+            hashed = self._gather(mine)
+            agree(lambda: self._seal(tmp, final, hashed, index) if self.rank == 0 else None, what)
+        except JobError as e:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # never a checkpoint; the earlier ones are untouched
+            raise JobError(f"{e} (earlier checkpoints are intact)") from None
+        logger.info("saved checkpoint %s in %.2fs (manifest: %.2fs)", final, time.perf_counter() - start,
+                    time.perf_counter() - written)
         return final

@@ -1,9 +1,11 @@
 """Job configuration: documented dataclass sections, TOML loading, command-line overrides.
 
 A job is described by one ``JobConfig`` with the sections ``job, model, training,
-parallelism, compile, activation_checkpoint, metrics, checkpoint, debug``. ``load_config(argv)`` reads
+parallelism, compile, activation_checkpoint, metrics, checkpoint, comm, debug``.
+``load_config(argv)`` reads
 ``--job.config_file X.toml`` (tomli) and then applies every other ``--section.key value``
-from the command line (tyro); the command line wins over the file.
+from the command line (tyro); the command line wins over the file. A flag may be spelled with
+dashes or underscores (``--job.config-file`` is ``--job.config_file``), as ``--help`` shows them.
 
 Validation (``validate_config``) runs before anything is built. Every user error raises
 ``ConfigError`` with one message naming the field, the bad value and what is allowed;
@@ -179,8 +181,25 @@ class Checkpoint:
     folder: str = "checkpoint"
     """Checkpoint folder, relative to job.dump_folder unless absolute; every rank must see the same folder."""
     load_step: int = -1
-    """Resume from step-<N> (N >= 1, must exist); -1 resumes from the latest complete checkpoint if any, 0 starts fresh.
+    """Resume from step-<N> (N >= 1, must exist and verify); -1 resumes from the newest checkpoint that verifies
+    (an older one when the newest is corrupt, saying so), or starts fresh when the folder holds none; 0 starts fresh.
     Resuming continues at step N+1, appends to losses.txt and may use another parallel layout (tensors are resharded)."""
+    move_aside: bool = False
+    """A run that would not continue the newest checkpoints of the folder (load_step 0 in a folder holding checkpoints,
+    or load_step N with later steps there) is refused, so one folder and one losses.txt never mix two runs. True
+    moves those checkpoints (and, starting fresh, losses.txt) into <folder>.aside-<time>/ instead, and starts."""
+
+
+@dataclass
+class Comm:
+    """Collective timeouts (``init_process_group``'s ``timeout``, applied to every process group)."""
+
+    init_timeout_seconds: float = 600.0
+    """Longest wait for the other ranks from the start until the first step has finished (rendezvous, building,
+    loading and verifying a checkpoint, tracing): ranks may reach their first collective far apart."""
+    timeout_seconds: float = 300.0
+    """Longest wait in any collective after the first step (steps, checkpoint saves): a rank that stops
+    answering (stuck, stopped, deadlocked) ends the job with a one-line error after this long."""
 
 
 @dataclass
@@ -207,6 +226,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
 
 
@@ -214,9 +234,26 @@ class JobConfig:
 # Loading
 
 
+def canonical_flag(arg: str) -> str:
+    """``--a-b.c-d[=v]`` -> ``--a_b.c_d[=v]``: the one spelling of a flag; other arguments are returned as they are.
+
+    Dashes and underscores in a flag's name are the same everywhere (tyro shows dashes, the
+    dataclasses and TOML use underscores); the value after ``=`` is left alone."""
+    if not arg.startswith("--") or len(arg) < 3 or not arg[2].isalpha():
+        return arg
+    name, eq, value = arg.partition("=")
+    return "--" + name[2:].replace("-", "_") + eq + value
+
+
+def normalize_flags(argv: list[str]) -> list[str]:
+    """Every flag of ``argv`` in its one spelling (``canonical_flag``), for parsers that know only one."""
+    return [canonical_flag(arg) for arg in argv]
+
+
 def _config_file_from_argv(argv: list[str]) -> str:
-    """The TOML file named on the command line; if named twice, the last one (as for any flag)."""
+    """The TOML file named on the command line (either spelling); if named twice, the last one (as for any flag)."""
     path = ""
+    argv = normalize_flags(argv)
     for i, arg in enumerate(argv):
         if arg == "--job.config_file":
             if i + 1 >= len(argv):
@@ -263,6 +300,10 @@ def config_from_toml(path: str) -> JobConfig:
             data = tomli.load(f)
     except tomli.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8; tomli decodes before parsing
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); TOML files must be UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read --job.config_file {path!r}: {e.strerror or e}") from None
     cfg = JobConfig()
     sections = {f.name: f for f in dataclasses.fields(JobConfig)}
     for section, values in data.items():
@@ -295,7 +336,7 @@ def _fill_section(obj: Any, values: dict, section: str, path: str) -> None:
 
 def load_config(argv: list[str] | None = None) -> JobConfig:
     """TOML file (if ``--job.config_file`` is given) overridden by the command line."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = normalize_flags(list(sys.argv[1:] if argv is None else argv))
     path = _config_file_from_argv(argv)
     default = config_from_toml(path) if path else JobConfig()
     cfg = tyro.cli(
@@ -392,12 +433,24 @@ def check_device(requested: str) -> None:
                               f"use --job.device cpu or fewer processes")
 
 
+def _check_finite_floats(obj: Any, prefix: str) -> None:
+    """Every float field is a finite number: TOML and the command line both accept inf and nan, and an
+    inf weight decay or eps trains nothing (or NaN) without any error."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite_floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            _require(math.isfinite(value), f"{prefix}{f.name} = {value} must be a finite number")
+
+
 def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     """Check every field before anything is built; raise ConfigError on the first problem."""
     from graph_trainer.passes import PASS_REGISTRY
     from models.registry import MODEL_SPECS
 
     t, c = cfg.training, cfg.compile
+    _check_finite_floats(cfg, "")
     _one_of(cfg.job.device, ("auto", "cpu", "cuda"), "job.device")
     _one_of(cfg.model.name, tuple(MODEL_SPECS), "model.name")
     spec = MODEL_SPECS[cfg.model.name]
@@ -463,6 +516,8 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     _require(cfg.metrics.peak_tflops >= 0, f"metrics.peak_tflops = {cfg.metrics.peak_tflops} must be >= 0")
     _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval = {cfg.checkpoint.interval} must be >= 0")
     _require(cfg.checkpoint.load_step >= -1, f"checkpoint.load_step = {cfg.checkpoint.load_step} must be >= -1")
+    for name in ("init_timeout_seconds", "timeout_seconds"):
+        _require(getattr(cfg.comm, name) > 0, f"comm.{name} = {getattr(cfg.comm, name)} must be > 0")
     _require(cfg.debug.grad_record_step >= 0,
              f"debug.grad_record_step = {cfg.debug.grad_record_step} must be >= 0 (0: off)")
     _require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")

@@ -1,10 +1,43 @@
-"""Errors that reach the user as one line instead of a traceback."""
+"""Errors that reach the user as one line instead of a traceback.
+
+Each carries the exit code ``train.py`` ends with and whether every rank raises it alike
+(``every_rank``): a configuration mistake, or a decision rank 0 took and broadcast, is seen by
+every rank, so one process per node reports it; a rank's own failure (a collective that timed
+out on it) is reported by that rank.
+"""
 
 
-class ConfigError(Exception):
-    """A user error in the job configuration; reported as one line, exit code 2."""
+class OneLineError(Exception):
+    """A failure the user can act on, reported as one line (``error: <message>``)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, every_rank: bool = True):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
-class TorchCompatError(Exception):
+class ConfigError(OneLineError):
+    """A user error in the job configuration (or in what it points at: a dataset, a checkpoint);
+    exit code 2."""
+
+    exit_code = 2
+
+
+class TorchCompatError(OneLineError):
     """The installed PyTorch lacks (or changed) a private API graph_trainer uses; reported as one
     line naming the API and the torch version, exit code 2 (see ``graph_trainer.torch_compat``)."""
+
+    exit_code = 2
+
+
+class JobError(OneLineError):
+    """The job failed while running, for a reason outside the program: a file that cannot be
+    written (full disk, read-only folder), a non-finite loss, a rank that stopped answering.
+    Exit code 1."""
+
+    exit_code = 1
+
+
+class NonFiniteError(JobError):
+    """The loss, the gradient norm or the state to be saved is not finite (``graph_trainer.guards``)."""

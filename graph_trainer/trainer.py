@@ -16,12 +16,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from graph_trainer import comm
 from graph_trainer.analysis.memory import estimate_step_memory, memory_warning
 from graph_trainer.build import build_model
 from graph_trainer.checkpoint import Checkpointer
 from graph_trainer.config import JobConfig, check_device, model_args, resolve_device, resolve_parallel_degrees
 from graph_trainer.data import build_dataloader, build_tokenizer
 from graph_trainer.grad_record import gather_record, record_path, save_record
+from graph_trainer.guards import check_step
 from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
 from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from graph_trainer.parallel import ParallelDims, average_over_dp, build_mesh, dp_rank, sum_over_dp
@@ -59,7 +61,7 @@ def setup_distributed(cfg: JobConfig) -> DistInfo:
     if world_size > 1 and not dist.is_initialized():
         # CPU: gloo with one worker thread per group (torch_compat.cpu_backend says why)
         dist.init_process_group(backend="nccl" if kind == "cuda" else cpu_backend(),
-                                device_id=device if kind == "cuda" else None)
+                                device_id=device if kind == "cuda" else None, timeout=comm.init_timeout(cfg))
     return DistInfo(rank, local_rank, world_size, device)
 
 
@@ -90,6 +92,7 @@ class Trainer:
 
         self.dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, self.dist.world_size))
         self.mesh = build_mesh(self.dims, self.dist.device.type)
+        comm.set_timeout(cfg.comm.init_timeout_seconds)  # the mesh's own groups start with torch's default
         # Decide what to resume before building anything, so a wrong checkpoint fails fast.
         self.checkpointer = Checkpointer(cfg, self.dist.rank, self.dist.world_size, self.dims.as_dict(),
                                          self.dist.device)
@@ -190,6 +193,8 @@ class Trainer:
         if record is not None and self.dist.rank == 0:
             record["norm"] = grad_norm.item()
             save_record(record, record_path(self.cfg.job.dump_folder, self.step))
+        loss, grad_norm = average_over_dp(loss, self.dims).item(), grad_norm.item()
+        check_step(self.step, loss, grad_norm, list(self.model.named_parameters()))  # before the update
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -197,10 +202,20 @@ class Trainer:
             # MoE load balancing (outside the gradient): every rank sees the global counts,
             # so every rank applies the same bias update.
             self.model.update_expert_bias(lambda counts: sum_over_dp(counts, self.dims))
-        return average_over_dp(loss, self.dims).item(), grad_norm.item()
+        return loss, grad_norm
 
     def train(self) -> list[float]:
-        """Run the remaining steps; returns this run's losses in step order."""
+        """Run the remaining steps; returns this run's losses in step order. A collective that times
+        out (another rank stopped answering) ends it with a one-line ``JobError`` naming the step."""
+        with comm.collective_failures(lambda: f"step {self.step}", self._collective_timeout):
+            return self._train()
+
+    def _collective_timeout(self) -> float:
+        """The timeout in force: comm.init_timeout_seconds until this run's first step has finished."""
+        c = self.cfg.comm
+        return c.timeout_seconds if getattr(self, "_stepped", False) else c.init_timeout_seconds
+
+    def _train(self) -> list[float]:
         t = self.cfg.training
         losses: list[float] = []
         data = iter(self.dataloader)
@@ -213,6 +228,10 @@ class Trainer:
             elapsed = time.perf_counter() - start
             if not losses:  # the first step of this run (step N+1 after resuming from step N)
                 logger.info("first step (including trace and passes) took %.2fs", elapsed)
+                # Every rank has been through that step's collectives; from now on one that stops
+                # answering for comm.timeout_seconds ends the job (graph_trainer.comm).
+                comm.set_timeout(self.cfg.comm.timeout_seconds)
+                self._stepped = True
             losses.append(loss)
             self.metrics.record_step(
                 step=self.step, loss=loss, grad_norm=grad_norm, lr=lr,

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from graph_trainer import manifest
 from graph_trainer.checkpoint import Checkpointer, complete_steps
 from graph_trainer.config import load_config, validate_config
 from graph_trainer.errors import ConfigError
@@ -69,6 +70,18 @@ def test_resume_is_bitwise_identical_and_ignores_half_written_saves(straight, fi
     assert [s for s, _ in losses] == list(range(1, 11))  # losses.txt was appended to
     assert [repr(v) for _, v in losses] == [repr(v) for _, v in straight]
     assert complete_steps(str(root)) == [5, 10]  # saved again at the (new) last step
+    # The interrupted save's leftover was removed at the start (a whole checkpoint's size each).
+    assert "removed step-7.tmp-0badc0de (an interrupted save)" in result.stderr
+    assert not (root / "step-7.tmp-0badc0de").exists()
+
+
+def test_manifest_lists_every_ranks_files(straight_run):
+    # Rank 0 writes the manifest after every rank's files are in: both ranks' shards and RNG states.
+    step = straight_run / "checkpoint" / "step-5"
+    files = json.loads((step / "manifest.json").read_text())["files"]
+    assert set(files) == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng-rank0.pt", "rng-rank1.pt",
+                          "metadata.json", "train_state.json"}
+    assert manifest.verify_folder(str(step)) is None
 
 
 def test_fsdp2_checkpoint_resumes_at_fsdp4(tmp_path, straight, first_half):
@@ -140,8 +153,10 @@ def test_eager_resume_bitwise_restores_adamw_steps_lr_and_trims_losses(tmp_path)
     reference = (tmp_path / "losses.txt").read_text()
     assert complete_steps(str(tmp_path / "checkpoint")) == [2, 4]
 
+    # Rewinding to step 2 abandons step-4: it is moved aside (refused without move_aside, see
+    # test_reliability), so the folder never holds two runs.
     resumed = _trainer(tmp_path, "--training.steps", "4", "--checkpoint.interval", "2",
-                       "--checkpoint.load_step", "2")
+                       "--checkpoint.load_step", "2", "--checkpoint.move_aside", "True")
     assert resumed.step == 2
     # AdamW state existed before any step here, with the restored counts (bias correction).
     assert {float(s["step"]) for s in resumed.optimizer.state.values()} == {2.0}
@@ -152,8 +167,11 @@ def test_eager_resume_bitwise_restores_adamw_steps_lr_and_trims_losses(tmp_path)
     assert [repr(x) for x in losses] == [repr(x) for x in straight_losses[2:]]
     # The step-3/4 lines of the first run were dropped before appending, not duplicated.
     assert (tmp_path / "losses.txt").read_text() == reference
-    assert complete_steps(str(tmp_path / "checkpoint")) == [2, 4]  # step-4 replaced in place
+    assert complete_steps(str(tmp_path / "checkpoint")) == [2, 4]  # step-4 saved again by this run
     assert not [p for p in os.listdir(tmp_path / "checkpoint") if not p.startswith("step-") or "." in p]
+    aside, = [p for p in os.listdir(tmp_path) if p.startswith("checkpoint.aside-")]
+    assert sorted(os.listdir(tmp_path / aside)) == ["losses.txt", "step-4"]  # the abandoned step, kept
+    assert (tmp_path / aside / "losses.txt").read_text() == reference
     for (n, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), n
 
@@ -173,6 +191,7 @@ def test_shape_and_name_mismatch_in_metadata_names_the_parameters(tmp_path, one_
     meta["params"]["output.weight"] = [4096, 256]
     meta["params"]["layers.6.attention.wq.weight"] = meta["params"].pop("layers.5.attention.wq.weight")
     path.write_text(json.dumps(meta))
+    manifest.seal(str(root / "step-1"))  # as if saved so: this is about shapes, not damage
     with pytest.raises(ConfigError) as info:
         _trainer(tmp_path, "--training.steps", "2")
     message = str(info.value)
@@ -195,6 +214,7 @@ def test_weights_only_checkpoint_names_the_missing_optimizer_state(tmp_path, one
     source = _trainer(tmp_path / "fresh", "--training.steps", "1", "--checkpoint.load_step", "0")
     weights = {f"model.{n}": p.detach() for n, p in source.model.named_parameters()}
     dcp.save(weights, storage_writer=dcp.FileSystemWriter(str(step)), no_dist=True)
+    manifest.seal(str(step))
     with pytest.raises(ConfigError, match=r"missing optim\.layers\.0\.attention\.wk\.weight\.exp_avg"):
         _trainer(tmp_path, "--training.steps", "2")
 
@@ -202,6 +222,7 @@ def test_weights_only_checkpoint_names_the_missing_optimizer_state(tmp_path, one
 def test_load_step_zero_starts_fresh_and_interval_rule(tmp_path, one_step_checkpoint):
     shutil.copytree(one_step_checkpoint, tmp_path / "checkpoint")
     trainer = _trainer(tmp_path, "--training.steps", "3", "--checkpoint.load_step", "0",
-                       "--checkpoint.interval", "2")
+                       "--checkpoint.interval", "2", "--checkpoint.move_aside", "True")
     assert trainer.step == 0 and not trainer.optimizer.state
+    assert complete_steps(str(tmp_path / "checkpoint")) == []  # the earlier run's step-1 was moved aside
     assert [s for s in range(1, 4) if trainer.checkpointer.should_save(s, 3)] == [2, 3]

@@ -360,3 +360,100 @@ def test_cpu_backend_is_gloo_with_one_worker_thread(tmp_path):
         report = ast.literal_eval((tmp_path / f"rank{rank}.txt").read_text())
         assert report == {"backends": [ONE_THREAD_GLOO] * 2, "threads": [1, 1],
                           "world": [0.0, 3.0, 6.0, 9.0], "group": [11.0]}, (rank, report)
+
+
+# ------------------------------------------------------------------ checkpoint metadata, process-group timeouts
+
+class _Recording(__import__("pickle").Unpickler):
+    """Plain unpickling (of a file this test wrote) that records every global the pickle names."""
+
+    def __init__(self, file, seen):
+        super().__init__(file)
+        self.seen = seen
+
+    def find_class(self, module, name):
+        self.seen.add((module, name))
+        return super().find_class(module, name)
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to (save|load) in a single process")
+def test_dcp_metadata_globals_cover_a_real_checkpoint_and_the_reader_never_pickle_loads(tmp_path, monkeypatch):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from graph_trainer.safe_metadata import load_dcp_metadata, safe_reader
+    from graph_trainer.torch_compat import DCP_METADATA_FILE, dcp_metadata_globals, dcp_storage_files
+
+    state = {"model.w": torch.randn(4, 3), "model.h": torch.randn(5, dtype=torch.bfloat16),
+             "optim.w.step": torch.zeros((), dtype=torch.float32), "model.i": torch.arange(3)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    seen: set = set()
+    with open(tmp_path / DCP_METADATA_FILE, "rb") as f:
+        _Recording(f, seen).load()
+    allowed = dcp_metadata_globals()
+    assert seen <= set(allowed), seen - set(allowed)  # DCP started pickling something new: admit it knowingly
+    md = "torch.distributed.checkpoint.metadata"
+    assert {(md, "Metadata"), (md, "TensorStorageMetadata"), (md, "ChunkStorageMetadata"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "bfloat16")} <= seen
+    assert (md, "BytesStorageMetadata") not in allowed
+    assert dcp_storage_files(load_dcp_metadata(str(tmp_path / DCP_METADATA_FILE))) == {"__0_0.distcp"}
+
+    def no_pickle(*args, **kwargs):
+        raise AssertionError("pickle.load called")
+
+    monkeypatch.setattr(pickle, "load", no_pickle)
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, storage_reader=safe_reader(str(tmp_path)), no_dist=True)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def _timeout_worker(rank: int, store: str, folder: str) -> None:
+    """One of two ranks: init with a timeout, a mesh group, comm.set_timeout, then a peer that is late."""
+    import os
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graph_trainer import comm
+    from graph_trainer.torch_compat import cpu_backend, process_groups
+
+    def timeouts():
+        return sorted(g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in process_groups())
+
+    dist.init_process_group(cpu_backend(), init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=42))
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("rep", "dp"))  # groups of its own
+    report = {"groups": len(process_groups()), "mesh_in_groups": mesh.get_group("dp") in process_groups(),
+              "init": timeouts()}
+    comm.set_timeout(1.5)
+    report["set"] = timeouts()
+    if rank == 1:
+        time.sleep(4)  # late: rank 0 waits in the all_reduce longer than the timeout
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=mesh.get_group("dp"))
+        report["error"] = None
+    except RuntimeError as e:
+        report["error"] = comm.failure_message(e, 1.5) is not None
+        report["waited"] = round(time.monotonic() - start)
+    with open(os.path.join(folder, f"rank{rank}.txt"), "w") as f:
+        f.write(repr(report))
+    os._exit(0)
+
+
+def test_comm_timeouts_reach_every_process_group_and_a_late_peer_times_out(tmp_path):
+    import ast
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_timeout_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    report = ast.literal_eval((tmp_path / "rank0.txt").read_text())
+    assert report["mesh_in_groups"] and report["groups"] >= 2
+    # The world group has the init timeout; a mesh's own group gets torch's default (30 min on gloo in 2.13),
+    # which is why comm.set_timeout visits every group.
+    assert 42.0 in report["init"]
+    assert report["set"] == [1.5] * report["groups"]
+    assert report["error"] is True and report["waited"] in (1, 2), report

@@ -69,7 +69,9 @@ def add_machine() -> int:
 
 
 def main(argv: list[str]) -> int:
-    if argv == ["--add-machine"]:
+    from graph_trainer.config import normalize_flags
+
+    if normalize_flags(argv) == ["--add_machine"]:  # either spelling, as every flag
         return add_machine()
     names = argv or list(CURVES)
     unknown = [n for n in names if n not in CURVES]

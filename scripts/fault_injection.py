@@ -1,0 +1,241 @@
+"""Kill a training job during checkpoint saves and damage its checkpoints, in a loop; check it never
+loses a complete checkpoint and never loads a damaged one.
+
+    .venv/bin/python scripts/fault_injection.py OUT [--runs 14] [--steps 24] [--seed 0] [--nproc 1]
+
+One reference job (``--steps`` steps, uninterrupted) gives the losses every step must have. Then the
+same job (a checkpoint every step, default resume: ``checkpoint.load_step -1``) is started ``--runs``
+times in ``OUT/job``. Before a start, with probability ``--corrupt``, bytes are flipped in (or cut
+from) a random file of a complete checkpoint, mostly the newest, the one the resume would load.
+While a job runs it is killed with SIGKILL (every process at once, as a crashed node) at a random
+moment during a save, except in the last run, which must finish. Everything is drawn from
+``random.Random(seed)``, so a run of the script is reproducible up to the timing of the kills.
+
+Checked after every run, and counted:
+
+* lost complete checkpoints: a ``step-N`` that verified before the run (and was not damaged by
+  this script) no longer verifies, or is gone, after it;
+* corrupt loads: the job resumed from a damaged checkpoint, or wrote any loss that differs from
+  the reference (resuming is bitwise, so a damaged state that slipped through would show there);
+* detected corruptions: damaged checkpoints the job named ("fails verification") and set aside;
+  the others stay on disk, fail ``graph_trainer.manifest`` verification and are never loaded.
+
+The exit code is 1 if any loss or corrupt load happened, or the last run did not finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from graph_trainer.config import normalize_flags  # noqa: E402
+from graph_trainer.manifest import verify_folder  # noqa: E402
+
+JOB = ["--job.config_file", os.path.join(ROOT, "configs", "llama3_debug.toml"), "--job.device", "cpu",
+       "--compile.mode", "eager", "--training.seq_len", "64", "--training.local_batch_size", "2",
+       "--metrics.enable_tensorboard", "False", "--metrics.log_freq", "1", "--checkpoint.interval", "1"]
+"""The debug LLaMA-3 in eager mode (no trace: starts fast), saving every step (74 MB per save)."""
+
+
+def command(nproc: int, folder: str, steps: int) -> list[str]:
+    args = [os.path.join(ROOT, "train.py"), *JOB, "--job.dump_folder", folder, "--training.steps", str(steps)]
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL the job and every process it started (torchrun's workers run in sessions of their own)."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def step_dirs(root: str) -> dict[int, str]:
+    if not os.path.isdir(root):
+        return {}
+    return {int(m.group(1)): os.path.join(root, n) for n in os.listdir(root) if (m := re.match(r"^step-(\d+)$", n))}
+
+
+def verified(root: str) -> set[int]:
+    return {s for s, path in step_dirs(root).items() if verify_folder(path) is None}
+
+
+def saving(root: str, leftovers: set[str] = frozenset()) -> bool:
+    """Whether a save is in progress (a tmp folder other than the leftovers the job found at its start)."""
+    return os.path.isdir(root) and any(".tmp-" in n and n not in leftovers for n in os.listdir(root))
+
+
+def damage(rng: random.Random, path: str) -> str:
+    """Flip 1-8 bytes at random offsets of a random file of the checkpoint, or cut it; returns what."""
+    files = sorted(os.listdir(path))
+    name = rng.choice(files)
+    target = os.path.join(path, name)
+    size = os.path.getsize(target)
+    if size == 0 or rng.random() < 0.2:
+        os.truncate(target, rng.randrange(size) if size else 0)
+        return f"{name}: cut to fewer bytes"
+    with open(target, "r+b") as f:
+        for _ in range(rng.randint(1, 8)):
+            offset = rng.randrange(size)
+            f.seek(offset)
+            byte = f.read(1)[0]
+            f.seek(offset)
+            f.write(bytes([byte ^ rng.randint(1, 255)]))
+    return f"{name}: bytes flipped"
+
+
+def read_losses(folder: str) -> dict[int, str]:
+    path = os.path.join(folder, "losses.txt")
+    if not os.path.isfile(path):
+        return {}
+    out = {}
+    for line in open(path, encoding="utf-8").read().splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit():
+            out[int(parts[0])] = parts[1]
+    return out
+
+
+def run_job(cmd: list[str], log: str, root: str, kill: bool, rng: random.Random, timeout: float) -> dict:
+    """Start the job; if ``kill``, SIGKILL it at a random moment of its 1st-3rd save."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    leftovers = set(os.listdir(root)) if os.path.isdir(root) else set()  # the job removes these first
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        start, killed, during_save = time.monotonic(), False, False
+        saves_to_skip, was_saving = rng.randint(0, 2), False
+        delay = rng.uniform(0.0, 0.3)
+        while proc.poll() is None:
+            if time.monotonic() - start > timeout:
+                kill_all(proc)
+                raise SystemExit(f"job did not finish in {timeout} s: see {log}")
+            now_saving = saving(root, leftovers)
+            if kill and now_saving and not was_saving:  # a save has just begun
+                if saves_to_skip == 0:
+                    time.sleep(delay)
+                    during_save = saving(root, leftovers)
+                    kill_all(proc)
+                    killed = True
+                    proc.wait()
+                    break
+                saves_to_skip -= 1
+            was_saving = now_saving
+            time.sleep(0.002)
+    return {"code": proc.wait(), "killed": killed, "during_save": during_save}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out")
+    parser.add_argument("--runs", type=int, default=14)
+    parser.add_argument("--steps", type=int, default=24, help="long enough that only the last run finishes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--corrupt", type=float, default=0.5, help="chance of damaging a checkpoint before a start")
+    parser.add_argument("--timeout", type=float, default=600)
+    opts = parser.parse_args(normalize_flags(argv))
+    rng = random.Random(opts.seed)
+    began = time.monotonic()
+    os.makedirs(opts.out, exist_ok=False)
+
+    reference_dir = os.path.join(opts.out, "reference")
+    ref = run_job(command(opts.nproc, reference_dir, opts.steps), os.path.join(opts.out, "reference.log"),
+                  os.path.join(reference_dir, "checkpoint"), False, rng, opts.timeout)
+    reference = read_losses(reference_dir)
+    if ref["code"] != 0 or sorted(reference) != list(range(1, opts.steps + 1)):
+        raise SystemExit(f"the reference job failed: see {opts.out}/reference.log")
+
+    job = os.path.join(opts.out, "job")
+    root = os.path.join(job, "checkpoint")
+    figures = {"runs": 0, "kills": 0, "kills during a save": 0, "corruptions": 0, "detected at resume": 0,
+               "leftovers cleaned": 0, "lost complete checkpoints": 0, "corrupt loads": 0, "loss mismatches": 0}
+    damaged: dict[int, str] = {}  # step -> what was done, while its step-N folder exists
+    events = []
+    finished = False
+    for run in range(opts.runs):
+        last = run == opts.runs - 1
+        good = verified(root) - set(damaged)
+        if len(good) >= 2 and rng.random() < opts.corrupt:
+            newest = max(good)
+            step = newest if rng.random() < 0.75 else rng.choice(sorted(good))
+            what = damage(rng, step_dirs(root)[step])
+            if verify_folder(step_dirs(root)[step]) is None:
+                events.append(f"run {run}: step-{step} {what}, still identical to what was saved: not counted")
+            else:
+                damaged[step] = what
+                figures["corruptions"] += 1
+                events.append(f"run {run}: damaged step-{step} ({what})")
+        before = verified(root) - set(damaged)
+        log = os.path.join(opts.out, f"run{run:02d}.log")
+        result = run_job(command(opts.nproc, job, opts.steps), log, root, not last, rng, opts.timeout)
+        figures["runs"] += 1
+        figures["kills"] += result["killed"]
+        figures["kills during a save"] += result["during_save"]
+        text = open(log, encoding="utf-8", errors="replace").read()
+        figures["leftovers cleaned"] += text.count("(an interrupted save)")
+        detected = {int(s) for s in re.findall(r"checkpoint \S*step-(\d+) fails verification", text)}
+        resumed = [int(s) for s in re.findall(r"resuming from checkpoint \S+ \(step (\d+)\)", text)]
+        for step in sorted(detected & set(damaged)):
+            figures["detected at resume"] += 1
+            del damaged[step]  # renamed step-N.corrupt-*: no longer a checkpoint
+        if resumed and resumed[0] in damaged:
+            figures["corrupt loads"] += 1
+            events.append(f"run {run}: RESUMED FROM DAMAGED step-{resumed[0]}")
+        after = verified(root)
+        lost = sorted(before - after)
+        figures["lost complete checkpoints"] += len(lost)
+        losses = read_losses(job)
+        wrong = sorted(s for s, v in losses.items() if reference.get(s) != v)
+        figures["loss mismatches"] += bool(wrong)
+        # A save that replaced a damaged step (after a fallback) healed it.
+        for step in [s for s in damaged if s in after]:
+            del damaged[step]
+        events.append(f"run {run}: exit {result['code']}{' (killed during a save)' if result['during_save'] else ' (killed)' if result['killed'] else ''}, "
+                      f"resumed from {resumed[0] if resumed else 'scratch'}, detected {sorted(detected) or 'none'}, "
+                      f"checkpoints {sorted(after)}" + (f", LOST {lost}" if lost else "") + (f", WRONG LOSSES at {wrong}" if wrong else ""))
+        if last:
+            finished = result["code"] == 0 and sorted(losses) == list(range(1, opts.steps + 1)) and not wrong
+
+    still_damaged = {s: verify_folder(p) for s, p in step_dirs(root).items() if s in damaged}
+    figures["corruptions never loaded, still refused by verification"] = sum(p is not None for p in still_damaged.values())
+    figures["last run finished with the reference losses"] = finished
+    figures["wall time s"] = round(time.monotonic() - began)
+    print(f"seed {opts.seed}, {opts.runs} runs of {opts.steps} steps, {opts.nproc} process(es) each")
+    print("\n".join(events))
+    print(json.dumps(figures, indent=1))
+    failed = figures["lost complete checkpoints"] or figures["corrupt loads"] or figures["loss mismatches"] or not finished
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
