@@ -8,7 +8,8 @@
 * ``debug.num_threads`` at most the CPUs of this machine (a huge value makes OpenMP abort
   while allocating its thread pool).
 * The batch fits: one step needs at least the output logits, ``local_batch_size x seq_len x
-  vocab/tp`` values in the compute dtype (every model here materialises them for the loss); when
+  vocab/tp`` values in the compute dtype (every model here materialises them for the loss; with
+  ``training.loss_chunks`` N, one block of them: 1/N); when
   that lower bound alone exceeds the memory of the device (a GPU's, or this machine's RAM shared
   by its local processes), the job is refused before the data loader allocates the batch.
   Estimates above the memory only warn (``Trainer._report_memory``): they can be wrong, this cannot.
@@ -92,12 +93,14 @@ def check_batch_fits(cfg: JobConfig) -> None:
     t = cfg.training
     vocab = model_args(cfg).vocab_size // max(1, cfg.parallelism.tp)
     itemsize = torch.empty((), dtype=getattr(torch, t.mixed_precision_param)).element_size()
-    need = t.local_batch_size * t.seq_len * vocab * itemsize
+    rows = -(-t.local_batch_size * t.seq_len // t.loss_chunks)  # a chunked loss holds one block's logits
+    need = rows * vocab * itemsize
     available, what = device_memory_bytes(resolve_device(cfg.job.device))
     if need > available:
+        chunks = f", in {t.loss_chunks} loss chunks" if t.loss_chunks > 1 else ""
         raise ConfigError(
-            f"training.local_batch_size = {t.local_batch_size} with seq_len {t.seq_len} needs at least "
-            f"{need / GIB:,.0f} GiB per rank for the output logits alone ({t.local_batch_size} x {t.seq_len} x "
+            f"training.local_batch_size = {t.local_batch_size} with seq_len {t.seq_len}{chunks} needs at least "
+            f"{need / GIB:,.0f} GiB per rank for the output logits alone ({rows} tokens x "
             f"{vocab} vocab x {itemsize} bytes); {what}")
 
 
