@@ -177,12 +177,23 @@ def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
         if custom.get("phase") != "backward":
             continue
         forward = forward_by_seq.get(node.meta.get("seq_nr", -1))
-        if forward is None:
+        if forward is None or _sums_block_gradients(node, forward):
             forward = _tags_shared_by_inputs(node, position)
         custom["module_fqn"] = forward.get("module_fqn", "")
         custom.update({key: forward[key] for key in INHERITED_BY_BACKWARD if key in forward})
         if forward.get("fsdp_role") == UNSHARD:
             custom.update(fsdp_role=REDUCE_GRAD, fsdp_param=forward["fsdp_param"])
+
+
+def _sums_block_gradients(node: fx.Node, forward: dict) -> bool:
+    """Whether ``node`` is autograd summing two gradient contributions (a tensor used twice)
+    although it carries the loss's sequence number: the engine adds them while the loss's
+    number is current, so the seq_nr match names the loss. It reads backward nodes of other
+    modules (the loss's own backward reads only loss nodes), and belongs with them."""
+    if forward.get("module_fqn") != "loss":
+        return False
+    return any(i.meta.get("custom", {}).get("phase") == "backward"
+               and i.meta["custom"].get("module_fqn") != "loss" for i in node.all_input_nodes)
 
 
 def _tags_shared_by_inputs(node: fx.Node, position: dict[fx.Node, int]) -> dict:
