@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     argv, ac_modes = _take_flag(argv, "--ac_modes", None)
 
     from graph_trainer.analysis.cost_model import DEVICES
-    from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, estimate_step_memory, memory_warning
+    from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, estimate_step_memory, memory_warning
     from graph_trainer.analysis.simulator import format_table
     from graph_trainer.config import load_config, validate_config
     from graph_trainer.errors import ConfigError
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         if ac_modes is not None:
             label += f" ac={c.activation_checkpoint.mode}"
         traced, result, trace_s, sim_s = analyze_job(c, world_size, device, ranks_per_node)
-        memory = estimate_step_memory(traced.gm.graph, None, c.training)
+        memory = estimate_step_memory(traced.gm.graph, None, adamw_memory("cpu" if device_name == "cpu" else "cuda"))
         summary.append(summary_row(label, result, trace_s, sim_s, len(traced.gm.graph.nodes), memory))
         memory_lines.append(f"memory per rank ({label}): {memory.summary()}")
         warning = memory_warning(memory, limit, device.name)

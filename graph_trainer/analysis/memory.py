@@ -40,9 +40,10 @@ Model of time (one steady-state step, i.e. from the second step on, per rank):
    optimizer state, plus the temporaries of the parameter being worked on: clipping squares
    one gradient at a time (``g.float().pow(2)``: one fp32 copy, two if the gradient is not
    fp32); single-tensor AdamW (``foreach=False``, as ``graph_trainer.optim.build_optimizer``
-   makes it) builds ``exp_avg_sq.sqrt() / c`` for one parameter at a time (two temporaries
-   of its size at once); a ``foreach`` AdamW builds that for all parameters of a group at
-   once (counted as all parameters); a ``fused`` one none.
+   makes it on CPU) builds ``exp_avg_sq.sqrt() / c`` for one parameter at a time (two temporaries
+   of its size at once); a ``foreach`` AdamW (``build_optimizer`` on CUDA: ``adamw_memory``)
+   builds that for all parameters of a group at once (counted as all parameters); a ``fused``
+   one none.
 
 The peak is the larger of phases 2 and 3. The first step is lower: the optimizer state is
 created lazily inside its first ``step()``. In eager mode (no graph) the activations are not
@@ -220,12 +221,19 @@ class OptimizerMemory:
 
 
 ADAMW = OptimizerMemory("AdamW", state_tensors=2, temporaries=2)
-"""``torch.optim.AdamW(..., foreach=False)``: ``graph_trainer.optim.build_optimizer``."""
+"""``torch.optim.AdamW(..., foreach=False)``: ``graph_trainer.optim.build_optimizer`` on CPU."""
+ADAMW_FOREACH = OptimizerMemory("AdamW", state_tensors=2, temporaries=1, all_at_once=True)
+"""``torch.optim.AdamW(..., foreach=True)``: ``graph_trainer.optim.build_optimizer`` on CUDA."""
+
+
+def adamw_memory(device_type: str) -> OptimizerMemory:
+    """The memory model of the project's AdamW on a device of this type ("cpu" or "cuda")."""
+    return ADAMW_FOREACH if device_type == "cuda" else ADAMW
 
 
 def optimizer_memory(optimizer) -> OptimizerMemory:
     """The memory model of ``optimizer``: an ``OptimizerMemory``; the job's ``Training``
-    section (or None): the project's AdamW; or a torch optimizer, read from its class and
+    section (or None): the project's AdamW on CPU (``adamw_memory`` for a device); or a torch optimizer, read from its class and
     ``defaults`` (Adam / AdamW, with ``amsgrad``, ``foreach`` and ``fused``)."""
     if isinstance(optimizer, OptimizerMemory):
         return optimizer
