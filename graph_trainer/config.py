@@ -140,6 +140,18 @@ class Compile:
     """If set, a folder where the readable code of the graph is written before and after every pass (one subfolder rank<r> per process in multi-process jobs)."""
     ep_overlap: EpOverlap = field(default_factory=EpOverlap)
     """Settings of the ep_overlap pass."""
+    backend: str = "none"
+    """What runs the graph after the passes (``graph_trainer/backend.py``): 'none', op by op (the
+    numerics reference); 'inductor', compiled by Inductor (not bitwise 'none': fusion rounds
+    differently; graph mode only)."""
+    inductor_scope: str = "regional"
+    """With backend 'inductor': 'regional' compiles each transformer block's forward and backward
+    (and the embedding, head and loss) on its own, leaving collectives, waits and the order the
+    passes gave them untouched; 'full' compiles the whole step, collectives included, as one
+    graph (Inductor may move them)."""
+    cache_dir: str = ""
+    """Folder of Inductor's on-disk caches, reused by the next start of the job ('': Inductor's
+    default, $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_<user>)."""
 
 
 AC_MODES = ("none", "selective", "full")
@@ -499,6 +511,12 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
         f"compile.passes lists a pass more than once: {','.join(c.passes)}",
     )
     _require(not (c.passes and c.mode == "eager"), "compile.passes needs compile.mode = 'graph'")
+    _one_of(c.backend, ("none", "inductor"), "compile.backend")
+    _one_of(c.inductor_scope, ("regional", "full"), "compile.inductor_scope")
+    _require(c.backend == "none" or c.mode == "graph",
+             f"compile.backend = {c.backend!r} needs compile.mode = 'graph' (it compiles the traced graph)")
+    _require(c.inductor_scope == "regional" or c.backend == "inductor",
+             f"compile.inductor_scope = {c.inductor_scope!r} needs compile.backend = 'inductor'")
     for name in c.passes:
         PASS_REGISTRY[name].check_config(cfg, degrees)
 

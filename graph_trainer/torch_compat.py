@@ -17,6 +17,7 @@ torch, the supported range ``SUPPORTED_TORCH``), not an ImportError deep in a tr
 from __future__ import annotations
 
 import collections
+import logging
 import contextlib
 import os
 
@@ -391,3 +392,81 @@ def set_group_timeout(group, timeout) -> None:
     with private_api("torch.distributed.distributed_c10d._set_pg_timeout"):
         from torch.distributed.distributed_c10d import _set_pg_timeout
     _set_pg_timeout(timeout, group)
+
+
+def fuse_partitions(gm: fx.GraphModule, partitions: list[dict], prefix: str) -> fx.GraphModule:
+    """``torch.fx.passes.utils.fuser_utils.fuse_by_partitions``: each partition (a dict of nodes,
+    topologically closed) becomes a submodule called where its last node was; a submodule always
+    returns a tuple."""
+    with private_api("torch.fx.passes.utils.fuser_utils.fuse_by_partitions"):
+        from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+    return fuse_by_partitions(gm, partitions, prefix=prefix, always_return_tuple=True)
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: list, fake_mode, post_grad_hook=None,
+                     deterministic: bool = False):
+    """Compile an aten graph with Inductor (``torch._inductor.standalone_compile``) as part of the
+    trace that made it: shapes and data-dependent sizes come from ``fake_mode``'s ShapeEnv (a
+    ``TracingContext``), so the compiled code is specialised like the traced graph. No input needs
+    a gradient, so AOTAutograd compiles an inference graph (no partitioner, nothing recomputed
+    or saved differently). ``deterministic``: compile under ``torch.use_deterministic_algorithms``,
+    so Inductor lowers accumulating scatters (``index_put`` with accumulate: the embedding's
+    gradient) to ATen's deterministic kernel instead of parallel atomic adds, whose summation
+    order varies run to run. ``post_grad_hook(graph)``, if given, sees the graph Inductor lowers
+    (after its FX passes); it disables the FX graph cache for this compile (a hook has no cache key).
+    Returns a callable taking the graph's inputs positionally."""
+    with private_api("torch._inductor.standalone_compile"):
+        from torch._inductor import config as inductor_config
+        from torch._inductor import standalone_compile
+    with private_api("torch._guards.TracingContext"):
+        from torch._guards import TracingContext, tracing
+
+    patches = {} if post_grad_hook is None else {"post_grad_custom_post_pass": post_grad_hook}
+    with inductor_config.patch(patches), tracing(TracingContext(fake_mode)), deterministic_algorithms(deterministic):
+        return standalone_compile(gm, list(example_inputs), dynamic_shapes="from_tracing_context", aot=False)
+
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool = True):
+    """Deterministic algorithms on inside when ``enabled`` (or already on); the previous setting after."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled or previous)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+@contextlib.contextmanager
+def inductor_output_files():
+    """Collect the paths of the Python modules Inductor writes for the graphs compiled inside
+    (its ``output_code`` artifact log, ``Output code written to: <path>``), on a cache hit too."""
+    name = "torch._inductor.codecache.__output_code"
+    log = logging.getLogger(name)
+    paths: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record):
+            if record.msg.startswith("Output code written to") and record.args:
+                paths.append(str(record.args[0]))
+
+    handler, level, propagate = _Collect(), log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    try:
+        yield paths
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
+def default_cache_dir() -> str:
+    """Inductor's cache folder when ``TORCHINDUCTOR_CACHE_DIR`` is not set (``/tmp/torchinductor_<user>``)."""
+    with private_api("torch._inductor.runtime.cache_dir_utils.default_cache_dir"):
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
+
+    return inductor_default()

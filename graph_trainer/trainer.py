@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer import comm
+from graph_trainer.backend import apply_backend
 from graph_trainer.analysis.memory import estimate_step_memory, memory_warning
 from graph_trainer.build import build_model
 from graph_trainer.checkpoint import Checkpointer
@@ -165,6 +166,14 @@ class Trainer:
                               extras={"bucket_plan": self.bucket_plan})
         traced.gm = run_passes(traced.gm, context, self.cfg.compile.passes, self.cfg.compile.dump_graphs)
         self._report_memory(traced.gm.graph)
+        c = self.cfg.compile
+        if c.backend != "none":
+            logger.info("compiling the graph with %s (%s) ...", c.backend, c.inductor_scope)
+            deterministic = self.dist.device.type == "cpu" or self.cfg.debug.deterministic
+            traced.gm, report = apply_backend(traced.gm, c.backend, c.inductor_scope, c.cache_dir, deterministic)
+            logger.info("%s", report.summary())
+            self.metrics.log_event("compile", backend=c.backend, scope=c.inductor_scope,
+                                   compile_seconds=report.seconds, regions=report.regions)
         return traced
 
     def _report_memory(self, graph) -> None:
@@ -227,7 +236,7 @@ class Trainer:
             loss, grad_norm = self.train_step(tokens, labels)
             elapsed = time.perf_counter() - start
             if not losses:  # the first step of this run (step N+1 after resuming from step N)
-                logger.info("first step (including trace and passes) took %.2fs", elapsed)
+                logger.info("first step (including trace, passes and compile) took %.2fs", elapsed)
                 # Every rank has been through that step's collectives; from now on one that stops
                 # answering for comm.timeout_seconds ends the job (graph_trainer.comm).
                 comm.set_timeout(self.cfg.comm.timeout_seconds)

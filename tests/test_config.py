@@ -109,6 +109,12 @@ def _run_train(*args):
         (["--compile.passes", "warp_speed"], "unknown pass 'warp_speed'"),
         (["--job.config_file", "configs/does_not_exist.toml"], "does not exist"),
         (["--training.steps", "-1"], "training.steps = -1 must be >= 1"),
+        (["--compile.backend", "tvm"], "compile.backend = 'tvm' is not allowed"),
+        (["--compile.backend", "inductor", "--compile.inductor_scope", "partial"],
+         "compile.inductor_scope = 'partial' is not allowed"),
+        (["--compile.backend", "inductor", "--compile.mode", "eager"],
+         "compile.backend = 'inductor' needs compile.mode = 'graph'"),
+        (["--compile.inductor_scope", "full"], "compile.inductor_scope = 'full' needs compile.backend = 'inductor'"),
     ],
 )
 def test_train_py_exits_2_with_one_line(args, message):

@@ -1,5 +1,7 @@
 """Fails loudly when a PyTorch upgrade changes a private API graph_trainer relies on."""
 
+import os
+
 import pytest
 import torch
 import torch.fx.traceback as fx_traceback
@@ -457,3 +459,41 @@ def test_comm_timeouts_reach_every_process_group_and_a_late_peer_times_out(tmp_p
     assert 42.0 in report["init"]
     assert report["set"] == [1.5] * report["groups"]
     assert report["error"] is True and report["waited"] in (1, 2), report
+
+
+def _fake_graph(fn, *inputs):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake")(*inputs)
+
+
+def test_fuse_partitions_calls_each_partition_where_its_last_node_was():
+    from graph_trainer.torch_compat import fuse_partitions
+
+    gm = _fake_graph(lambda x: torch.relu(torch.sin(x) * 2).cos(), torch.randn(4))
+    sin, mul, relu, cos = [n for n in gm.graph.nodes if n.op == "call_function"]
+    fused = fuse_partitions(gm, [dict.fromkeys([sin, mul])], prefix="part_")
+    ops = [n.op for n in fused.graph.nodes]
+    assert ops == ["placeholder", "call_module", "call_function", "call_function", "call_function", "output"]
+    call = next(n for n in fused.graph.nodes if n.op == "call_module")
+    assert call.target == "part_0" and next(iter(call.users)).target.__name__ == "getitem"  # always a tuple
+    x = torch.randn(4)
+    assert torch.equal(fused(x), torch.relu(torch.sin(x) * 2).cos())
+
+
+def test_inductor_compile_runs_in_the_trace_and_restores_the_deterministic_setting():
+    from graph_trainer.torch_compat import (default_cache_dir, fake_mode_of, inductor_compile,
+                                            inductor_output_files)
+
+    gm = _fake_graph(lambda x, y: (torch.sin(x) * y + 1.0,), torch.randn(8, 16), torch.randn(8, 16))
+    fake = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    seen = []
+    before = torch.are_deterministic_algorithms_enabled()
+    with inductor_output_files() as paths:
+        compiled = inductor_compile(gm, fake, fake_mode_of(fake[0]), post_grad_hook=lambda g: seen.append(len(g.nodes)),
+                                    deterministic=True)
+    assert torch.are_deterministic_algorithms_enabled() == before
+    assert seen and paths and os.path.isfile(paths[-1])  # the hook saw the lowered graph; the code file exists
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    torch.testing.assert_close(compiled(x, y)[0], torch.sin(x) * y + 1.0, rtol=1e-6, atol=1e-6)
+    assert "torchinductor" in default_cache_dir()
