@@ -154,10 +154,12 @@ def _without_passes(args: list[str]) -> list[str]:
 def _trace_key(args: list[str]) -> tuple[str, ...]:
     """What the traced graph depends on: the layout, and whether (and how) ep_overlap chunks the
     model before tracing; not the passes that run after tracing (nor ep_overlap's reorder flag,
-    nor the activation-checkpointing mode: its passes run on the traced graph)."""
+    nor the activation-checkpointing mode: its passes run on the traced graph, nor the backend)."""
     passes = args[args.index("--compile.passes") + 1] if "--compile.passes" in args else ""
-    key = _without_flag(_without_flag(_without_passes(args), "--compile.ep_overlap.reorder"),
-                        "--activation_checkpoint.mode")
+    key = _without_passes(args)
+    for flag in ("--compile.ep_overlap.reorder", "--activation_checkpoint.mode", "--compile.backend",
+                 "--compile.inductor_scope"):
+        key = _without_flag(key, flag)
     return (*key, "chunked") if "ep_overlap" in passes.split(",") else tuple(key)
 
 
@@ -178,11 +180,37 @@ def memory_columns(memory, limit: int | None) -> dict[str, str]:
     return cells
 
 
+def check_backend(gm, cfg, row: dict[str, object]) -> list[str]:
+    """With ``--compile.backend inductor`` (regional): cut the graph into its compiled regions
+    (``graph_trainer.backend.cut_regions``, nothing is compiled: that needs the GPU) and check that
+    no region holds a collective and the collectives keep their order. Sets ``row["regions"]``: how many
+    ("full": one graph, whose order only Inductor on a GPU decides)."""
+    from graph_trainer.analysis.collectives import collective_name
+    from graph_trainer.backend import collective_order, cut_regions
+
+    c = cfg.compile
+    if c.backend == "none":
+        return []
+    if c.inductor_scope == "full":
+        row["regions"] = "full"  # one Inductor graph: its order is Inductor's, measured on a GPU
+        return []
+    order = collective_order(gm.graph)
+    cut, names = cut_regions(copy.deepcopy(gm))
+    row["regions"] = str(len(names))
+    problems = []
+    if collective_order(cut.graph) != order:
+        problems.append("cutting the Inductor regions changed the collective order")
+    inside = [n for name in names for n in getattr(cut, name).graph.nodes if collective_name(n) is not None]
+    if inside:
+        problems.append(f"{len(inside)} collectives inside compiled regions")
+    return problems
+
+
 def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
     """Trace each layout once per world size, run each graph case's passes on a copy, check it."""
     from graph_trainer.analysis.collectives import collective_name
     from graph_trainer.analysis.fake_trace import fake_world, trace_without_passes
-    from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, estimate_step_memory, memory_warning
+    from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, estimate_step_memory, memory_warning
     from graph_trainer.config import load_config, resolve_parallel_degrees, validate_config
     from graph_trainer.passes import run_passes
 
@@ -204,7 +232,7 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
             reference = run_passes(copy.deepcopy(traced.gm), context, [])
             trace_s = time.perf_counter() - start
             for case in group:
-                row: dict[str, object] = {"case": case.name, "world": nproc}
+                row: dict[str, object] = {"case": case.name, "world": nproc, "regions": "-"}
                 start = time.perf_counter()
                 try:
                     cfg = load_config(job_args(suite, case, suite.dry_run_overrides))
@@ -213,7 +241,8 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
                                     cfg.compile.passes)
                     problems = check_graph(gm, reference, cfg, resolve_parallel_degrees(cfg.parallelism, nproc),
                                            context.extras["bucket_plan"])
-                    memory = estimate_step_memory(gm.graph, None, cfg.training)
+                    problems += check_backend(gm, cfg, row)
+                    memory = estimate_step_memory(gm.graph, None, adamw_memory("cuda" if suite.gpus else "cpu"))
                 except Exception as e:  # a pass or the config failed: that is this case's result
                     gm, memory, problems = None, None, [f"{type(e).__name__}: {e}"]
                 nodes = _launches(gm) if gm is not None else []

@@ -88,7 +88,9 @@ def test_check_job_accepts_a_good_run_and_names_each_problem():
 
 def test_steady_metrics_reads_the_last_logged_step():
     log = _log(1, 8.25).replace("1,234", "17") + _log(3, 6.125).replace("mfu n/a", "mfu 40.5%")
-    assert it.steady_metrics(log) == "tok/s 1,234, mfu 40.5%, mem 0.50 GiB"
+    assert it.steady_metrics(log) == "tok/s 1,234, mfu 40.5%, mem 0.50 GiB, first step ? s"
+    log = "first step (including trace, passes and compile) took 61.25s\n" + log
+    assert it.steady_metrics(log).endswith("first step 61.25 s")
 
 
 def test_compare_is_bitwise_for_same_as_and_relative_for_close_to():
@@ -99,6 +101,10 @@ def test_compare_is_bitwise_for_same_as_and_relative_for_close_to():
     assert "differ from ref from step 2" in problem
     assert it.compare(it.Case("a", 1, [], close_to="ref"), run(["8.2500001", "7.5"]), done)[0] is None
     assert "deviate" in it.compare(it.Case("a", 1, [], close_to="ref"), run(["8.26", "7.5"]), done)[0]
+    # a case's own bound (Inductor vs op by op): 2e-6 passes 5e-6 and fails 1e-6
+    inductor = run(["8.250016", "7.5"])
+    assert it.compare(it.Case("a", 1, [], close_to="ref", rtol=it.INDUCTOR_RTOL), inductor, done)[0] is None
+    assert "(> 1e-06)" in it.compare(it.Case("a", 1, [], close_to="ref", rtol=1e-6), inductor, done)[0]
 
 
 def _grads(scale: float = 1.0, nudge: float = 0.0) -> dict:
