@@ -181,7 +181,7 @@ def memory_columns(memory, limit: int | None) -> dict[str, str]:
 
 
 def check_backend(gm, cfg, row: dict[str, object]) -> list[str]:
-    """With ``--compile.backend inductor`` (regional): cut the graph into its compiled regions
+    """With ``--compile.backend inductor`` (regional): cut ``gm`` (in place) into its compiled regions
     (``graph_trainer.backend.cut_regions``, nothing is compiled: that needs the GPU) and check that
     no region holds a collective and the collectives keep their order. Sets ``row["regions"]``: how many
     ("full": one graph, whose order only Inductor on a GPU decides)."""
@@ -195,7 +195,7 @@ def check_backend(gm, cfg, row: dict[str, object]) -> list[str]:
         row["regions"] = "full"  # one Inductor graph: its order is Inductor's, measured on a GPU
         return []
     order = collective_order(gm.graph)
-    cut, names = cut_regions(copy.deepcopy(gm))
+    cut, names = cut_regions(gm)  # in place: the case's own copy, not used after this
     row["regions"] = str(len(names))
     problems = []
     if collective_order(cut.graph) != order:
@@ -241,8 +241,8 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
                                     cfg.compile.passes)
                     problems = check_graph(gm, reference, cfg, resolve_parallel_degrees(cfg.parallelism, nproc),
                                            context.extras["bucket_plan"])
-                    problems += check_backend(gm, cfg, row)
                     memory = estimate_step_memory(gm.graph, None, adamw_memory("cuda" if suite.gpus else "cpu"))
+                    problems += check_backend(gm, cfg, row)  # (last: it cuts gm into regions)
                 except Exception as e:  # a pass or the config failed: that is this case's result
                     gm, memory, problems = None, None, [f"{type(e).__name__}: {e}"]
                 nodes = _launches(gm) if gm is not None else []

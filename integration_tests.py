@@ -230,10 +230,12 @@ CPU_DEEPSEEK_MEMORY_POLICY_CASES = [
 ]
 
 # ---- the Inductor backend: within INDUCTOR_RTOL of the op-by-op graph. Under the regional scope
-# the passes that move only collectives or add recomputation (bucketing, the memory policy) keep
-# their promise: bitwise the compiled job without them. ep_overlap does not: it moves compute
+# the passes that move only collectives (bucketing) keep their promise: bitwise the compiled job
+# without them (the memory policy under Inductor is checked by tests/test_backend.py: every
+# recomputed matmul survives; bitwise too when measured, not a suite case: 30 s of CI). ep_overlap does not: it moves compute
 # across collectives, so the regions (which end at collectives) hold other ops and Inductor fuses
-# them differently: within INDUCTOR_RTOL of its compiled chunked twin (1 ulp at step 2 measured).
+# them differently than in its chunked twin compiled (1 ulp at step 2 measured); it is held to
+# INDUCTOR_RTOL of the op-by-op chunked twin (a compiled twin would add 80 s of CI for no check).
 _INDUCTOR = ["--compile.backend", "inductor"]
 _INDUCTOR_FULL = [*_INDUCTOR, "--compile.inductor_scope", "full"]
 _EP2 = _CPU_DEEPSEEK_LAYOUTS["deepseek_ep2"][1]
@@ -242,17 +244,13 @@ CPU_INDUCTOR_CASES = [
     Case("fsdp2_inductor", 2, _INDUCTOR, close_to="fsdp2_graph", rtol=INDUCTOR_RTOL),
     *[Case(f"fsdp2_inductor_{suffix}", 2, [*_INDUCTOR, "--compile.passes", BUCKETING[suffix]], same_as="fsdp2_inductor")
       for suffix in ("tbb", "auto")],
-    Case("fsdp2_inductor_ac_full", 2, [*_INDUCTOR, *_ac("full")], same_as="fsdp2_inductor"),
     Case("fsdp2_inductor_full", 2, _INDUCTOR_FULL, close_to="fsdp2_graph", rtol=INDUCTOR_RTOL),
     Case("deepseek_ep2_inductor", 2, [*_EP2, *_INDUCTOR], close_to="deepseek_ep2_graph", rtol=INDUCTOR_RTOL,
          config=_DEEPSEEK),
     Case("deepseek_ep2_inductor_full", 2, [*_EP2, *_INDUCTOR_FULL], close_to="deepseek_ep2_graph",
          rtol=INDUCTOR_RTOL, config=_DEEPSEEK),
-    Case("deepseek_ep2_ep_overlap_moe_batch_inductor_chunked", 2,
-         [*_MOE_BATCH_OVERLAP, "--compile.ep_overlap.reorder", "False", *_INDUCTOR],
-         close_to="deepseek_ep2_ep_overlap_moe_batch_chunked", rtol=INDUCTOR_RTOL, config=_DEEPSEEK),
     Case("deepseek_ep2_ep_overlap_moe_batch_inductor", 2, [*_MOE_BATCH_OVERLAP, *_INDUCTOR],
-         close_to="deepseek_ep2_ep_overlap_moe_batch_inductor_chunked", rtol=INDUCTOR_RTOL, config=_DEEPSEEK),
+         close_to="deepseek_ep2_ep_overlap_moe_batch_chunked", rtol=INDUCTOR_RTOL, config=_DEEPSEEK),
 ]
 
 CPU_CASES = (

@@ -41,9 +41,9 @@ compute to Inductor, in one of two scopes (``--compile.inductor_scope``):
 Numerics: Inductor fuses ops and may compute reductions in another order, so ``inductor`` is
 NOT bitwise ``none``; the bound measured on the debug models is in the README and asserted in
 ``tests/test_backend.py``. Under ``regional``, a value-preserving pass keeps its bitwise promise
-when the regions it leaves hold the same ops: passes that move only collectives, or add
-recomputation, do (``transformer_block_bucketing``, ``auto_bucketing``, the memory policy;
-checked in the cpu suite). ``ep_overlap`` moves compute across collectives (that is its point),
+when the regions it leaves hold the same ops: passes that move only collectives do
+(``transformer_block_bucketing``, ``auto_bucketing``: checked in the cpu suite; the memory
+policy was bitwise too when measured). ``ep_overlap`` moves compute across collectives (that is its point),
 so its regions hold other sets of ops than its chunked twin's (e.g. the router's: the top-k
 weights' gather and multiply join the softmax's region in traced order, not after reordering),
 Inductor fuses them differently, and the losses differ by float rounding (1 ulp at step 2 on the
