@@ -458,6 +458,7 @@ def _check_finite_floats(obj: Any, prefix: str) -> None:
 
 def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     """Check every field before anything is built; raise ConfigError on the first problem."""
+    from graph_trainer.backend import BACKENDS, INDUCTOR_SCOPES
     from graph_trainer.passes import PASS_REGISTRY
     from models.registry import MODEL_SPECS
 
@@ -511,8 +512,8 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
         f"compile.passes lists a pass more than once: {','.join(c.passes)}",
     )
     _require(not (c.passes and c.mode == "eager"), "compile.passes needs compile.mode = 'graph'")
-    _one_of(c.backend, ("none", "inductor"), "compile.backend")
-    _one_of(c.inductor_scope, ("regional", "full"), "compile.inductor_scope")
+    _one_of(c.backend, BACKENDS, "compile.backend")
+    _one_of(c.inductor_scope, INDUCTOR_SCOPES, "compile.inductor_scope")
     _require(c.backend == "none" or c.mode == "graph",
              f"compile.backend = {c.backend!r} needs compile.mode = 'graph' (it compiles the traced graph)")
     _require(c.inductor_scope == "regional" or c.backend == "inductor",
