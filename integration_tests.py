@@ -55,9 +55,9 @@ CLOSE_RTOL = 1e-4
 INDUCTOR_RTOL = 5e-6
 """Bound on the relative deviation of losses compiled by Inductor (``--compile.backend inductor``)
 from the op-by-op graph of the same job, fp32 on CPU: fusion rounds differently. Measured over
-20 steps (tests/test_backend.py): LLaMA-3 debug 1.4e-7 (regional and full), DeepSeek-V3 debug
-7.0e-7; the cpu suite's 10-step jobs stay below 2e-7. The margin is for other CPUs, whose vector
-width changes Inductor's reduction loops."""
+20 steps: LLaMA-3 debug 1.4e-7 (regional and full, asserted in tests/test_backend.py), DeepSeek-V3
+debug 7.0e-7 (full) and 4.6e-6 (regional, grown from 1.4e-7 after step 13: README); the cpu
+suite's 10-step jobs stay below 2e-7. Other CPUs' vector widths change Inductor's reduction loops."""
 
 
 @dataclass(frozen=True)
@@ -230,12 +230,12 @@ CPU_DEEPSEEK_MEMORY_POLICY_CASES = [
 ]
 
 # ---- the Inductor backend: within INDUCTOR_RTOL of the op-by-op graph. Under the regional scope
-# the passes that move only collectives (bucketing) keep their promise: bitwise the compiled job
-# without them (the memory policy under Inductor is checked by tests/test_backend.py: every
-# recomputed matmul survives; bitwise too when measured, not a suite case: 30 s of CI). ep_overlap does not: it moves compute
-# across collectives, so the regions (which end at collectives) hold other ops and Inductor fuses
-# them differently than in its chunked twin compiled (1 ulp at step 2 measured); it is held to
-# INDUCTOR_RTOL of the op-by-op chunked twin (a compiled twin would add 80 s of CI for no check).
+# every value-preserving pass keeps its promise, bitwise the compiled job without it: the passes
+# that move only collectives (bucketing) and ep_overlap, which moves compute across collectives,
+# so its regions hold other sets of ops than its chunked twin's (an op's value does not depend on
+# its region: graph_trainer/backend.py, "Numerics"). The memory policy under Inductor is checked by
+# tests/test_backend.py (every recomputed matmul survives; bitwise too when measured, not a suite
+# case: 30 s of CI).
 _INDUCTOR = ["--compile.backend", "inductor"]
 _INDUCTOR_FULL = [*_INDUCTOR, "--compile.inductor_scope", "full"]
 _EP2 = _CPU_DEEPSEEK_LAYOUTS["deepseek_ep2"][1]
@@ -249,8 +249,11 @@ CPU_INDUCTOR_CASES = [
          config=_DEEPSEEK),
     Case("deepseek_ep2_inductor_full", 2, [*_EP2, *_INDUCTOR_FULL], close_to="deepseek_ep2_graph",
          rtol=INDUCTOR_RTOL, config=_DEEPSEEK),
-    Case("deepseek_ep2_ep_overlap_moe_batch_inductor", 2, [*_MOE_BATCH_OVERLAP, *_INDUCTOR],
+    Case("deepseek_ep2_ep_overlap_moe_batch_chunked_inductor", 2,
+         [*_MOE_BATCH_OVERLAP, "--compile.ep_overlap.reorder", "False", *_INDUCTOR],
          close_to="deepseek_ep2_ep_overlap_moe_batch_chunked", rtol=INDUCTOR_RTOL, config=_DEEPSEEK),
+    Case("deepseek_ep2_ep_overlap_moe_batch_inductor", 2, [*_MOE_BATCH_OVERLAP, *_INDUCTOR],
+         same_as="deepseek_ep2_ep_overlap_moe_batch_chunked_inductor", config=_DEEPSEEK),
 ]
 
 CPU_CASES = (

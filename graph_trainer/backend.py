@@ -40,17 +40,26 @@ compute to Inductor, in one of two scopes (``--compile.inductor_scope``):
 
 Numerics: Inductor fuses ops and may compute reductions in another order, so ``inductor`` is
 NOT bitwise ``none``; the bound measured on the debug models is in the README and asserted in
-``tests/test_backend.py``. Under ``regional``, a value-preserving pass keeps its bitwise promise
-when the regions it leaves hold the same ops: passes that move only collectives do
-(``transformer_block_bucketing``, ``auto_bucketing``: checked in the cpu suite; the memory
-policy was bitwise too when measured). ``ep_overlap`` moves compute across collectives (that is its point),
-so its regions hold other sets of ops than its chunked twin's (e.g. the router's: the top-k
-weights' gather and multiply join the softmax's region in traced order, not after reordering),
-Inductor fuses them differently, and the losses differ by float rounding (1 ulp at step 2 on the
-debug model; held to the same bound).
-Run to run bitwise: with ``deterministic`` (the trainer's choice on CPU and with
-``--debug.deterministic``) Inductor compiles, and the compiled code runs, under deterministic
-algorithms (see ``_named_call`` for the kernel that otherwise varies).
+``tests/test_backend.py``.
+
+With ``deterministic`` (the trainer's choice on CPU and with ``--debug.deterministic``) the value
+of every op depends only on its inputs:
+
+- not on the run: Inductor compiles, and the compiled code runs, under deterministic algorithms
+  (see ``_named_call`` for the kernel that otherwise varies);
+- not on which region holds it, i.e. not on where collectives cut the graph: a fused kernel
+  rounds each intermediate to the dtype the op-by-op graph stores it in and Triton contracts no
+  ``a * b + c`` into an FMA (``eager_precision``, Inductor's ``emulate_precision_casts``), and
+  ``split_addmm`` undoes the one Inductor rewrite seen to join two ops into one that rounds
+  differently (``mm`` + ``add`` -> ``addmm``, which fires only when both are in one region).
+
+So under ``regional`` every value-preserving pass keeps its bitwise promise though it changes
+the regions: ``transformer_block_bucketing`` and ``auto_bucketing`` move collectives (so region
+boundaries), ``ep_overlap`` moves compute across collectives, so its regions hold other sets of
+ops than its chunked twin's (checked in the cpu suite; the memory policy was bitwise too when
+measured). ``tests/test_backend.py`` cuts a graph in two and shows both effects, fp32 and bf16.
+Without ``deterministic`` (CUDA by default) Inductor fuses freely: faster, and a pass that moves
+region boundaries may change the rounding.
 
 Compile time is logged; Inductor's on-disk caches (``--compile.cache_dir``, else Inductor's
 default folder) make a second start of the same job reuse the kernels, and identical blocks
@@ -59,6 +68,8 @@ compile once.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
 import operator
 import os
@@ -82,6 +93,7 @@ INDUCTOR_REGION = "inductor_region"
 """``node.meta["custom"]`` key naming the compiled region a call node runs."""
 
 _STAY_OUTSIDE = {torch.ops.aten.sym_size.int, torch.ops.aten._local_scalar_dense.default}
+_ADDMM = torch.ops.aten.addmm.default
 MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm")
 
 
@@ -248,14 +260,58 @@ def cut_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     return gm, names
 
 
-def _lowered_matmul_counter(report: BackendReport):
-    """A post-grad hook adding the matmuls of each graph Inductor lowers to ``report``."""
-    report.matmuls_lowered = 0
+def split_addmm(graph: fx.Graph) -> None:
+    """Compute each ``addmm(c, a, b)`` of a graph Inductor is about to lower as ``mm(a, b) + c``.
 
-    def count(graph: fx.Graph) -> None:
-        report.matmuls_lowered += matmul_count(graph)
+    Why: Inductor's post-grad pattern ``add(mm(a, b), c) -> addmm(c, a, b)`` fires only when the
+    mm and the add are in the same compiled graph, and ``addmm`` rounds differently (BLAS
+    accumulates the product into ``c``). So an op's value would depend on where region boundaries
+    fall, which passes that move compute change: ep_overlap hides the shared experts' last mm behind
+    a token exchange, away from the add that sums it with the routed output, and its losses were 1
+    ulp off its chunked twin's until this ran. Splitting every ``addmm`` (the traced ones too: an
+    op the graph holds in every schedule) makes the outcome the same in every partition. Only
+    ``alpha == beta == 1``: others are never made by the pattern."""
+    for node in list(graph.nodes):
+        if node.target is not _ADDMM or node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
+            continue
+        bias, mat1, mat2 = node.args
+        with graph.inserting_before(node):
+            product = graph.call_function(torch.ops.aten.mm.default, (mat1, mat2))
+            total = graph.call_function(torch.ops.aten.add.Tensor, (product, bias))
+        value = node.meta["val"]
+        with torch_compat.fake_mode_of(value):
+            product.meta = {**node.meta, "val": torch.ops.aten.mm.default(mat1.meta["val"], mat2.meta["val"])}
+        total.meta = dict(node.meta)
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
 
-    return count
+
+_SPLIT_ADDMM_VERSION = "graph_trainer.backend.split_addmm:" + hashlib.sha256(
+    inspect.getsource(split_addmm).encode()).hexdigest()[:16]
+
+
+def region_post_grad_pass(deterministic: bool, count_into: BackendReport | None = None):
+    """What runs on each graph Inductor lowers for a region, after Inductor's own passes:
+    ``split_addmm`` when ``deterministic``; with ``count_into``, counting the matmuls into its
+    ``matmuls_lowered`` (a plain function: the FX graph cache is bypassed, every graph is lowered)."""
+    if count_into is None:
+        return torch_compat.inductor_graph_pass(split_addmm, _SPLIT_ADDMM_VERSION) if deterministic else None
+    count_into.matmuls_lowered = 0
+
+    def split_and_count(graph: fx.Graph) -> None:
+        if deterministic:
+            split_addmm(graph)
+        count_into.matmuls_lowered += matmul_count(graph)
+
+    return split_and_count
+
+
+def compile_region(region: fx.GraphModule, example_inputs: list, fake_mode, deterministic: bool, post_grad_pass):
+    """One region through Inductor (``post_grad_pass``: ``region_post_grad_pass``'s). With
+    ``deterministic`` the value of every op depends only on its inputs: not on the run
+    (deterministic algorithms), nor on the ops it is fused with (eager precision, ``split_addmm``)."""
+    return torch_compat.inductor_compile(region, example_inputs, fake_mode, post_grad_pass, deterministic,
+                                         eager_precision=deterministic)
 
 
 def _symbols(value) -> set:
@@ -298,7 +354,7 @@ def _pass_sizes_in(gm: fx.GraphModule, calls: list[fx.Node]) -> None:
         submodule.recompile()
 
 
-def _compile_regions(gm: fx.GraphModule, names: list[str], report: BackendReport, hook,
+def _compile_regions(gm: fx.GraphModule, names: list[str], report: BackendReport, post_grad_pass,
                      deterministic: bool) -> fx.GraphModule:
     fake_mode = _fake_mode(gm)
     calls = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
@@ -307,7 +363,7 @@ def _compile_regions(gm: fx.GraphModule, names: list[str], report: BackendReport
         submodule = getattr(gm, name)
         report.matmuls_before += matmul_count(submodule.graph)
         report.compiled_nodes += sum(1 for n in submodule.graph.nodes if n.op == "call_function")
-        compiled = torch_compat.inductor_compile(submodule, _example_inputs(call), fake_mode, hook, deterministic)
+        compiled = compile_region(submodule, _example_inputs(call), fake_mode, deterministic, post_grad_pass)
         with gm.graph.inserting_after(call):
             new = gm.graph.call_function(_named_call(compiled, name, deterministic), tuple(call.args))
         new.meta = call.meta
@@ -343,9 +399,9 @@ def apply_backend(gm: fx.GraphModule, backend: str, scope: str = "regional", cac
                   deterministic: bool = True, verify: bool = False) -> tuple[fx.GraphModule, BackendReport]:
     """Compile ``gm`` (the graph after the passes) with ``backend``; returns the graph to run.
 
-    ``deterministic``: lower every op to a kernel whose result does not vary run to run
-    (``torch_compat.inductor_compile``); the trainer asks for it on CPU and with
-    ``--debug.deterministic``. ``verify``: also count the matmuls of the graphs Inductor lowers (``matmuls_lowered``, which
+    ``deterministic``: compile so that every op's value depends only on its inputs, not on the
+    run nor (``regional``) on the region that holds it (module docstring, "Numerics"); the trainer
+    asks for it on CPU and with ``--debug.deterministic``. ``verify``: also count the matmuls of the graphs Inductor lowers (``matmuls_lowered``, which
     must equal ``matmuls_before``: nothing recomputed twice or merged away); compiles without the
     FX graph cache."""
     if backend not in BACKENDS:
@@ -358,12 +414,12 @@ def apply_backend(gm: fx.GraphModule, backend: str, scope: str = "regional", cac
     if cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)
     start = time.perf_counter()
-    hook = _lowered_matmul_counter(report) if verify else None
     if scope == "regional":
         before = collective_order(gm.graph)
         gm, names = cut_regions(gm)
         report.regions = len(names)
-        gm = _compile_regions(gm, names, report, hook, deterministic)
+        post_grad_pass = region_post_grad_pass(deterministic, report if verify else None)
+        gm = _compile_regions(gm, names, report, post_grad_pass, deterministic)
         report.collective_order_kept = collective_order(gm.graph) == before
         report.nodes_outside = sum(1 for n in gm.graph.nodes
                                    if n.op == "call_function" and INDUCTOR_REGION not in _custom(n))
@@ -373,7 +429,8 @@ def apply_backend(gm: fx.GraphModule, backend: str, scope: str = "regional", cac
         example = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
         traced = [name for name, _, _ in collective_order(gm.graph)]
         with torch_compat.inductor_output_files() as paths:
-            compiled = torch_compat.inductor_compile(gm, example, _fake_mode(gm), hook, deterministic)
+            count = region_post_grad_pass(False, report) if verify else None
+            compiled = torch_compat.inductor_compile(gm, example, _fake_mode(gm), count, deterministic)
         if paths:  # the module Inductor wrote (on a cache hit too)
             with open(paths[-1]) as f:
                 generated = generated_collective_order(f.read())
@@ -397,5 +454,5 @@ def _whole_graph_module(compiled, traced: fx.GraphModule, deterministic: bool) -
 
 
 __all__ = ["BACKENDS", "INDUCTOR_REGION", "INDUCTOR_SCOPES", "BackendReport", "Region", "apply_backend",
-           "collective_order", "cut_regions", "find_regions", "generated_collective_order", "matmul_count",
-           "max_in_flight", "region_unit", "stays_outside"]
+           "collective_order", "compile_region", "cut_regions", "find_regions", "generated_collective_order",
+           "matmul_count", "max_in_flight", "region_post_grad_pass", "region_unit", "split_addmm", "stays_outside"]

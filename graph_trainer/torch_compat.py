@@ -404,28 +404,54 @@ def fuse_partitions(gm: fx.GraphModule, partitions: list[dict], prefix: str) -> 
     return fuse_by_partitions(gm, partitions, prefix=prefix, always_return_tuple=True)
 
 
-def inductor_compile(gm: fx.GraphModule, example_inputs: list, fake_mode, post_grad_hook=None,
-                     deterministic: bool = False):
+def inductor_graph_pass(fn, version: str):
+    """``fn(graph)`` as an Inductor ``CustomGraphPass`` (``torch._inductor.custom_graph_pass``)
+    whose ``uuid`` is ``version``: Inductor adds it to the FX graph cache key, so a compile with
+    the pass never reuses an artifact made without it (or with another version of it)."""
+    with private_api("torch._inductor.custom_graph_pass.CustomGraphPass"):
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Pass(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            fn(graph)
+
+        def uuid(self) -> str:
+            return version
+
+    return _Pass()
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: list, fake_mode, post_grad_pass=None,
+                     deterministic: bool = False, eager_precision: bool = False):
     """Compile an aten graph with Inductor (``torch._inductor.standalone_compile``) as part of the
     trace that made it: shapes and data-dependent sizes come from ``fake_mode``'s ShapeEnv (a
     ``TracingContext``), so the compiled code is specialised like the traced graph. No input needs
     a gradient, so AOTAutograd compiles an inference graph (no partitioner, nothing recomputed
-    or saved differently). ``deterministic``: compile under ``torch.use_deterministic_algorithms``,
-    so Inductor lowers accumulating scatters (``index_put`` with accumulate: the embedding's
-    gradient) to ATen's deterministic kernel instead of parallel atomic adds, whose summation
-    order varies run to run. ``post_grad_hook(graph)``, if given, sees the graph Inductor lowers
-    (after its FX passes); it disables the FX graph cache for this compile (a hook has no cache key).
+    or saved differently).
+
+    ``deterministic``: compile under ``torch.use_deterministic_algorithms``, so Inductor lowers
+    accumulating scatters (``index_put`` with accumulate: the embedding's gradient) to ATen's
+    deterministic kernel instead of parallel atomic adds, whose summation order varies run to run.
+    ``eager_precision``: Inductor's ``emulate_precision_casts``: a fused kernel rounds every
+    intermediate to the dtype the op-by-op graph stores it in (bf16 values are otherwise kept in
+    fp32 inside a kernel) and Triton does not contract ``a * b + c`` into an FMA, so an op
+    computes the same value whichever ops it is fused with. ``post_grad_pass(graph)``, if given,
+    runs on the graph Inductor lowers, after Inductor's own FX passes; a plain function disables
+    the FX graph cache for this compile (it has no cache key), an ``inductor_graph_pass`` does not.
     Returns a callable taking the graph's inputs positionally."""
     with private_api("torch._inductor.standalone_compile"):
         from torch._inductor import config as inductor_config
         from torch._inductor import standalone_compile
+    with private_api("torch._inductor.config.emulate_precision_casts"):
+        inductor_config.emulate_precision_casts  # noqa: B018  (raises if the option is gone)
     with private_api("torch._guards.TracingContext"):
         from torch._guards import TracingContext, tracing
 
-    patches = {} if post_grad_hook is None else {"post_grad_custom_post_pass": post_grad_hook}
+    patches = {"emulate_precision_casts": eager_precision}
+    if post_grad_pass is not None:
+        patches["post_grad_custom_post_pass"] = post_grad_pass
     with inductor_config.patch(patches), tracing(TracingContext(fake_mode)), deterministic_algorithms(deterministic):
         return standalone_compile(gm, list(example_inputs), dynamic_shapes="from_tracing_context", aot=False)
-
 
 
 @contextlib.contextmanager

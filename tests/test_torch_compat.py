@@ -1,6 +1,7 @@
 """Fails loudly when a PyTorch upgrade changes a private API graph_trainer relies on."""
 
 import os
+import uuid
 
 import pytest
 import torch
@@ -482,7 +483,7 @@ def test_fuse_partitions_calls_each_partition_where_its_last_node_was():
 
 
 def test_inductor_compile_runs_in_the_trace_and_restores_the_deterministic_setting():
-    from graph_trainer.torch_compat import (default_cache_dir, fake_mode_of, inductor_compile,
+    from graph_trainer.torch_compat import (default_cache_dir, fake_mode_of, inductor_compile, inductor_graph_pass,
                                             inductor_output_files)
 
     gm = _fake_graph(lambda x, y: (torch.sin(x) * y + 1.0,), torch.randn(8, 16), torch.randn(8, 16))
@@ -490,10 +491,17 @@ def test_inductor_compile_runs_in_the_trace_and_restores_the_deterministic_setti
     seen = []
     before = torch.are_deterministic_algorithms_enabled()
     with inductor_output_files() as paths:
-        compiled = inductor_compile(gm, fake, fake_mode_of(fake[0]), post_grad_hook=lambda g: seen.append(len(g.nodes)),
-                                    deterministic=True)
+        compiled = inductor_compile(gm, fake, fake_mode_of(fake[0]), post_grad_pass=lambda g: seen.append(len(g.nodes)),
+                                    deterministic=True, eager_precision=True)
     assert torch.are_deterministic_algorithms_enabled() == before
-    assert seen and paths and os.path.isfile(paths[-1])  # the hook saw the lowered graph; the code file exists
+    assert seen and paths and os.path.isfile(paths[-1])  # the pass saw the lowered graph; the code file exists
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     torch.testing.assert_close(compiled(x, y)[0], torch.sin(x) * y + 1.0, rtol=1e-6, atol=1e-6)
     assert "torchinductor" in default_cache_dir()
+    # A pass with a version keys Inductor's cache: a new version lowers the graph, the same one again is a hit.
+    version, runs = f"test-{uuid.uuid4()}", []
+    versioned = inductor_graph_pass(lambda g: runs.append(len(g.nodes)), version)
+    assert versioned.uuid() == version
+    for _ in range(2):
+        inductor_compile(gm, fake, fake_mode_of(fake[0]), post_grad_pass=versioned)
+    assert len(runs) == 1
