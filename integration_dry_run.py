@@ -13,7 +13,7 @@ import dataclasses
 import time
 from collections import Counter
 
-from integration_tests import BUCKETING, Case, Suite, job_args
+from suites import BUCKETING, Case, Suite, job_args
 
 # ---- --dry-run: trace at the real world size on the fake process group and check the graph.
 

@@ -19,7 +19,7 @@ gradient, and the memory of the largest full gradient.
 parameter's norm, and each parameter's sample (relative L2 error of the sample vector), each
 within ``rtol``; ``rtol=0`` asks for bitwise equality. Runs of one model on the same global
 batch that differ only in how sums are ordered (another layout) agree to float32 rounding;
-``integration_tests.py`` holds its cpu cases to ``GRAD_RTOL`` against one process.
+The cpu suite holds its ``close_to`` cases to ``suites.GRAD_RTOL`` against one process.
 
     python -m graph_trainer.grad_record RECORD REFERENCE [--rtol R]   # exit 1 if they differ
 """

@@ -16,7 +16,7 @@ from graph_trainer.config import load_config, validate_config
 from graph_trainer.passes.activation_checkpoint import recompute_counts
 from graph_trainer.trainer import Trainer
 from graph_trainer.torch_compat import default_cache_dir, fake_mode_of
-from integration_tests import INDUCTOR_RTOL
+from suites import INDUCTOR_RTOL
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
 
 LLAMA = os.path.join(ROOT, "configs", "llama3_debug.toml")

@@ -1,7 +1,7 @@
 """Gradient records (graph_trainer/grad_record.py) and the check against one process that uses them.
 
 The cpu suite compares every layout's step-1 gradients with one process on the same global
-batch (``integration_tests.GRAD_RTOL``). Here: the comparison itself, and real gloo jobs showing
+batch (``suites.GRAD_RTOL``). Here: the comparison itself, and real gloo jobs showing
 that the check FAILS when a layout's gradients are doubled (tests/faults/doubled_grads.py) for
 FSDP=2, TP=2 and EP=2, and passes for the same layout unchanged.
 """
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import integration_tests as it
+import suites
 from graph_trainer.grad_record import compare_records, main as grad_record_cli, sample_positions, save_record
 from tests.conftest import ROOT
 
@@ -76,7 +77,7 @@ def test_cli_exit_codes(tmp_path, capsys):
 # ---- real jobs: the suite's own cases, 2 steps each
 
 DOUBLED_GRADS = os.path.join(ROOT, "tests", "faults", "doubled_grads.py")
-SUITE = dataclasses.replace(it.SUITES["cpu"], steps=2, overrides=[*it.SUITES["cpu"].overrides, "--metrics.log_freq", "1"])
+SUITE = dataclasses.replace(suites.SUITES["cpu"], steps=2, overrides=[*suites.SUITES["cpu"].overrides, "--metrics.log_freq", "1"])
 CASES = {c.name: c for c in SUITE.cases}
 
 

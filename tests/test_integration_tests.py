@@ -11,6 +11,7 @@ import torch
 
 import integration_dry_run as dry
 import integration_tests as it
+import suites
 from graph_trainer.analysis.collectives import collective_counts, collective_name
 from graph_trainer.analysis.fake_trace import fake_world, trace_job, trace_without_passes
 from graph_trainer.config import load_config, resolve_parallel_degrees, validate_config
@@ -20,29 +21,29 @@ from tests.graph_compare import node_signatures
 
 
 @pytest.mark.parametrize("suite_name", [pytest.param(name, marks=NEEDS_TORCH_2_13 if name != "gpu" else ())
-                                        for name in it.SUITES])  # the cpu and h100 suites run the user passes
+                                        for name in suites.SUITES])  # the cpu and h100 suites run the user passes
 def test_case_table_is_consistent_and_every_case_validates(suite_name):
-    suite = it.SUITES[suite_name]
+    suite = suites.SUITES[suite_name]
     names = [c.name for c in suite.cases]
     assert len(names) == len(set(names))
     for i, case in enumerate(suite.cases):
         for ref in case.references:  # a reference runs earlier, on the same model
             assert ref in names[:i], (case.name, ref)
             assert suite.cases[names.index(ref)].config == case.config
-        cfg = load_config(it.job_args(suite, case))
+        cfg = load_config(suites.job_args(suite, case))
         validate_config(cfg, case.nproc)
     if suite_name == "cpu":
         assert max(c.nproc for c in suite.cases) <= 4
-        passes = {p for c in suite.cases for p in load_config(it.job_args(suite, c)).compile.passes}
+        passes = {p for c in suite.cases for p in load_config(suites.job_args(suite, c)).compile.passes}
         assert passes == set(PASS_REGISTRY)  # every pass runs somewhere in the cpu suite
 
 
 def test_select_adds_references_and_skips_what_does_not_fit():
-    cases, skipped = it.select(it.SUITES["cpu"].cases, ["fsdp2xtp2_tbb", "fsdp2_auto"], ngpu=2)
+    cases, skipped = it.select(suites.SUITES["cpu"].cases, ["fsdp2xtp2_tbb", "fsdp2_auto"], ngpu=2)
     assert [c.name for c in cases] == ["single_b4", "fsdp2_graph", "fsdp2xtp2_graph", "fsdp2_auto", "fsdp2xtp2_tbb"]
     assert set(skipped) == {"fsdp2xtp2_graph", "fsdp2xtp2_tbb"}
     with pytest.raises(ValueError, match="unknown case"):
-        it.select(it.SUITES["cpu"].cases, ["nope"], ngpu=4)
+        it.select(suites.SUITES["cpu"].cases, ["nope"], ngpu=4)
 
 
 GPUS = torch.cuda.device_count()
@@ -96,15 +97,15 @@ def test_steady_metrics_reads_the_last_logged_step():
 def test_compare_is_bitwise_for_same_as_and_relative_for_close_to():
     done = {"ref": it.Finished(["8.25", "7.5"])}
     run = it.Finished
-    assert it.compare(it.Case("a", 1, [], same_as="ref"), run(["8.25", "7.5"]), done) == (None, "bitwise ref")
-    problem, _ = it.compare(it.Case("a", 1, [], same_as="ref"), run(["8.25", "7.500000000000001"]), done)
+    assert it.compare(suites.Case("a", 1, [], same_as="ref"), run(["8.25", "7.5"]), done) == (None, "bitwise ref")
+    problem, _ = it.compare(suites.Case("a", 1, [], same_as="ref"), run(["8.25", "7.500000000000001"]), done)
     assert "differ from ref from step 2" in problem
-    assert it.compare(it.Case("a", 1, [], close_to="ref"), run(["8.2500001", "7.5"]), done)[0] is None
-    assert "deviate" in it.compare(it.Case("a", 1, [], close_to="ref"), run(["8.26", "7.5"]), done)[0]
+    assert it.compare(suites.Case("a", 1, [], close_to="ref"), run(["8.2500001", "7.5"]), done)[0] is None
+    assert "deviate" in it.compare(suites.Case("a", 1, [], close_to="ref"), run(["8.26", "7.5"]), done)[0]
     # a case's own bound (Inductor vs op by op): 2e-6 passes 5e-6 and fails 1e-6
     inductor = run(["8.250016", "7.5"])
-    assert it.compare(it.Case("a", 1, [], close_to="ref", rtol=it.INDUCTOR_RTOL), inductor, done)[0] is None
-    assert "(> 1e-06)" in it.compare(it.Case("a", 1, [], close_to="ref", rtol=1e-6), inductor, done)[0]
+    assert it.compare(suites.Case("a", 1, [], close_to="ref", rtol=suites.INDUCTOR_RTOL), inductor, done)[0] is None
+    assert "(> 1e-06)" in it.compare(suites.Case("a", 1, [], close_to="ref", rtol=1e-6), inductor, done)[0]
 
 
 def _grads(scale: float = 1.0, nudge: float = 0.0) -> dict:
@@ -116,7 +117,7 @@ def _grads(scale: float = 1.0, nudge: float = 0.0) -> dict:
 
 def test_compare_checks_gradient_records_bitwise_or_within_grad_rtol():
     done = {"ref": it.Finished(["8.25", "7.5"], _grads())}
-    same, close = it.Case("a", 1, [], same_as="ref"), it.Case("a", 1, [], close_to="ref")
+    same, close = suites.Case("a", 1, [], same_as="ref"), suites.Case("a", 1, [], close_to="ref")
     assert it.compare(same, it.Finished(["8.25", "7.5"], _grads()), done) == (None, "bitwise ref (losses, grads)")
     problem, _ = it.compare(same, it.Finished(["8.25", "7.5"], _grads(nudge=1e-6)), done)
     assert problem.startswith("step-1 gradients differ from ref: global gradient norm"), problem
