@@ -22,12 +22,9 @@ def main(argv: list[str]) -> int:
     from graph_trainer.analysis.collectives import collective_counts, format_counts
     from graph_trainer.analysis.fake_trace import fake_world, trace_job
     from graph_trainer.analysis.memory import estimate_peak_memory, estimate_step_memory
-    from graph_trainer.config import load_config, validate_config
+    from graph_trainer.config import load_config, take_flag, validate_config
 
-    from graph_trainer.analyze import _take_flag
-
-    argv, world_size = _take_flag(argv, "--world_size", "8")
-    world_size = int(world_size)
+    argv, world_size = take_flag(argv, "--world_size", 8, int)
     results = {}
     for mode in ("never", "always"):
         cfg = load_config([*argv, "--parallelism.fsdp_reshard_after_forward", mode])

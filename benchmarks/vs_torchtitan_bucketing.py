@@ -110,15 +110,14 @@ def main(argv: list[str]) -> int:
     from graph_trainer.analysis.cost_model import DEVICES
     from graph_trainer.analysis.fake_trace import fake_world, trace_job
     from graph_trainer.analysis.simulator import format_table, simulate
-    from graph_trainer.analyze import _take_flag, summary_row
+    from graph_trainer.analyze import summary_row
     from graph_trainer.build import build_model
-    from graph_trainer.config import load_config, resolve_parallel_degrees, validate_config
+    from graph_trainer.config import load_config, resolve_parallel_degrees, take_flag, validate_config
     from graph_trainer.parallel import ParallelDims
     from models.registry import MODEL_SPECS
 
-    argv, world_size = _take_flag(argv, "--world_size", "8")
-    argv, ranks_per_node = _take_flag(argv, "--ranks_per_node", "8")
-    world_size, ranks_per_node = int(world_size), int(ranks_per_node)
+    argv, world_size = take_flag(argv, "--world_size", 8, int)
+    argv, ranks_per_node = take_flag(argv, "--ranks_per_node", 8, int)
     device = DEVICES["h100"]
     cfg = load_config(argv)
     cfg.compile.passes = []

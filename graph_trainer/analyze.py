@@ -33,21 +33,6 @@ GIB = float(1 << 30)
 _KIND_COLUMNS = (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", "AR"), ("all_to_all", "A2A"))
 
 
-def _take_flag(argv: list[str], flag: str, default: str | None) -> tuple[list[str], str | None]:
-    """Remove ``--flag value`` (or ``--flag=value``; dashes or underscores) from argv; return (argv, value)."""
-    from graph_trainer.config import canonical_flag
-
-    for i, arg in enumerate(argv):
-        arg = canonical_flag(arg)
-        if arg == flag:
-            if i + 1 >= len(argv):
-                raise SystemExit(f"error: {flag} needs a value")
-            return argv[:i] + argv[i + 2:], argv[i + 1]
-        if arg.startswith(flag + "="):
-            return argv[:i] + argv[i + 1:], arg.split("=", 1)[1]
-    return argv, default
-
-
 def parse_pass_lists(spec: str) -> list[list[str]]:
     """'none;a;a,b' -> [[], ['a'], ['a', 'b']]."""
     from graph_trainer.config import normalize_pass_list
@@ -120,32 +105,25 @@ def _trace_path(path: str, label: str, several: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    argv, world_size = _take_flag(argv, "--world_size", "8")
-    argv, device_name = _take_flag(argv, "--device", "h100")
-    argv, ranks_per_node = _take_flag(argv, "--ranks_per_node", "8")
-    argv, trace_out = _take_flag(argv, "--trace_out", None)
-    argv, compare = _take_flag(argv, "--compare", None)
-    argv, device_memory_gib = _take_flag(argv, "--device_memory_gib", None)
-    argv, ac_modes = _take_flag(argv, "--ac_modes", None)
-
     from graph_trainer.analysis.cost_model import DEVICES
     from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, estimate_step_memory, memory_warning
     from graph_trainer.analysis.simulator import format_table
-    from graph_trainer.config import load_config, validate_config
+    from graph_trainer.config import load_config, take_flag, validate_config
     from graph_trainer.errors import ConfigError
 
-    world_size, ranks_per_node = int(world_size), int(ranks_per_node)
-    if device_name not in DEVICES:
-        print(f"error: unknown --device {device_name!r}; choose from {', '.join(DEVICES)}", file=sys.stderr)
-        return 2
-    device = DEVICES[device_name]
     try:
-        limit = (round(float(device_memory_gib) * GIB) if device_memory_gib is not None
+        argv, world_size = take_flag(argv, "--world_size", 8, int)
+        argv, device_name = take_flag(argv, "--device", "h100")
+        argv, ranks_per_node = take_flag(argv, "--ranks_per_node", 8, int)
+        argv, trace_out = take_flag(argv, "--trace_out", None)
+        argv, compare = take_flag(argv, "--compare", None)
+        argv, device_memory_gib = take_flag(argv, "--device_memory_gib", None, float)
+        argv, ac_modes = take_flag(argv, "--ac_modes", None)
+        if device_name not in DEVICES:
+            raise ConfigError(f"unknown --device {device_name!r}; choose from {', '.join(DEVICES)}")
+        device = DEVICES[device_name]
+        limit = (round(device_memory_gib * GIB) if device_memory_gib is not None
                  else DEVICE_MEMORY_BYTES.get(device_name))
-    except ValueError:
-        print(f"error: --device_memory_gib {device_memory_gib!r} is not a number", file=sys.stderr)
-        return 2
-    try:
         cfg = load_config(argv)
         pass_lists = parse_pass_lists(compare) if compare is not None else [cfg.compile.passes]
         modes = ([m.strip() for m in ac_modes.split(",") if m.strip()] if ac_modes is not None

@@ -257,6 +257,29 @@ def canonical_flag(arg: str) -> str:
     return "--" + name[2:].replace("-", "_") + eq + value
 
 
+def take_flag(argv: list[str], flag: str, default, kind=str):
+    """Remove ``--flag value`` (or ``--flag=value``; either spelling, ``canonical_flag``) from
+    ``argv``: returns (the rest of argv, the value converted by ``kind``, or ``default`` when the
+    flag is absent). For command lines that add their own flags to the job's; a missing or
+    unconvertible value is a ``ConfigError``."""
+    for i, arg in enumerate(argv):
+        arg = canonical_flag(arg)
+        if arg == flag:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{flag} needs a value")
+            rest, value = argv[:i] + argv[i + 2:], argv[i + 1]
+        elif arg.startswith(flag + "="):
+            rest, value = argv[:i] + argv[i + 1:], arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            return rest, kind(value)
+        except ValueError:
+            what = {int: "a whole number", float: "a number"}.get(kind, f"a valid {kind.__name__}")
+            raise ConfigError(f"{flag} {value!r} is not {what}") from None
+    return argv, default
+
+
 def normalize_flags(argv: list[str]) -> list[str]:
     """Every flag of ``argv`` in its one spelling (``canonical_flag``), for parsers that know only one."""
     return [canonical_flag(arg) for arg in argv]

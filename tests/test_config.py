@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from graph_trainer.config import JobConfig, load_config, validate_config
+from graph_trainer.config import JobConfig, load_config, take_flag, validate_config
 from graph_trainer.errors import ConfigError
 from tests.conftest import ROOT
 
@@ -193,3 +193,13 @@ def test_every_shipped_config_validates():
     for name, world_size in CONFIG_WORLD_SIZES.items():
         cfg = load_config(["--job.config_file", os.path.join(ROOT, "configs", name)])
         validate_config(cfg, world_size=world_size)
+
+
+def test_take_flag_takes_either_spelling_and_refuses_a_missing_or_bad_value():
+    assert take_flag(["--a", "--world-size", "4", "--b"], "--world_size", 8, int) == (["--a", "--b"], 4)
+    assert take_flag(["--world_size=2"], "--world_size", 8, int) == ([], 2)
+    assert take_flag(["--other", "1"], "--world_size", 8, int) == (["--other", "1"], 8)
+    with pytest.raises(ConfigError, match="^--world_size needs a value$"):
+        take_flag(["--world_size"], "--world_size", 8, int)
+    with pytest.raises(ConfigError, match="^--world_size 'two' is not a whole number$"):
+        take_flag(["--world_size", "two"], "--world_size", 8, int)
