@@ -82,7 +82,8 @@ def load_record(path: str) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def _relative(a: float, b: float) -> float:
+def relative_deviation(a: float, b: float) -> float:
+    """|a - b| / |b|: 0 when equal, infinite when only ``b`` is 0."""
     if a == b:
         return 0.0
     return abs(a - b) / abs(b) if b != 0 else math.inf
@@ -96,7 +97,7 @@ def compare_records(record: dict, reference: dict, rtol: float) -> tuple[list[st
     either side, or of another shape, is a problem whatever ``rtol``.
     """
     problems: list[str] = []
-    worst = _relative(record["norm"], reference["norm"])
+    worst = relative_deviation(record["norm"], reference["norm"])
     if worst > rtol:
         problems.append(f"global gradient norm {record['norm']:.9g} vs {reference['norm']:.9g} "
                         f"(rel {worst:.1e} > {rtol:.0e})")
@@ -108,7 +109,7 @@ def compare_records(record: dict, reference: dict, rtol: float) -> tuple[list[st
         if a["shape"] != b["shape"]:
             problems.append(f"{name}: shape {a['shape']} vs {b['shape']}")
             continue
-        norm_dev = _relative(a["norm"], b["norm"])
+        norm_dev = relative_deviation(a["norm"], b["norm"])
         ref_size = float(b["sample"].double().norm())
         diff = float((a["sample"].double() - b["sample"].double()).norm())
         sample_dev = 0.0 if diff == 0 else diff / ref_size if ref_size else math.inf

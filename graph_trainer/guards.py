@@ -21,20 +21,16 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from graph_trainer.build import clean_fqn
 from graph_trainer.errors import NonFiniteError
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from graph_trainer.parallel import local_tensor
 
 
 def _is_finite(t: torch.Tensor | None) -> bool:
     if t is None:
         return True
-    local = _local(t).detach()
+    local = local_tensor(t).detach()
     return bool(torch.isfinite(local).all()) if local.is_floating_point() else True
 
 

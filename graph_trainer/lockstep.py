@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from graph_trainer.errors import ConfigError, OneLineError
+from graph_trainer.grad_record import relative_deviation
+from graph_trainer.parallel import local_tensor  # (one process: a DTensor's local shard is all of it)
 
 
 @dataclass
@@ -46,17 +48,11 @@ class StepDiff:
 
     @property
     def loss_dev(self) -> float:
-        return abs(self.loss_b - self.loss_a) / abs(self.loss_a) if self.loss_a else abs(self.loss_b)
+        return relative_deviation(self.loss_b, self.loss_a)
 
     def line(self) -> str:
         return (f"step {self.step:3d}  loss A {self.loss_a:.7f}  B rel dev {self.loss_dev:.2e}  "
                 f"grads max rel dev {self.grad_dev:.2e}  params L2 distance {self.param_dist:.3e}")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's values (a DTensor on a one-process mesh holds them all locally)."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 def _recording(trainer) -> dict:
@@ -65,7 +61,7 @@ def _recording(trainer) -> dict:
 
     def recorded(tokens, labels):
         loss, grads = step_fn(tokens, labels)
-        seen["grads"] = [_local(g).detach().clone() for g in grads]
+        seen["grads"] = [local_tensor(g).detach().clone() for g in grads]
         return loss, grads
 
     trainer.step_fn = recorded
@@ -87,14 +83,14 @@ def copy_state(src, dst) -> None:
     """Set ``dst``'s parameters, buffers and AdamW state to ``src``'s, in place (the compiled
     step of ``dst`` holds its tensors, so they must stay the same objects)."""
     for (_, a), (_, b) in zip(src.model.named_parameters(), dst.model.named_parameters(), strict=True):
-        _local(b).copy_(_local(a))
+        local_tensor(b).copy_(local_tensor(a))
     for (_, a), (_, b) in zip(src.model.named_buffers(), dst.model.named_buffers(), strict=True):
         b.copy_(a)
     for pa, pb in zip(src.params, dst.params, strict=True):
         state_a, state_b = src.optimizer.state.get(pa, {}), dst.optimizer.state[pb]
         for key, value in state_a.items():
             if isinstance(value, torch.Tensor) and key in state_b:
-                _local(state_b[key]).copy_(_local(value))
+                local_tensor(state_b[key]).copy_(local_tensor(value))
             else:
                 state_b[key] = value.clone() if isinstance(value, torch.Tensor) else value
 
@@ -109,7 +105,8 @@ def _grad_dev(grads_a: list[torch.Tensor], grads_b: list[torch.Tensor]) -> float
 
 
 def _param_dist(a, b) -> float:
-    total = sum(((_local(pb).double() - _local(pa).double()) ** 2).sum().item() for pa, pb in zip(a.params, b.params))
+    total = sum(((local_tensor(pb).double() - local_tensor(pa).double()) ** 2).sum().item()
+                for pa, pb in zip(a.params, b.params))
     return math.sqrt(total)
 
 
@@ -147,10 +144,11 @@ def _configs(argv: list[str], b_flags: list[str]):
 
     from graph_trainer.config import check_device, load_config, validate_config
 
+    dump_folder = load_config(argv).job.dump_folder
     configs = []
     for name, flags in (("a", []), ("b", b_flags)):
         cfg = load_config([*argv, *flags])
-        cfg.job.dump_folder = os.path.join(load_config(argv).job.dump_folder, name)
+        cfg.job.dump_folder = os.path.join(dump_folder, name)
         validate_config(cfg, world_size=1)
         check_device(cfg.job.device)
         configs.append(cfg)

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from graph_trainer.config import Training
+from graph_trainer.parallel import local_tensor
 
 
 def build_optimizer(params: list[torch.nn.Parameter], t: Training) -> torch.optim.AdamW:
@@ -93,6 +94,6 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
-            local = g.to_local() if isinstance(g, DTensor) else g
+            local = local_tensor(g)
             local.mul_(coef.to(local.device, local.dtype))
     return norm

@@ -22,6 +22,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from graph_trainer.torch_compat import flatten_mesh_dims
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard, any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp_replicate: int = 1

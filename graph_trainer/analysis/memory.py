@@ -79,6 +79,7 @@ import torch
 import torch.fx as fx
 
 from graph_trainer.analysis.cost_model import SizeHints
+from graph_trainer.parallel import local_tensor
 from graph_trainer.torch_compat import is_view_op
 
 GIB = float(1 << 30)
@@ -309,17 +310,10 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: the local shard of a DTensor, a plain tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _param_tensors(graph: fx.Graph | None, params: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
     """Local parameter tensors: ``params``' local shards, or the graph's parameter inputs."""
     if params is not None:
-        return [_local(p) for p in params]
+        return [local_tensor(p) for p in params]
     if graph is None:
         raise ValueError("estimate_step_memory needs a graph or the parameters")
     nodes = list(graph.nodes)
