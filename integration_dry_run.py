@@ -26,13 +26,13 @@ def _custom(node) -> dict:
 
 
 def _launches(gm) -> list:
-    from graph_trainer.analysis.collectives import is_collective
+    from graph_trainer.graph.collectives import is_collective
 
     return [n for n in gm.graph.nodes if is_collective(n)]
 
 
 def _fsdp(nodes, op: tuple[str, ...], phase: str) -> list:
-    from graph_trainer.analysis.collectives import collective_name
+    from graph_trainer.graph.collectives import collective_name
 
     return [n for n in nodes if collective_name(n) in op and _custom(n).get("fsdp_role") and _custom(n).get("phase") == phase]
 
@@ -56,11 +56,11 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
       ``reorder`` is off, the schedule ``ep_overlap.verify_schedule`` checks (after every pass).
     """
     from graph_trainer.passes.ep_overlap import find_regions, verify_schedule
-    from graph_trainer.analysis.collectives import collective_name, process_group_of
+    from graph_trainer.graph.collectives import collective_name, group_name
     from graph_trainer.passes.transformer_block_bucketing import bucket_index
-    from graph_trainer.config import model_args
+    from models.registry import model_args
 
-    args = model_args(cfg)
+    args = model_args(cfg.model)
     problems = []
     nodes, ref_nodes = _launches(gm), _launches(reference)
 
@@ -106,7 +106,7 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
             break
         got, ref = _fsdp(nodes, _KINDS[kind], phase), _fsdp(ref_nodes, _KINDS[kind], phase)
         # one collective per (bucket, process group) that the reference's per-parameter collectives span
-        ref_pairs = {(bucket_index(plan, _custom(r)["fsdp_param"]), process_group_of(r)) for r in ref}
+        ref_pairs = {(bucket_index(plan, _custom(r)["fsdp_param"]), group_name(r)) for r in ref}
         if "auto_bucketing" in passes and "transformer_block_bucketing" not in passes:
             continue
         unbucketed = [r.name for r in got if "fsdp_bucket" not in _custom(r)]
@@ -185,8 +185,9 @@ def check_backend(gm, cfg, row: dict[str, object]) -> list[str]:
     (``graph_trainer.backend.cut_regions``, nothing is compiled: that needs the GPU) and check that
     no region holds a collective and the collectives keep their order. Sets ``row["regions"]``: how many
     ("full": one graph, whose order only Inductor on a GPU decides)."""
-    from graph_trainer.analysis.collectives import collective_name
-    from graph_trainer.backend import collective_order, cut_regions
+    from graph_trainer.graph.collectives import collective_name
+    from graph_trainer.graph.collectives import collective_order
+    from graph_trainer.backend import cut_regions
 
     c = cfg.compile
     if c.backend == "none":
@@ -208,11 +209,13 @@ def check_backend(gm, cfg, row: dict[str, object]) -> list[str]:
 
 def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
     """Trace each layout once per world size, run each graph case's passes on a copy, check it."""
-    from graph_trainer.analysis.collectives import collective_name
-    from graph_trainer.analysis.fake_trace import fake_world, trace_without_passes
+    from graph_trainer.graph.collectives import collective_name
+    from graph_trainer.fake_trace import fake_world, trace_without_passes
     from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, estimate_step_memory, memory_warning
-    from graph_trainer.config import load_config, resolve_parallel_degrees, validate_config
-    from graph_trainer.passes import run_passes
+    from graph_trainer.config_loading import load_config
+    from graph_trainer.parallel import resolve_parallel_degrees
+    from graph_trainer.validation import validate_config
+    from graph_trainer.pipeline import transform_graph
 
     groups: dict[tuple, list[Case]] = {}
     for case in cases:
@@ -229,7 +232,7 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
         with fake_world(nproc):
             # A GPU suite's graphs are traced with the attention kernels its GPUs run.
             traced, context = trace_without_passes(base, nproc, gpu_attention=suite.gpus)
-            reference = run_passes(copy.deepcopy(traced.gm), context, [])
+            reference = transform_graph(copy.deepcopy(traced.gm), context, [])
             trace_s = time.perf_counter() - start
             for case in group:
                 row: dict[str, object] = {"case": case.name, "world": nproc, "regions": "-"}
@@ -237,7 +240,7 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
                 try:
                     cfg = load_config(job_args(suite, case, suite.dry_run_overrides))
                     validate_config(cfg, nproc)
-                    gm = run_passes(copy.deepcopy(traced.gm), dataclasses.replace(context, config=cfg),
+                    gm = transform_graph(copy.deepcopy(traced.gm), dataclasses.replace(context, config=cfg),
                                     cfg.compile.passes)
                     problems = check_graph(gm, reference, cfg, resolve_parallel_degrees(cfg.parallelism, nproc),
                                            context.extras["bucket_plan"])

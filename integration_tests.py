@@ -257,7 +257,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ngpu", type=int, default=None, help="most processes a case may use (default: all)")
     parser.add_argument("--dry_run", action="store_true", help="trace each graph case on the fake process group")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
-    from graph_trainer.config import normalize_flags
+    from graph_trainer.config_loading import normalize_flags
 
     opts = parser.parse_args(normalize_flags(argv))  # dashes or underscores: --dry-run is --dry_run
     suite = SUITES[opts.suite]

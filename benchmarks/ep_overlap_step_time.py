@@ -36,7 +36,8 @@ DEFAULT_ARGS = ["--job.config_file", "configs/deepseek_v3_debug.toml", "--parall
 
 
 def main(argv: list[str]) -> int:
-    from graph_trainer.config import load_config, validate_config
+    from graph_trainer.config_loading import load_config
+    from graph_trainer.validation import validate_config
     from graph_trainer.trainer import Trainer
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))

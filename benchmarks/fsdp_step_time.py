@@ -49,7 +49,7 @@ def build_eager_fsdp2(trainer):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from graph_trainer.optim import build_lr_scheduler, build_optimizer
-    from models.llama3 import Transformer
+    from models.llama3.model import Transformer
 
     cfg, t = trainer.cfg, trainer.cfg.training
     with torch.device(trainer.dist.device):
@@ -67,7 +67,8 @@ def build_eager_fsdp2(trainer):
 
 
 def main(argv: list[str]) -> int:
-    from graph_trainer.config import load_config, validate_config
+    from graph_trainer.config_loading import load_config
+    from graph_trainer.validation import validate_config
     from graph_trainer.parallel import average_over_dp
     from graph_trainer.loss import token_cross_entropy
     from graph_trainer.trainer import Trainer

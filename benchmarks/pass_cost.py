@@ -28,9 +28,11 @@ def _take(argv: list[str], flag: str, default: str) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    from graph_trainer.analysis.fake_trace import fake_world, trace_without_passes
-    from graph_trainer.config import load_config, validate_config
-    from graph_trainer.passes import PASS_REGISTRY, default_passes
+    from graph_trainer.fake_trace import fake_world, trace_without_passes
+    from graph_trainer.config_loading import load_config
+    from graph_trainer.validation import validate_config
+    from graph_trainer.passes import PASS_REGISTRY
+    from graph_trainer.memory_policy import memory_policy_passes
     from models.registry import MODEL_SPECS
 
     world_size, argv = _take(argv, "--world_size", "8")
@@ -48,7 +50,7 @@ def main(argv: list[str]) -> int:
             traced, context = trace_without_passes(cfg, world_size, model_args=args)
             row = {"layers": n_layers, "nodes": len(traced.gm.graph.nodes), "trace": time.perf_counter() - start}
             gm = traced.gm
-            for spec in [*default_passes(context), *(PASS_REGISTRY[p] for p in cfg.compile.passes)]:
+            for spec in [*memory_policy_passes(cfg), *(PASS_REGISTRY[p] for p in cfg.compile.passes)]:
                 start = time.perf_counter()
                 gm = spec.fn(gm, context)
                 row[spec.name] = time.perf_counter() - start

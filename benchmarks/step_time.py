@@ -19,7 +19,8 @@ import torch
 
 
 def main(argv: list[str]) -> int:
-    from graph_trainer.config import load_config, validate_config
+    from graph_trainer.config_loading import load_config
+    from graph_trainer.validation import validate_config
     from graph_trainer.trainer import Trainer
 
     warmup, measured = 3, 15

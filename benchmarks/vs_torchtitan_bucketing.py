@@ -63,7 +63,8 @@ import torch.fx as fx
 
 def _cpu_roofline(device):
     """PyTorch's GPU roofline estimate replaced by ours while torchtitan's pass runs."""
-    from graph_trainer.analysis.cost_model import SizeHints, node_compute_time
+    from graph_trainer.graph.sizes import SizeHints
+    from graph_trainer.analysis.cost_model import node_compute_time
     from graph_trainer.torch_compat import roofline_estimate
 
     hints = SizeHints()
@@ -108,11 +109,13 @@ def run_torchtitan(gm: fx.GraphModule, plan: list[list[str]], param_fqns: list[s
 
 def main(argv: list[str]) -> int:
     from graph_trainer.analysis.cost_model import DEVICES
-    from graph_trainer.analysis.fake_trace import fake_world, trace_job
+    from graph_trainer.fake_trace import fake_world, trace_job
     from graph_trainer.analysis.simulator import format_table, simulate
     from graph_trainer.analyze import summary_row
     from graph_trainer.build import build_model
-    from graph_trainer.config import load_config, resolve_parallel_degrees, take_flag, validate_config
+    from graph_trainer.config_loading import load_config, take_flag
+    from graph_trainer.parallel import resolve_parallel_degrees
+    from graph_trainer.validation import validate_config
     from graph_trainer.parallel import ParallelDims
     from models.registry import MODEL_SPECS
 

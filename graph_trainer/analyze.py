@@ -35,7 +35,7 @@ _KIND_COLUMNS = (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", 
 
 def parse_pass_lists(spec: str) -> list[list[str]]:
     """'none;a;a,b' -> [[], ['a'], ['a', 'b']]."""
-    from graph_trainer.config import normalize_pass_list
+    from graph_trainer.config_loading import normalize_pass_list
 
     lists = []
     for item in spec.split(";"):
@@ -49,7 +49,7 @@ def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
 
     Returns (traced step, SimulationResult, seconds tracing + passes, seconds simulating).
     """
-    from graph_trainer.analysis.fake_trace import fake_world, trace_job
+    from graph_trainer.fake_trace import fake_world, trace_job
     from graph_trainer.analysis.simulator import simulate
 
     start = time.perf_counter()
@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     from graph_trainer.analysis.cost_model import DEVICES
     from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, estimate_step_memory, memory_warning
     from graph_trainer.analysis.simulator import format_table
-    from graph_trainer.config import load_config, take_flag, validate_config
+    from graph_trainer.config_loading import load_config, take_flag
+    from graph_trainer.validation import validate_config
     from graph_trainer.errors import ConfigError
 
     try:

@@ -7,9 +7,9 @@ compute to Inductor, in one of two scopes (``--compile.inductor_scope``):
     The graph is cut into regions, each compiled on its own; everything between regions runs
     as before, in the same order.
 
-    Reads: ``node.meta["custom"]["phase"]`` and ``["module_fqn"]`` (``graph_trainer.tracer``),
-    the memory policy's ``recomputed`` copies (their ``phase`` is ``backward``), and which nodes
-    are collectives (``analysis.collectives.collective_name``).
+    Reads: the tags ``phase``, ``module_fqn`` and ``loss_chunk`` (``graph.tags.unit_of``), the
+    memory policy's ``recomputed`` copies (their ``phase`` is ``backward``), and which nodes
+    are collectives (``graph.collectives``).
 
     Regions: maximal runs of CONSECUTIVE compute nodes, in graph order, that share a phase
     (forward / loss / backward) and a unit (a transformer block ``layers.<i>``, a row block of a
@@ -18,9 +18,9 @@ compute to Inductor, in one of two scopes (``--compile.inductor_scope``):
     (``sym_size``, ``_local_scalar_dense``), ops with side effects, placeholders and the output.
     Runs of aliasing ops only (views, ``getitem``) are left op by op: there is nothing to fuse.
 
-    Changes: each region's nodes become one ``call_function`` node (tagged
-    ``custom["inductor_region"]`` with the region's name, ``phase`` and ``module_fqn`` of its
-    unit) calling the Inductor-compiled region, at the place of the region's last node.
+    Changes: each region's nodes become one ``call_function`` node (tagged ``inductor_region``
+    with the region's name, ``phase`` and ``module_fqn`` of its unit) calling the
+    Inductor-compiled region, at the place of the region's last node.
 
     Guarantees: collectives and waits are the same nodes, with the same arguments, in the same
     order, at the same places between compute (a region is a contiguous slice of the graph, so
@@ -34,13 +34,14 @@ compute to Inductor, in one of two scopes (``--compile.inductor_scope``):
     The whole step, collectives included, is one Inductor graph. Inductor's scheduler may move
     compute and waits: the order of the collectives and waits in the code Inductor generated is
     compared with ours and reported (``collective_order_kept``, ``in_flight``), not enforced.
-    Measured on CPU (debug LLaMA-3, FSDP=2): without passes the order is ours; after
-    ``transformer_block_bucketing`` the collectives are issued in our order but each wait is moved
-    up to right after its collective (at most 1 in flight instead of 3): the prefetch is undone.
+    On CPU, without passes the order is ours; after ``transformer_block_bucketing`` the
+    collectives are issued in our order but each wait is moved up to right after its collective,
+    so fewer are in flight at once: the prefetch is undone (``tests/test_backend.py`` asserts it;
+    measured: docs/performance.md).
 
 Numerics: Inductor fuses ops and may compute reductions in another order, so ``inductor`` is
-NOT bitwise ``none``; the bound measured on the debug models is in the README and asserted in
-``tests/test_backend.py``.
+NOT bitwise ``none``; the bound is ``INDUCTOR_RTOL`` (``suites.py``), asserted in
+``tests/test_backend.py`` and the cpu suite (why: docs/numerics.md; measured: docs/performance.md).
 
 With ``deterministic`` (the trainer's choice on CPU and with ``--debug.deterministic``) the value
 of every op depends only on its inputs:
@@ -75,48 +76,41 @@ import operator
 import os
 import re
 import time
+import typing
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from graph_trainer import torch_compat
-from graph_trainer.analysis.collectives import collective_name
-from graph_trainer.passes.activation_checkpoint import region_of
-from graph_trainer.torch_compat import is_op_overload, is_view_op
+from graph_trainer.config import Backend, InductorScope
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import collective_name, collective_order, max_in_flight
+from graph_trainer.graph.ops import ADDMM, SIZE_READS, aliases_input, matmul_count
+from graph_trainer.graph.tags import FORWARD, INDUCTOR_REGION, MODULE_FQN, PHASE, STEP, unit_of
 
 logger = logging.getLogger("graph_trainer")
 
-BACKENDS = ("none", "inductor")
-INDUCTOR_SCOPES = ("regional", "full")
-INDUCTOR_REGION = "inductor_region"
-"""``node.meta["custom"]`` key naming the compiled region a call node runs."""
-
-_STAY_OUTSIDE = {torch.ops.aten.sym_size.int, torch.ops.aten._local_scalar_dense.default}
-_ADDMM = torch.ops.aten.addmm.default
-MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm")
-
-
-def _custom(node: fx.Node) -> dict:
-    return node.meta.get("custom", {})
+BACKENDS = typing.get_args(Backend)
+INDUCTOR_SCOPES = typing.get_args(InductorScope)
 
 
 def stays_outside(node: fx.Node) -> bool:
     """Whether ``node`` is not part of a compiled region (see the module docstring)."""
     if node.op != "call_function":
         return True
-    if collective_name(node) is not None or node.target in _STAY_OUTSIDE:
+    if collective_name(node) is not None or node.target in SIZE_READS:
         return True
     return node.is_impure()
 
 
 def _aliases_only(nodes: list[fx.Node]) -> bool:
-    return all(n.target is operator.getitem or is_view_op(n) for n in nodes)
+    return all(aliases_input(n) for n in nodes)
 
 
 def region_unit(node: fx.Node) -> tuple[str, str]:
     """(phase, unit) of a compute node: what a region must not mix."""
-    return _custom(node).get("phase", "forward"), region_of(node) or "outside_blocks"
+    return tags.get(node, PHASE, FORWARD), unit_of(node) or "outside_blocks"
 
 
 @dataclass
@@ -146,39 +140,12 @@ def find_regions(graph: fx.Graph) -> list[Region]:
     return [r for r in regions if not _aliases_only(r.nodes)]
 
 
-def collective_order(graph: fx.Graph) -> list[tuple]:
-    """The collectives and waits of ``graph`` in order, each as (op, node name, its scalar
-    arguments: sizes, group names): what must be identical before and after the regional cut."""
-    order = []
-    for node in graph.nodes:
-        name = collective_name(node)
-        if name is None:
-            continue
-        scalars = tuple(a for a in node.args if not isinstance(a, fx.Node) and not isinstance(a, (list, tuple)))
-        order.append((name, node.name, scalars))
-    return order
-
-
 _GENERATED_COLLECTIVE = re.compile(r"^\s*(?:\w+ = )?torch\.ops\._c10d_functional\.(\w+)\.default\(", re.M)
 
 
 def generated_collective_order(code: str) -> list[str]:
     """The collectives and waits (op names) called by Inductor's generated Python code, in order."""
     return _GENERATED_COLLECTIVE.findall(code)
-
-
-def max_in_flight(ops: list[str]) -> int:
-    """The most collectives issued and not yet waited for at once, along ``ops`` (op names)."""
-    in_flight = most = 0
-    for op in ops:
-        in_flight += -1 if op == "wait_tensor" else 1
-        most = max(most, in_flight)
-    return most
-
-
-def matmul_count(graph: fx.Graph) -> int:
-    """How many matmul ops (``MATMUL_OPS``) ``graph`` runs."""
-    return sum(1 for n in graph.nodes if is_op_overload(n.target) and torch_compat.op_name(n.target) in MATMUL_OPS)
 
 
 def _fake_mode(gm: fx.GraphModule):
@@ -251,7 +218,7 @@ def cut_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     by_index = {int(n.target.rsplit("_", 1)[1]): n for n in calls}
     for index, region in enumerate(regions):
         call = by_index[index]
-        call.meta["custom"] = {"phase": region.phase, "module_fqn": region.unit, INDUCTOR_REGION: region.name}
+        tags.replace(call, {PHASE: region.phase, MODULE_FQN: region.unit, INDUCTOR_REGION: region.name})
         names.append(call.target)
     _pass_sizes_in(gm, calls)
     after = collective_order(gm.graph)
@@ -272,7 +239,7 @@ def split_addmm(graph: fx.Graph) -> None:
     op the graph holds in every schedule) makes the outcome the same in every partition. Only
     ``alpha == beta == 1``: others are never made by the pattern."""
     for node in list(graph.nodes):
-        if node.target is not _ADDMM or node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
+        if node.target is not ADDMM or node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
             continue
         bias, mat1, mat2 = node.args
         with graph.inserting_before(node):
@@ -422,7 +389,7 @@ def apply_backend(gm: fx.GraphModule, backend: str, scope: str = "regional", cac
         gm = _compile_regions(gm, names, report, post_grad_pass, deterministic)
         report.collective_order_kept = collective_order(gm.graph) == before
         report.nodes_outside = sum(1 for n in gm.graph.nodes
-                                   if n.op == "call_function" and INDUCTOR_REGION not in _custom(n))
+                                   if n.op == "call_function" and not tags.has(n, INDUCTOR_REGION))
     else:
         report.matmuls_before = matmul_count(gm.graph)
         report.compiled_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
@@ -448,11 +415,11 @@ def _whole_graph_module(compiled, traced: fx.GraphModule, deterministic: bool) -
     graph = fx.Graph()
     inputs = [graph.placeholder(n.name) for n in traced.graph.nodes if n.op == "placeholder"]
     call = graph.call_function(_named_call(compiled, "inductor_full_step", deterministic), tuple(inputs))
-    call.meta["custom"] = {"phase": "step", "module_fqn": "", INDUCTOR_REGION: "inductor_full_step"}
+    tags.replace(call, {PHASE: STEP, MODULE_FQN: "", INDUCTOR_REGION: "inductor_full_step"})
     graph.output(call)
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-__all__ = ["BACKENDS", "INDUCTOR_REGION", "INDUCTOR_SCOPES", "BackendReport", "Region", "apply_backend",
-           "collective_order", "compile_region", "cut_regions", "find_regions", "generated_collective_order",
-           "matmul_count", "max_in_flight", "region_post_grad_pass", "region_unit", "split_addmm", "stays_outside"]
+__all__ = ["BACKENDS", "INDUCTOR_SCOPES", "BackendReport", "Region", "apply_backend", "compile_region", "cut_regions",
+           "find_regions", "generated_collective_order", "region_post_grad_pass", "region_unit", "split_addmm",
+           "stays_outside"]

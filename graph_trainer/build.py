@@ -1,18 +1,41 @@
-"""Build a model: construct on the meta device, then materialise and initialise.
+"""Build a job: its layout (degrees, mesh, mixed precision), then its model, the one way.
 
-Initial weights depend only on the seed and each parameter's FQN, never on how the
-parameter is later sharded: every parameter's FULL tensor is drawn from its own generator
-(seeded from ``(seed, fqn)``) and each rank keeps its piece. So every parallel layout
-starts from the same model.
+The sequence is the same for the trainer (real tensors) and for fake traces at any world size
+(``graph_trainer.fake_trace``: meta tensors on the fake process group), so both trace the same
+model:
+
+1. ``build_layout(cfg, world_size, device_type)``: the parallel degrees resolved against the
+   world size, the device mesh (None for one process), the mixed-precision dtypes;
+2. ``build_job_model(cfg, layout, device)``: construct on the meta device, apply the model's
+   parallel plan (``models.<name>.parallelize``: TP, EP, SimpleFSDP), materialise on ``device``
+   and initialise (not for ``meta``), then let the listed passes prepare it for tracing
+   (``PassSpec.prepare_model``, e.g. ``ep_overlap``'s chunking);
+3. ``pass_context(cfg, layout, model)``: what the passes get beside the graph.
+
+The trainer does other things between 1 and 2 (deciding which checkpoint to resume, opening the
+data) so that a wrong checkpoint or dataset fails before the model is built.
+
+Initial weights depend only on the seed and each parameter's FQN, never on how the parameter
+is later sharded: every parameter's FULL tensor is drawn from its own generator (seeded from
+``(seed, fqn)``) and each rank keeps its piece. So every parallel layout starts from the same
+model.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from models.init_rules import draw_parameter
+from graph_trainer.config import JobConfig
+from graph_trainer.parallel import ParallelDims, build_mesh, resolve_parallel_degrees
+from graph_trainer.passes import PassContext, prepare_model_for_passes
+from graph_trainer.simple_fsdp import MixedPrecision
+from models.common import draw_parameter
+from models.registry import MODEL_SPECS, model_args
 
 
 def clean_fqn(name: str) -> str:
@@ -58,3 +81,60 @@ def build_model(build_fn, args, device: torch.device, seed: int,
     init_parameters(model, rules, seed)
     model.init_buffers(device)
     return model
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """Where a job's model lives: degrees, mesh (None for one process), mixed precision."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    mp: MixedPrecision
+
+
+def build_layout(cfg: JobConfig, world_size: int, device_type: str) -> JobLayout:
+    """The job's layout at ``world_size`` (the process group, real or fake, must exist when > 1)."""
+    dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
+    t = cfg.training
+    mp = MixedPrecision(param_dtype=getattr(torch, t.mixed_precision_param),
+                        reduce_dtype=getattr(torch, t.mixed_precision_reduce))
+    return JobLayout(dims, build_mesh(dims, device_type), mp)
+
+
+def build_job_model(cfg: JobConfig, layout: JobLayout, device: torch.device, args=None,
+                    param_dtype: torch.dtype | None = None) -> nn.Module:
+    """The job's model on ``layout``, ready to trace (module docstring, step 2).
+
+    ``args`` overrides the flavor's (e.g. fewer layers); ``param_dtype`` casts the floating-point
+    parameters after building (``cast_parameters``: analyses of pure low-precision runs)."""
+    spec = MODEL_SPECS[cfg.model.name]
+    args = args if args is not None else model_args(cfg.model)
+    model = build_model(spec.build, args, device, cfg.training.seed,
+                        parallelize=lambda m: spec.parallelize(m, layout.mesh, layout.dims, layout.mp))
+    if param_dtype is not None:
+        cast_parameters(model, param_dtype)
+    prepare_model_for_passes(model, cfg)
+    return model
+
+
+def pass_context(cfg: JobConfig, layout: JobLayout, model: nn.Module) -> PassContext:
+    """What the passes read besides the graph: the config, the degrees, the model's bucket plan."""
+    plan = MODEL_SPECS[cfg.model.name].bucket_plan(model)
+    return PassContext(config=cfg, degrees=layout.dims.as_dict(), extras={"bucket_plan": plan})
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every floating-point parameter of ``model`` to ``dtype`` in place (buffers keep
+    theirs); a parameter shared by several modules stays shared."""
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in cast:
+                cast[id(param)] = nn.Parameter(param.detach().to(dtype), param.requires_grad)
+            module._parameters[name] = cast[id(param)]
+
+
+__all__ = ["JobLayout", "build_job_model", "build_layout", "build_model", "cast_parameters", "clean_fqn",
+           "init_parameters", "pass_context"]

@@ -7,7 +7,7 @@ rotary table) are shared by both halves. This happens before tracing, so the tra
 holds each chunk's ops separately, in program order (chunk 0, then chunk 1), and a graph pass
 (``ep_overlap``) may interleave them later.
 
-Tags written (``node.meta["custom"]``, copied onto the backward by the tracer):
+Tags written (``graph_trainer.graph.tags``, copied onto the backward by the tracer):
 
 ==================  ==========================================================================
 ``chunk_region``    FQN of the chunked module (``layers.3``), on every node made inside it:
@@ -36,11 +36,10 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.fx.traceback import annotate
 from torch.nn.utils import parametrize
 
-CHUNK_ID = "chunk_id"
-CHUNK_REGION = "chunk_region"
+from graph_trainer.graph.tags import CHUNK_ID, CHUNK_REGION, MODULE_FQN, annotate
+
 NUM_CHUNKS = 2
 CHUNK_DIMS = {"batch": 0, "seq": 1}
 
@@ -60,7 +59,7 @@ def _gather_parameters_once(module: nn.Module, fqn: str) -> None:
     """Materialise every parametrized parameter of ``module`` into ``parametrize``'s cache."""
     for sub_fqn, sub in module.named_modules(prefix=fqn):
         if parametrize.is_parametrized(sub):
-            with annotate({"module_fqn": sub_fqn}):
+            with annotate({MODULE_FQN: sub_fqn}):
                 for name in sub.parametrizations:
                     getattr(sub, name)
 
@@ -92,4 +91,4 @@ def install_chunking(model: nn.Module, fqns: list[str], chunk_dim: str) -> None:
         module._chunked = True
 
 
-__all__ = ["CHUNK_DIMS", "CHUNK_ID", "CHUNK_REGION", "NUM_CHUNKS", "install_chunking", "match_modules"]
+__all__ = ["CHUNK_DIMS", "NUM_CHUNKS", "install_chunking", "match_modules"]

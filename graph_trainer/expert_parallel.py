@@ -14,8 +14,8 @@ implements the MoE layer's token-dispatcher contract (see ``LocalTokenDispatcher
 - ``combine(y_local, ctx)``: the inverse: back to source-rank order, the reverse
   all_to_all, and the rows are again this rank's, sorted by global expert id.
 
-Metadata contract (read by graph passes such as ``ep_overlap``). Every node created here
-carries ``node.meta["custom"]``:
+Metadata contract (read by graph passes such as ``ep_overlap``; keys and values in
+``graph_trainer.graph.tags``). Every node created here carries:
 
 ==================  ==========================================================================
 ``ep_role``         ``count_exchange``: the counts all_to_all, its wait and the split-size reads;
@@ -37,15 +37,9 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.fx.traceback import annotate
 
+from graph_trainer.graph.tags import COMBINE, COUNT_EXCHANGE, DISPATCH, EP_ROLE, MOE_FQN, annotate
 from graph_trainer.torch_compat import all_to_all_single, all_to_all_single_autograd
-
-COUNT_EXCHANGE = "count_exchange"
-DISPATCH = "dispatch"
-COMBINE = "combine"
-EXPERT_COMPUTE = "expert_compute"
-EP_ROLES = (COUNT_EXCHANGE, DISPATCH, COMBINE, EXPERT_COMPUTE)
 
 
 @dataclass
@@ -71,7 +65,7 @@ class ExpertParallelDispatcher:
         self.moe_fqn = moe_fqn
 
     def _tags(self, role: str) -> dict:
-        return {"ep_role": role, "moe_fqn": self.moe_fqn}
+        return {EP_ROLE: role, MOE_FQN: self.moe_fqn}
 
     def dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor):
         """Rows for this rank's local experts (sorted by local expert), their counts, a context."""
@@ -102,4 +96,4 @@ class ExpertParallelDispatcher:
             return all_to_all_single_autograd(y_received, ctx.send_splits, ctx.receive_splits, group)
 
 
-__all__ = ["COMBINE", "COUNT_EXCHANGE", "DISPATCH", "EP_ROLES", "EXPERT_COMPUTE", "ExpertParallelDispatcher"]
+__all__ = ["ExpertParallelDispatcher"]

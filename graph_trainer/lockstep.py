@@ -17,7 +17,7 @@ Each line then shows what one step of B does differently from one step of A, its
 and not the drift that builds up when both run freely. Running a comparison both ways tells
 an error that grows (it grows here too) from a trajectory that amplifies a constant one (here
 it stays at its first steps' size). This is how the drift of Inductor (regional) from op by
-op on debug DeepSeek-V3 was taken apart (README, "Compiling the graph: Inductor").
+op on debug DeepSeek-V3 was taken apart (docs/numerics.md, "Inductor").
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ def lockstep(cfg_a, cfg_b, from_same_state: bool = False, report=None) -> list[S
 def _configs(argv: list[str], b_flags: list[str]):
     import os
 
-    from graph_trainer.config import check_device, load_config, validate_config
+    from graph_trainer.validation import check_device, validate_config
+    from graph_trainer.config_loading import load_config
 
     dump_folder = load_config(argv).job.dump_folder
     configs = []
@@ -158,7 +159,7 @@ def _configs(argv: list[str], b_flags: list[str]):
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    from graph_trainer.config import canonical_flag, take_flag
+    from graph_trainer.config_loading import canonical_flag, take_flag
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -7,22 +7,21 @@ cross-entropy.
 
 With ``chunks = 1`` the whole batch's logits exist at once: for LLaMA-3 8B at 8192 tokens
 that is 8192 x 128256 logits in bf16, their float32 copy, the log-softmax and its gradient,
-about 10 GiB, the largest live set of the step once activations are checkpointed. With
-``chunks = K > 1`` (``training.loss_chunks``) the tokens are split into K row blocks; each
-block's projection and cross-entropy run under ``annotate({"loss_chunk": k})``, and the
-activation policy (``passes/activation_checkpoint.py``) recomputes each block's logits right
-before that block's backward, so about 1/K of that memory is alive at a time, for one more
-output matmul per step.
+several GiB (measured: docs/performance.md), the largest live set of the step once activations
+are checkpointed. With ``chunks = K > 1`` (``training.loss_chunks``) the tokens are split into K
+row blocks; each block's projection and cross-entropy are tagged ``loss_chunk = k``
+(``graph.tags``), and the memory policy (``memory_policy/activation_checkpoint.py``) recomputes
+each block's logits right before that block's backward, so about 1/K of that memory is alive at
+a time, for one more output matmul per step.
 
 Numerics: the per-token losses of all blocks are concatenated before the mean, so the loss is
 the same reduction over the same per-token values as with one chunk, and those are bitwise the
 unchunked ones where the matmul kernel computes a row block as it computes those rows of the
-whole. The log-softmax is row-wise; MKL's matmul is, on this CPU, except for blocks of one or
-two rows (a vector kernel: the loss moved by one ulp, 1.2e-7 relative, with 64 and 120 chunks of
-120 tokens; bitwise with 2 to 17 chunks there, and with up to 1024 chunks of 1024 tokens).
-``tests/passes/test_activation_checkpoint.py`` holds the loss to 2.5e-7. The output weight's
-gradient adds the blocks' contributions in another order than one matmul over all tokens, so
-from the second step on the runs agree to float rounding, not bitwise.
+whole. The log-softmax is row-wise; MKL's matmul is, on the development CPU, except for blocks
+of one or two rows, which take a vector kernel: the loss then moves by one ulp (measured:
+docs/performance.md). ``tests/memory_policy/test_activation_checkpoint.py`` holds the loss to
+2.5e-7. The output weight's gradient adds the blocks' contributions in another order than one
+matmul over all tokens, so from the second step on the runs agree to float rounding, not bitwise.
 """
 
 from __future__ import annotations
@@ -30,11 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.fx.traceback import annotate
 from torch.nn.utils import parametrize
 
-LOSS_CHUNK = "loss_chunk"
-"""``node.meta["custom"]`` key: which row block of the loss a node computes (forward and backward)."""
+from graph_trainer.graph.tags import LOSS, LOSS_CHUNK, LOSS_MODULE, MODULE_FQN, PHASE, annotate
 
 
 def token_cross_entropy(hidden: torch.Tensor, output: nn.Module, labels: torch.Tensor, chunks: int = 1) -> torch.Tensor:
@@ -56,11 +53,11 @@ def token_cross_entropy(hidden: torch.Tensor, output: nn.Module, labels: torch.T
         return torch.cat(per_token).mean()
 
 
-_LOSS = {"phase": "loss", "module_fqn": "loss"}
+_LOSS = {PHASE: LOSS, MODULE_FQN: LOSS_MODULE}
 
 
 def _per_token(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), targets, reduction="none")
 
 
-__all__ = ["LOSS_CHUNK", "token_cross_entropy"]
+__all__ = ["token_cross_entropy"]

@@ -20,10 +20,11 @@ def build_optimizer(params: list[torch.nn.Parameter], t: Training) -> torch.opti
     """AdamW with the job's hyper-parameters.
 
     On CUDA the multi-tensor (``foreach``) implementation: a handful of kernels over all
-    parameters instead of ~10 per parameter (the single-tensor loop took 13% of an 8B-shaped
-    step on an H100, ``../shared/h100_profiles``). On CPU the single-tensor one: the stored loss
-    curves were recorded with it, and launch overhead does not matter there. Graph and eager
-    mode build it the same way, so they stay bitwise."""
+    parameters instead of ~10 per parameter (the single-tensor loop was a large share of an
+    8B-shaped step on an H100; measured: docs/performance.md, profiles in docs/h100_profiles/).
+    On CPU the single-tensor one: the stored loss curves were recorded with it, and launch
+    overhead does not matter there. Graph and eager mode build it the same way, so they stay
+    bitwise."""
     cuda = bool(params) and params[0].device.type == "cuda"
     return torch.optim.AdamW(
         params,

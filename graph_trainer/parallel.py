@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from graph_trainer.config import Parallelism
+from graph_trainer.errors import ConfigError
 from graph_trainer.torch_compat import flatten_mesh_dims
 
 
@@ -66,6 +68,39 @@ class ParallelDims:
 
     def as_dict(self) -> dict[str, int]:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "ep": self.ep}
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def resolve_parallel_degrees(p: Parallelism, world_size: int) -> dict[str, int]:
+    """Fill in dp_shard=-1 and check that the degrees multiply to the world size."""
+    for name in ("dp_replicate", "tp", "ep"):
+        _require(getattr(p, name) >= 1, f"parallelism.{name} = {getattr(p, name)} must be >= 1")
+    _require(p.dp_shard == -1 or p.dp_shard >= 1, f"parallelism.dp_shard = {p.dp_shard} must be >= 1 or -1")
+    others = p.dp_replicate * p.tp
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
+        _require(
+            world_size % others == 0,
+            f"world size {world_size} is not divisible by dp_replicate*tp = {others}",
+        )
+        dp_shard = world_size // others
+    product = p.dp_replicate * dp_shard * p.tp
+    _require(
+        product == world_size,
+        f"parallelism degrees dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x tp={p.tp} = {product} "
+        f"do not match the world size {world_size}",
+    )
+    # Experts are split over a sub-group of the data-parallel shard ranks (see graph_trainer.parallel).
+    _require(
+        dp_shard % p.ep == 0,
+        f"parallelism.ep = {p.ep} must divide parallelism.dp_shard = {dp_shard} (experts are split over "
+        f"data-parallel shard ranks)",
+    )
+    return {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "ep": p.ep}
 
 
 def _fsdp_mode(replicate: int, shard: int) -> str | None:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import os
 import tempfile
 
-from graph_trainer.config import JobConfig, model_args, resolve_device
+from graph_trainer.config import JobConfig
+from models.registry import model_args
+from graph_trainer.validation import resolve_device
 from graph_trainer.errors import ConfigError
 
 GIB = float(1 << 30)
@@ -91,7 +93,7 @@ def check_batch_fits(cfg: JobConfig) -> None:
     import torch
 
     t = cfg.training
-    vocab = model_args(cfg).vocab_size // max(1, cfg.parallelism.tp)
+    vocab = model_args(cfg.model).vocab_size // max(1, cfg.parallelism.tp)
     itemsize = torch.empty((), dtype=getattr(torch, t.mixed_precision_param)).element_size()
     rows = -(-t.local_batch_size * t.seq_len // t.loss_chunks)  # a chunked loss holds one block's logits
     need = rows * vocab * itemsize

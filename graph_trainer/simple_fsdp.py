@@ -42,15 +42,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from graph_trainer.torch_compat import StridedShard
 from torch.nn.utils import parametrize
 
-MODES = ("fully_shard", "hybrid_shard", "replicate")
+from graph_trainer.graph import tags
+from graph_trainer.graph.tags import FSDP_PARAM, FSDP_ROLE, UNSHARD
+from graph_trainer.torch_compat import StridedShard
 
-UNSHARD = "unshard"
-"""``node.meta["custom"]["fsdp_role"]`` of the forward nodes that cast and gather a parameter."""
-REDUCE_GRAD = "reduce_grad"
-"""``fsdp_role`` of the backward nodes that reduce (and cast) that parameter's gradient."""
+MODES = ("fully_shard", "hybrid_shard", "replicate")
 
 
 @dataclass(frozen=True)
@@ -85,7 +83,7 @@ class ReplicateComputation(nn.Module):
         grad_placements = [Partial("sum")] * self.dp_dims + list(self.inner_placements)
         # The tag lets graph passes find this parameter's gather chain (and, through the
         # tracer, the gradient reduction that differentiates it) without pattern matching.
-        with torch.fx.traceback.annotate({"fsdp_role": UNSHARD, "fsdp_param": self.param_fqn}):
+        with tags.annotate({FSDP_ROLE: UNSHARD, FSDP_PARAM: self.param_fqn}):
             full = param.redistribute(
                 placements=gathered,
                 forward_dtype=self.mp.param_dtype,

@@ -16,7 +16,7 @@ Graph inputs, in order: the inner tensors of every parameter (``named_parameters
 of every buffer, then ``tokens`` and ``labels``. Outputs: the loss, then the inner tensors of
 every parameter's gradient, in parameter order.
 
-Node metadata written here (the contract passes rely on), in ``node.meta["custom"]``:
+Node metadata written here (the contract passes rely on; keys and values in ``graph_trainer.graph.tags``):
 
 - ``phase``: ``"input"`` (placeholders), ``"forward"``, ``"loss"``, ``"backward"``,
   ``"output"``.
@@ -45,9 +45,25 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graph_trainer import torch_compat
-from graph_trainer.analysis.collectives import collective_counts, collective_name
-from graph_trainer.loss import LOSS_CHUNK, token_cross_entropy
-from graph_trainer.simple_fsdp import REDUCE_GRAD, UNSHARD
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import collective_counts, format_counts, is_collective, waits_among_users
+from graph_trainer.graph.tags import (
+    BACKWARD,
+    FORWARD,
+    FSDP_PARAM,
+    FSDP_ROLE,
+    INHERITED_BY_BACKWARD,
+    INPUT,
+    INPUT_FQN,
+    LOSS,
+    LOSS_MODULE,
+    MODULE_FQN,
+    OUTPUT,
+    PHASE,
+    REDUCE_GRAD,
+    UNSHARD,
+)
+from graph_trainer.loss import token_cross_entropy
 
 logger = logging.getLogger("graph_trainer")
 
@@ -134,7 +150,7 @@ def annotate_module_fqns(model: nn.Module) -> Iterator[None]:
 
     def enter(fqn: str) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
-            cm = torch.fx.traceback.annotate({"module_fqn": fqn})
+            cm = tags.annotate({MODULE_FQN: fqn})
             cm.__enter__()
             stack.append(cm)
 
@@ -155,10 +171,6 @@ def annotate_module_fqns(model: nn.Module) -> Iterator[None]:
             h.remove()
 
 
-INHERITED_BY_BACKWARD = ("ep_role", "moe_fqn", "chunk_region", "chunk_id", LOSS_CHUNK)
-"""Forward tags that the backward nodes differentiating a node carry too."""
-
-
 def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
     """Give every backward node the module_fqn of the forward op it differentiates.
 
@@ -166,34 +178,34 @@ def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
     parameter's gradient reduction: they get ``fsdp_role`` reduce_grad and its ``fsdp_param``.
     Expert-parallel and chunk tags (``INHERITED_BY_BACKWARD``) are copied as they are.
     """
-    forward_by_seq: dict[int, dict] = {}
+    forward_by_seq: dict[int, fx.Node] = {}
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
-        custom = node.meta.get("custom", {})
-        if custom.get("phase") in ("forward", "loss"):
-            forward_by_seq.setdefault(node.meta.get("seq_nr", -1), custom)
+        if tags.phase(node) in (FORWARD, LOSS):
+            forward_by_seq.setdefault(node.meta.get("seq_nr", -1), node)
     for node in gm.graph.nodes:
-        custom = node.meta.setdefault("custom", {})
-        if custom.get("phase") != "backward":
+        if tags.phase(node) != BACKWARD:
             continue
         forward = forward_by_seq.get(node.meta.get("seq_nr", -1))
         if forward is None or _sums_block_gradients(node, forward):
-            forward = _tags_shared_by_inputs(node, position)
-        custom["module_fqn"] = forward.get("module_fqn", "")
-        custom.update({key: forward[key] for key in INHERITED_BY_BACKWARD if key in forward})
-        if forward.get("fsdp_role") == UNSHARD:
-            custom.update(fsdp_role=REDUCE_GRAD, fsdp_param=forward["fsdp_param"])
+            inherited = _tags_shared_by_inputs(node, position)
+        else:
+            inherited = {key: value for key, value in tags.tags(forward).items()
+                         if key in INHERITED_BY_BACKWARD or key == MODULE_FQN}
+            if tags.get(forward, FSDP_ROLE) == UNSHARD:
+                inherited.update({FSDP_ROLE: REDUCE_GRAD, FSDP_PARAM: tags.get(forward, FSDP_PARAM)})
+        tags.update(node, {MODULE_FQN: inherited.get(MODULE_FQN, "")}, **{
+            key: value for key, value in inherited.items() if key != MODULE_FQN})
 
 
-def _sums_block_gradients(node: fx.Node, forward: dict) -> bool:
+def _sums_block_gradients(node: fx.Node, forward: fx.Node) -> bool:
     """Whether ``node`` is autograd summing two gradient contributions (a tensor used twice)
     although it carries the loss's sequence number: the engine adds them while the loss's
     number is current, so the seq_nr match names the loss. It reads backward nodes of other
     modules (the loss's own backward reads only loss nodes), and belongs with them."""
-    if forward.get("module_fqn") != "loss":
+    if tags.module_fqn(forward) != LOSS_MODULE:
         return False
-    return any(i.meta.get("custom", {}).get("phase") == "backward"
-               and i.meta["custom"].get("module_fqn") != "loss" for i in node.all_input_nodes)
+    return any(tags.phase(i) == BACKWARD and tags.module_fqn(i) != LOSS_MODULE for i in node.all_input_nodes)
 
 
 def _tags_shared_by_inputs(node: fx.Node, position: dict[fx.Node, int]) -> dict:
@@ -201,16 +213,16 @@ def _tags_shared_by_inputs(node: fx.Node, position: dict[fx.Node, int]) -> dict:
     gradients flowing into a tensor used twice): the module of its latest backward input (the
     sum runs once that contribution is made, e.g. a residual's branch gradient), and each
     inherited tag on which all its backward inputs agree ({"module_fqn": "loss"} if none)."""
-    inputs = [i.meta["custom"] for i in sorted(node.all_input_nodes, key=position.__getitem__, reverse=True)
-              if i.meta.get("custom", {}).get("phase") == "backward"]
+    inputs = [tags.tags(i) for i in sorted(node.all_input_nodes, key=position.__getitem__, reverse=True)
+              if tags.phase(i) == BACKWARD]
     if not inputs:
-        return {"module_fqn": "loss"}
-    tags = {"module_fqn": inputs[0].get("module_fqn", "")}
+        return {MODULE_FQN: LOSS_MODULE}
+    shared = {MODULE_FQN: inputs[0].get(MODULE_FQN, "")}
     for key in INHERITED_BY_BACKWARD:
         values = {repr(c.get(key)) for c in inputs}
         if len(values) == 1 and key in inputs[0]:
-            tags[key] = inputs[0][key]
-    return tags
+            shared[key] = inputs[0][key]
+    return shared
 
 
 def _read_collective_sizes_from_waits(gm: fx.GraphModule) -> None:
@@ -222,9 +234,9 @@ def _read_collective_sizes_from_waits(gm: fx.GraphModule) -> None:
     ``sym_size`` reads are moved to just after the wait and read it instead.
     """
     for node in list(gm.graph.nodes):
-        if collective_name(node) in (None, "wait_tensor"):
+        if not is_collective(node):
             continue
-        waits = [u for u in node.users if u.target == torch.ops._c10d_functional.wait_tensor.default]
+        waits = waits_among_users(node)
         size_reads = [u for u in node.users if u.target == torch.ops.aten.sym_size.int]
         if len(waits) != 1 or not size_reads:
             continue
@@ -232,7 +244,7 @@ def _read_collective_sizes_from_waits(gm: fx.GraphModule) -> None:
             waits[0].append(read)
             read.replace_input_with(node, waits[0])
             # it now runs where the wait runs (a read first needed in backward still reads the forward wait)
-            read.meta["custom"] = dict(waits[0].meta.get("custom", {}))
+            tags.replace(read, tags.tags(waits[0]))
 
 
 def _finalize_meta(gm: fx.GraphModule, input_fqns: list[str]) -> None:
@@ -240,15 +252,14 @@ def _finalize_meta(gm: fx.GraphModule, input_fqns: list[str]) -> None:
     assert len(placeholders) == len(input_fqns), (len(placeholders), len(input_fqns))
     for node, fqn in zip(placeholders, input_fqns):
         owner = "" if fqn in ("tokens", "labels") else _owner_fqn(fqn)
-        node.meta["custom"] = {"phase": "input", "module_fqn": owner, "input_fqn": fqn}
+        tags.replace(node, {PHASE: INPUT, MODULE_FQN: owner, INPUT_FQN: fqn})
     _copy_forward_meta_to_backward(gm)
     for node in gm.graph.nodes:
-        custom = node.meta.setdefault("custom", {})
         if node.op == "output":
-            custom.update(phase="output", module_fqn="")
+            tags.update(node, {PHASE: OUTPUT, MODULE_FQN: ""})
         # Nodes made between annotated regions (e.g. detach of inputs) belong to the forward.
-        custom.setdefault("phase", "forward")
-        custom.setdefault("module_fqn", "")
+        tags.set_default(node, PHASE, FORWARD)
+        tags.set_default(node, MODULE_FQN, "")
 
 
 # --------------------------------------------------------------------------------------
@@ -348,12 +359,12 @@ def trace_train_step(
         buffers = [unflatten_tensor(inner, layout)
                    for inner, layout in zip(groups[len(param_layouts):], buffer_layouts)]
         tensors = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
-        with torch.fx.traceback.annotate({"phase": "forward"}):  # the loss head tags its own nodes "loss"
+        with tags.annotate({PHASE: FORWARD}):  # the loss head tags its own nodes "loss"
             loss = torch.func.functional_call(model, tensors, (tok,), {"head": _loss_head(lab, loss_chunks)})
-        with torch.fx.traceback.annotate({"phase": "loss", "module_fqn": "loss"}):
+        with tags.annotate({PHASE: LOSS, MODULE_FQN: LOSS_MODULE}):
             scaled = loss * grad_scale if grad_scale != 1.0 else loss
         torch_compat.tag_backward_with_forward_seq_nr(scaled)
-        with torch.fx.traceback.annotate({"phase": "backward"}):
+        with tags.annotate({PHASE: BACKWARD}):
             grads = torch.autograd.grad(scaled, params)
         out = [loss]
         grad_layouts.clear()
@@ -417,12 +428,8 @@ class GraphStep:
             logger.info("tracing the training step (forward + loss + backward) ...")
             traced = trace_train_step(self.model, tokens, labels, self.loss_chunks, grad_scale=self.grad_scale)
             counts = collective_counts(traced.gm.graph)
-            logger.info(
-                "traced in %.2fs: %d nodes, collectives: %s",
-                traced.trace_seconds,
-                len(traced.gm.graph.nodes),
-                " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none",
-            )
+            logger.info("traced in %.2fs: %d nodes, collectives: %s", traced.trace_seconds,
+                        len(traced.gm.graph.nodes), format_counts(counts))
             if self.post_trace is not None:
                 traced = self.post_trace(traced)
             self.graphs[sig] = traced

@@ -1,9 +1,10 @@
 """The training loop: build -> trace (first step) -> run the graph -> clip -> AdamW -> schedule.
 
-``Trainer(cfg)`` builds everything from a validated ``JobConfig``; ``Trainer.train()`` runs
-``training.steps`` steps and returns the per-step losses. In ``compile.mode = "graph"`` the
-step is the traced GraphModule (``graph_trainer.tracer.GraphStep``) after the pass pipeline;
-in ``"eager"`` it is the same model run directly (``eager_step``), the numerics baseline.
+``Trainer(cfg)`` builds everything from a validated ``JobConfig`` (``graph_trainer.build``);
+``Trainer.train()`` runs ``training.steps`` steps and returns the per-step losses. In
+``compile.mode = "graph"`` the step is the traced GraphModule (``graph_trainer.tracer.GraphStep``)
+after the stages of ``graph_trainer.pipeline`` (memory policy, passes, backend); in ``"eager"`` it
+is the same model run directly (``eager_step``), the numerics baseline.
 """
 
 from __future__ import annotations
@@ -17,22 +18,22 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer import comm
-from graph_trainer.backend import apply_backend
 from graph_trainer.analysis.memory import estimate_step_memory, memory_warning
-from graph_trainer.build import build_model
+from graph_trainer.build import build_job_model, build_layout, pass_context
 from graph_trainer.checkpoint import Checkpointer
-from graph_trainer.config import JobConfig, check_device, model_args, resolve_device, resolve_parallel_degrees
+from graph_trainer.config import JobConfig
 from graph_trainer.data import build_dataloader, build_tokenizer
 from graph_trainer.grad_record import gather_record, record_path, save_record
 from graph_trainer.guards import check_step
 from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
 from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from graph_trainer.parallel import ParallelDims, average_over_dp, build_mesh, dp_rank, sum_over_dp
-from graph_trainer.passes import PassContext, prepare_model_for_passes, run_passes
-from graph_trainer.simple_fsdp import MixedPrecision
+from graph_trainer.parallel import ParallelDims, average_over_dp, dp_rank, sum_over_dp
+from graph_trainer.passes.runner import PassRunner
+from graph_trainer.pipeline import apply_memory_policy, apply_passes, compile_graph
 from graph_trainer.torch_compat import cpu_backend
 from graph_trainer.tracer import GraphStep, TracedStep, eager_step
-from models.registry import MODEL_SPECS
+from graph_trainer.validation import check_device, resolve_device
+from models.registry import MODEL_SPECS, model_args
 
 logger = logging.getLogger("graph_trainer")
 
@@ -85,14 +86,14 @@ class Trainer:
     def __init__(self, cfg: JobConfig, dist_info: DistInfo | None = None):
         self.cfg = cfg
         self.dist = dist_info or setup_distributed(cfg)
-        self.logger = setup_logging(self.dist.rank, getattr(logging, cfg.debug.log_level.upper()))
+        self.logger = setup_logging(self.dist.rank, getattr(logging, cfg.debug.log_level))
         _set_determinism(cfg)
         t = cfg.training
         spec = MODEL_SPECS[cfg.model.name]
-        self.model_args = model_args(cfg)
+        self.model_args = model_args(cfg.model)
 
-        self.dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, self.dist.world_size))
-        self.mesh = build_mesh(self.dims, self.dist.device.type)
+        self.layout = build_layout(cfg, self.dist.world_size, self.dist.device.type)
+        self.dims, self.mesh = self.layout.dims, self.layout.mesh
         comm.set_timeout(cfg.comm.init_timeout_seconds)  # the mesh's own groups start with torch's default
         # Decide what to resume before building anything, so a wrong checkpoint fails fast.
         self.checkpointer = Checkpointer(cfg, self.dist.rank, self.dist.world_size, self.dims.as_dict(),
@@ -112,23 +113,18 @@ class Trainer:
             dataset_split=t.dataset_split,
             text_field=t.text_field,
         )
-        mp = MixedPrecision(param_dtype=getattr(torch, t.mixed_precision_param),
-                            reduce_dtype=getattr(torch, t.mixed_precision_reduce))
-
         start = time.perf_counter()
         layers = f" ({cfg.model.n_layers} layers)" if cfg.model.n_layers else ""
         logger.info("building %s %s%s on %s, parallelism %s, compute dtype %s ...", cfg.model.name,
                     cfg.model.flavor, layers, self.dist.device, _describe(self.dims), t.mixed_precision_param)
-        self.model = build_model(spec.build, self.model_args, self.dist.device, t.seed,
-                                 parallelize=lambda m: spec.parallelize(m, self.mesh, self.dims, mp))
-        prepare_model_for_passes(self.model, cfg)
+        self.model = build_job_model(cfg, self.layout, self.dist.device, self.model_args)
+        self.pass_context = pass_context(cfg, self.layout, self.model)
         self.params = [p for p in self.model.parameters()]
         n_params = sum(p.numel() for p in self.params)
         logger.info("model built in %.2fs: %s parameters", time.perf_counter() - start, f"{n_params:,}")
         # Each data-parallel rank averages over its own batch; gradients are summed over
         # ranks, so scaling by 1/dp makes the update that of the mean over the global batch.
         self.grad_scale = 1.0 / self.dims.dp_size
-        self.bucket_plan = spec.bucket_plan(self.model)
 
         self.optimizer = build_optimizer(self.params, t)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
@@ -152,27 +148,25 @@ class Trainer:
         )
         if cfg.compile.mode == "graph":
             self.step_fn = GraphStep(self.model, t.loss_chunks, grad_scale=self.grad_scale,
-                                     post_trace=self._run_passes)
+                                     post_trace=self._prepare_graph)
         else:
             self._report_memory(None)
             self.step_fn = lambda tokens, labels: eager_step(self.model, tokens, labels, t.loss_chunks,
                                                              grad_scale=self.grad_scale)
 
-    def _run_passes(self, traced: TracedStep) -> TracedStep:
+    def _prepare_graph(self, traced: TracedStep) -> TracedStep:
+        """The stages after tracing (``graph_trainer.pipeline``): memory policy, passes, backend."""
         self.metrics.log_event(
             "trace", trace_seconds=traced.trace_seconds, graph_nodes=len(traced.gm.graph.nodes)
         )
-        context = PassContext(config=self.cfg, degrees=self.dims.as_dict(),
-                              extras={"bucket_plan": self.bucket_plan})
-        traced.gm = run_passes(traced.gm, context, self.cfg.compile.passes, self.cfg.compile.dump_graphs)
-        self._report_memory(traced.gm.graph)
-        c = self.cfg.compile
-        if c.backend != "none":
-            logger.info("compiling the graph with %s (%s) ...", c.backend, c.inductor_scope)
-            deterministic = self.dist.device.type == "cpu" or self.cfg.debug.deterministic
-            traced.gm, report = apply_backend(traced.gm, c.backend, c.inductor_scope, c.cache_dir, deterministic)
-            logger.info("%s", report.summary())
-            self.metrics.log_event("compile", backend=c.backend, scope=c.inductor_scope,
+        runner = PassRunner(self.pass_context, self.cfg.compile.dump_graphs)
+        gm = apply_memory_policy(traced.gm, runner)
+        gm = apply_passes(gm, runner)
+        self._report_memory(gm.graph)
+        deterministic = self.dist.device.type == "cpu" or self.cfg.debug.deterministic
+        traced.gm, report = compile_graph(gm, self.cfg.compile, deterministic)
+        if report.backend != "none":
+            self.metrics.log_event("compile", backend=report.backend, scope=report.scope,
                                    compile_seconds=report.seconds, regions=report.regions)
         return traced
 

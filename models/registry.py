@@ -6,14 +6,21 @@ FLOPs a token costs (for MFU), and which parallel layouts the model admits.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.nn as nn
 
-from models import deepseek_v3, llama3
+from graph_trainer.config import Model
+
+from models.common import block_bucket_plan
+from models.deepseek_v3 import flavors as deepseek_v3_flavors
 from models.deepseek_v3 import parallelize as deepseek_v3_parallelize
+from models.deepseek_v3.model import DeepSeekV3
+from models.llama3 import flavors as llama3_flavors
 from models.llama3 import parallelize as llama3_parallelize
+from models.llama3.model import Transformer
 
 
 @dataclass(frozen=True)
@@ -36,20 +43,26 @@ class ModelSpec:
 MODEL_SPECS: dict[str, ModelSpec] = {
     "llama3": ModelSpec(
         name="llama3",
-        flavors=llama3.FLAVORS,
-        build=llama3.Transformer,
-        flops_per_token=llama3.flops_per_token,
+        flavors=llama3_flavors.FLAVORS,
+        build=Transformer,
+        flops_per_token=llama3_flavors.flops_per_token,
         validate_parallelism=llama3_parallelize.validate_parallelism,
         parallelize=llama3_parallelize.parallelize_llama3,
-        bucket_plan=llama3_parallelize.bucket_plan,
+        bucket_plan=block_bucket_plan,
     ),
     "deepseek_v3": ModelSpec(
         name="deepseek_v3",
-        flavors=deepseek_v3.FLAVORS,
-        build=deepseek_v3.DeepSeekV3,
-        flops_per_token=deepseek_v3.flops_per_token,
+        flavors=deepseek_v3_flavors.FLAVORS,
+        build=DeepSeekV3,
+        flops_per_token=deepseek_v3_flavors.flops_per_token,
         validate_parallelism=deepseek_v3_parallelize.validate_parallelism,
         parallelize=deepseek_v3_parallelize.parallelize_deepseek_v3,
-        bucket_plan=deepseek_v3_parallelize.bucket_plan,
+        bucket_plan=block_bucket_plan,
     ),
 }
+
+
+def model_args(model: Model):
+    """The model's shape: the flavor's arguments, with ``model.n_layers`` applied when set."""
+    args = MODEL_SPECS[model.name].flavors[model.flavor]
+    return dataclasses.replace(args, n_layers=model.n_layers) if model.n_layers else args

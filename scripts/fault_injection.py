@@ -38,7 +38,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from graph_trainer.config import normalize_flags  # noqa: E402
+from graph_trainer.config_loading import normalize_flags  # noqa: E402
 from graph_trainer.manifest import verify_folder  # noqa: E402
 
 JOB = ["--job.config_file", os.path.join(ROOT, "configs", "llama3_debug.toml"), "--job.device", "cpu",

@@ -17,7 +17,8 @@ import torch
 
 from graph_trainer import manifest
 from graph_trainer.checkpoint import Checkpointer, complete_steps
-from graph_trainer.config import load_config, validate_config
+from graph_trainer.config_loading import load_config
+from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.trainer import Trainer
 from tests.conftest import ROOT

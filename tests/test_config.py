@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from graph_trainer.config import JobConfig, load_config, take_flag, validate_config
+from graph_trainer.config import JobConfig
+from graph_trainer.config_loading import load_config, take_flag
+from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
 from tests.conftest import ROOT
 
@@ -59,9 +61,8 @@ def test_bad_toml(tmp_path, toml_text, message):
     ],
 )
 def test_validation_messages(field, value, message):
-    cfg = load_config([f"--{field}", value])
-    with pytest.raises(ConfigError) as info:
-        validate_config(cfg)
+    with pytest.raises(ConfigError) as info:  # from loading (types, choices) or from validation
+        validate_config(load_config([f"--{field}", value]))
     assert message in str(info.value)
 
 
@@ -91,9 +92,8 @@ def test_degrees_that_do_not_fit(degrees, world_size, message):
 
 
 def test_reshard_mode_is_checked():
-    cfg = load_config(["--parallelism.fsdp_reshard_after_forward", "sometimes"])
     with pytest.raises(ConfigError, match="fsdp_reshard_after_forward = 'sometimes' is not allowed"):
-        validate_config(cfg)
+        load_config(["--parallelism.fsdp_reshard_after_forward", "sometimes"])
 
 
 def _run_train(*args):
@@ -136,7 +136,7 @@ def test_cuda_without_cuda_is_one_line_exit_2():
 def test_more_local_processes_than_gpus_is_one_line_error(monkeypatch):
     import torch
 
-    from graph_trainer.config import check_device, resolve_device
+    from graph_trainer.validation import check_device, resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -155,13 +155,13 @@ def test_more_local_processes_than_gpus_is_one_line_error(monkeypatch):
 
 
 def test_n_layers_cuts_a_flavor_and_is_validated():
-    from graph_trainer.config import model_args
+    from models.registry import model_args
 
     cfg = load_config(["--model.flavor", "8B", "--model.n_layers", "4"])
     validate_config(cfg)
-    args = model_args(cfg)
+    args = model_args(cfg.model)
     assert (args.n_layers, args.dim, args.vocab_size) == (4, 4096, 128256)
-    assert model_args(load_config(["--model.flavor", "8B"])).n_layers == 32
+    assert model_args(load_config(["--model.flavor", "8B"]).model).n_layers == 32
     with pytest.raises(ConfigError, match="model.n_layers = -1 must be >= 0"):
         validate_config(load_config(["--model.n_layers", "-1"]))
     deepseek = ["--job.config_file", os.path.join(ROOT, "configs", "deepseek_v3_16b.toml"), "--parallelism.ep", "1"]
@@ -203,3 +203,56 @@ def test_take_flag_takes_either_spelling_and_refuses_a_missing_or_bad_value():
         take_flag(["--world_size"], "--world_size", 8, int)
     with pytest.raises(ConfigError, match="^--world_size 'two' is not a whole number$"):
         take_flag(["--world_size", "two"], "--world_size", 8, int)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.steps", "abc"], "training.steps = 'abc' is not a whole number"),
+        (["--training.lr", "fast"], "training.lr = 'fast' is not a number"),
+        (["--training.stepz", "3"], "unknown flag --training.stepz; python train.py --help lists every flag"),
+        (["--compile.ep_overlap.reorder", "no"], "compile.ep_overlap.reorder = 'no' is not allowed; choose one of: "
+                                                 "True, False"),
+        (["--training.decay_type=cosin"], "training.decay_type = 'cosin' is not allowed; choose one of: linear, "
+                                          "cosine, constant"),
+        (["--training.seed"], "--training.seed needs a value"),
+    ],
+)
+def test_command_line_values_are_checked_against_their_field_types(args, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(args)
+    assert str(info.value) == message
+
+
+def test_toml_choice_fields_are_checked_and_configs_built_in_code_too(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[compile]\nbackend = "tvm"\n')
+    with pytest.raises(ConfigError, match=r"\[compile\] backend in .* = 'tvm' is not allowed; choose one of: none, "
+                                          "inductor"):
+        load_config(["--job.config_file", str(path)])
+    cfg = JobConfig()
+    cfg.activation_checkpoint.mode = "some"  # not through a parser: validation checks every Literal field
+    with pytest.raises(ConfigError, match="activation_checkpoint.mode = 'some' is not allowed; choose one of: none, "
+                                          "selective, full"):
+        validate_config(cfg)
+
+
+def test_model_names_are_the_registry_and_help_lists_choices():
+    import typing
+
+    from graph_trainer.config import ModelName
+    from models.registry import MODEL_SPECS
+
+    assert typing.get_args(ModelName) == tuple(MODEL_SPECS)
+    result = _run_train("--help")
+    assert result.returncode == 0
+    assert "{none,inductor}" in result.stdout and "{graph,eager}" in result.stdout, result.stdout[:2000]
+
+
+@pytest.mark.parametrize("args, message", [(["--training.steps", "abc"], "training.steps = 'abc' is not a whole number"),
+                                           (["--trainng.steps", "3"], "unknown flag --trainng.steps")])
+def test_train_py_bad_flag_is_one_line_exit_2(args, message):
+    result = _run_train(*args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr

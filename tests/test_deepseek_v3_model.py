@@ -9,17 +9,20 @@ import time
 import pytest
 import torch
 
-from graph_trainer.config import load_config, validate_config
+from graph_trainer.config_loading import load_config
+from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.parallel import ParallelDims
 from graph_trainer.simple_fsdp import MixedPrecision
 from graph_trainer.tracer import GraphStep, eager_step, trace_train_step
-from models.deepseek_v3 import FLAVORS, DeepSeekV3, GroupedExperts, LocalTokenDispatcher, Router, num_params
+from models.deepseek_v3.flavors import FLAVORS, num_params
+from models.deepseek_v3.model import DeepSeekV3, GroupedExperts, LocalTokenDispatcher, Router
 from models.deepseek_v3.flavors import DeepSeekV3Args, flops_per_token
 from models.deepseek_v3.model import _grouped_mm_swiglu, _looped_swiglu, yarn_frequencies
 from models.deepseek_v3.parallelize import parallelize_deepseek_v3, validate_parallelism
-from models.init_rules import InitRule
+from models.common import InitRule
 from models.registry import MODEL_SPECS
+from graph_trainer.graph import tags
 from tests.conftest import ROOT
 
 EXPECTED_PARAMS = {"debugmodel": 33_014_016, "16B": 15_706_484_224, "671B": 671_026_404_352}
@@ -386,12 +389,12 @@ def test_graph_matches_eager_bitwise_on_new_routings(args):
     # Expert sizes are data-dependent scalars read inside the graph, not constants baked in.
     n_moe = args.n_moe_layers
     assert sum(n.target == torch.ops.aten._local_scalar_dense.default for n in nodes) == n_moe * args.n_routed_experts
-    expert_nodes = [n for n in nodes if n.meta["custom"].get("ep_role") == "expert_compute"]
-    assert expert_nodes and {n.meta["custom"]["module_fqn"] for n in expert_nodes if
-                             n.meta["custom"]["phase"] == "forward"} == {f"layers.{i}.moe.experts" for i in
+    expert_nodes = [n for n in nodes if tags.get(n, "ep_role") == "expert_compute"]
+    assert expert_nodes and {tags.get(n, "module_fqn") for n in expert_nodes if
+                             tags.get(n, "phase") == "forward"} == {f"layers.{i}.moe.experts" for i in
                                                                          range(args.n_dense_layers, args.n_layers)}
     adds = [n for n in nodes if n.target == torch.ops.aten.add_.Tensor]
-    assert {a.args[0].meta["custom"]["input_fqn"] for a in adds} == {
+    assert {tags.get(a.args[0], "input_fqn") for a in adds} == {
         f"layers.{i}.moe.tokens_per_expert" for i in range(args.n_dense_layers, args.n_layers)}
 
 

@@ -8,10 +8,12 @@ from collections import Counter
 
 import pytest
 
-from graph_trainer.analysis.fake_trace import fake_world, trace_job
-from graph_trainer.config import load_config, validate_config
+from graph_trainer.fake_trace import fake_world, trace_job
+from graph_trainer.config_loading import load_config
+from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
-from graph_trainer.expert_parallel import COMBINE, COUNT_EXCHANGE, DISPATCH
+from graph_trainer.graph.tags import COMBINE, COUNT_EXCHANGE, DISPATCH
+from graph_trainer.graph import tags
 from tests.conftest import ROOT
 
 DEEPSEEK = ["--job.config_file", f"{ROOT}/configs/deepseek_v3_debug.toml", "--training.seq_len", "32",
@@ -24,11 +26,11 @@ def test_every_all_to_all_is_tagged_per_moe_layer():
         gm = trace_job(cfg, 4).gm
     a2a = [n for n in gm.graph.nodes if n.target.__class__.__name__ == "OpOverload"
            and n.target.name() == "_c10d_functional::all_to_all_single"]
-    tags = [n.meta["custom"] for n in a2a]
-    assert all(t.get("ep_role") in (COUNT_EXCHANGE, DISPATCH, COMBINE) and t.get("moe_fqn") for t in tags)
-    moe_layers = sorted({t["moe_fqn"] for t in tags})
+    launches = [tags.tags(n) for n in a2a]
+    assert all(t.get("ep_role") in (COUNT_EXCHANGE, DISPATCH, COMBINE) and t.get("moe_fqn") for t in launches)
+    moe_layers = sorted({t["moe_fqn"] for t in launches})
     assert moe_layers == [f"layers.{i}.moe" for i in range(1, 6)]  # debugmodel: 1 dense + 5 MoE
-    per_layer = Counter((t["moe_fqn"], t["phase"], t["ep_role"]) for t in tags)
+    per_layer = Counter((t["moe_fqn"], t["phase"], t["ep_role"]) for t in launches)
     for layer in moe_layers:
         # forward: counts, tokens out, tokens back; backward: the two token exchanges reversed.
         assert per_layer[(layer, "forward", COUNT_EXCHANGE)] == 1
@@ -40,7 +42,7 @@ def test_every_all_to_all_is_tagged_per_moe_layer():
     # Their waits carry the same tags (passes move a collective together with its wait).
     for node in a2a:
         (wait,) = node.users
-        assert wait.meta["custom"]["ep_role"] == node.meta["custom"]["ep_role"]
+        assert tags.get(wait, "ep_role") == tags.get(node, "ep_role")
 
 
 @pytest.mark.parametrize(

@@ -12,11 +12,15 @@ import torch
 import integration_dry_run as dry
 import integration_tests as it
 import suites
-from graph_trainer.analysis.collectives import collective_counts, collective_name
-from graph_trainer.analysis.fake_trace import fake_world, trace_job, trace_without_passes
-from graph_trainer.config import load_config, resolve_parallel_degrees, validate_config
-from graph_trainer.passes import PASS_REGISTRY, run_passes
+from graph_trainer.graph.collectives import collective_counts, collective_name
+from graph_trainer.fake_trace import fake_world, trace_job, trace_without_passes
+from graph_trainer.config_loading import load_config
+from graph_trainer.parallel import resolve_parallel_degrees
+from graph_trainer.validation import validate_config
+from graph_trainer.passes import PASS_REGISTRY
+from graph_trainer.pipeline import transform_graph
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
+from graph_trainer.graph import tags
 from tests.graph_compare import node_signatures
 
 
@@ -146,7 +150,7 @@ def test_dry_run_copy_of_one_trace_gives_the_graph_of_a_fresh_trace(layout, pass
         fresh = trace_job(cfg, 4).gm
     with fake_world(4):
         traced, context = trace_without_passes(load_config(layout), 4)
-        copied = run_passes(copy.deepcopy(traced.gm), context, cfg.compile.passes)
+        copied = transform_graph(copy.deepcopy(traced.gm), context, cfg.compile.passes)
     assert collective_counts(copied.graph) == collective_counts(fresh.graph)
     # Same nodes in the same order, each fed by the same inputs (names alone miss rewiring).
     assert node_signatures(copied.graph) == node_signatures(fresh.graph)
@@ -157,13 +161,13 @@ def test_check_graph_finds_missing_buckets_and_untagged_all_to_all():
     cfg = load_config([*DEEPSEEK_EP, "--compile.passes", "transformer_block_bucketing"])
     with fake_world(4):
         traced, context = trace_without_passes(load_config(DEEPSEEK_EP), 4)
-        reference = run_passes(copy.deepcopy(traced.gm), context, [])
-        bucketed = run_passes(copy.deepcopy(traced.gm), context, cfg.compile.passes)
+        reference = transform_graph(copy.deepcopy(traced.gm), context, [])
+        bucketed = transform_graph(copy.deepcopy(traced.gm), context, cfg.compile.passes)
     degrees, plan = resolve_parallel_degrees(cfg.parallelism, 4), context.extras["bucket_plan"]
     assert dry.check_graph(bucketed, reference, cfg, degrees, plan) == []
     # the graph without the pass, checked as if it had run
     problems = dry.check_graph(reference, reference, cfg, degrees, plan)
     assert any("outside a block bucket" in p for p in problems), problems
     a2a = next(n for n in bucketed.graph.nodes if collective_name(n) == "all_to_all_single")
-    del a2a.meta["custom"]["ep_role"]
+    tags.remove(a2a, "ep_role")
     assert any("without ep_role" in p for p in dry.check_graph(bucketed, reference, cfg, degrees, plan))

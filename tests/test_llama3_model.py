@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
-from models.init_rules import InitRule, materialize_init, stable_seed
-from models.llama3 import FLAVORS, Transformer, flops_per_token, num_params
-from models.llama3.model import apply_rope, rope_table
+from models.common import InitRule, materialize_init, stable_seed
+from models.llama3.flavors import FLAVORS, flops_per_token, num_params
+from models.llama3.model import Transformer
+from models.common import apply_rope
+from models.llama3.model import rope_table
 
 EXPECTED_PARAMS = {
     "debugmodel": 6_163_712,

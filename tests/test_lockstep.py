@@ -4,7 +4,8 @@ import os
 
 import torch
 
-from graph_trainer.config import load_config, validate_config
+from graph_trainer.config_loading import load_config
+from graph_trainer.validation import validate_config
 from graph_trainer.lockstep import copy_state, lockstep, main
 from graph_trainer.trainer import Trainer
 from tests.conftest import ROOT

@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from graph_trainer.checkpoint import Checkpointer, complete_steps
-from graph_trainer.config import load_config, validate_config
+from graph_trainer.config_loading import load_config
+from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.trainer import Trainer
 from tests.conftest import ROOT
@@ -323,7 +324,7 @@ def test_config_file_flag_in_either_spelling(argv):
 
 
 def test_every_entry_point_accepts_either_spelling(tmp_path, capsys):
-    from graph_trainer.config import normalize_flags
+    from graph_trainer.config_loading import normalize_flags
 
     assert normalize_flags(["--a-b.c-d", "x-y", "--e-f=g-h", "-1", "--"]) == ["--a_b.c_d", "x-y", "--e_f=g-h", "-1", "--"]
     from graph_trainer import analyze

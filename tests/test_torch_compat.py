@@ -8,6 +8,9 @@ import torch
 import torch.fx.traceback as fx_traceback
 
 
+from graph_trainer.graph import tags
+
+
 def test_annotations_and_backward_seq_nr_reach_node_meta():
     # The tracer tags nodes with fx.traceback.annotate (under preserve_node_meta) and gives each
     # backward node its forward node's seq_nr through tag_backward_with_forward_seq_nr
@@ -33,7 +36,8 @@ def test_annotations_and_backward_seq_nr_reach_node_meta():
     muls = [n for n in gm.graph.nodes if n.target == aten.mul.Tensor]
     forward_mul = next(n for n in muls if n.args[0] is sin)  # sin(x) * 3
     backward_muls = [n for n in muls if n is not forward_mul]
-    assert sin.meta["custom"] == {"phase": "forward"} and cos.meta["custom"] == {"phase": "backward"}
+    # (where graph_trainer.graph.tags reads them)
+    assert tags.tags(sin) == {"phase": "forward"} and tags.tags(cos) == {"phase": "backward"}
     assert sin.meta["seq_nr"] != forward_mul.meta["seq_nr"]  # two forward ops, two numbers
     assert cos.meta["seq_nr"] == sin.meta["seq_nr"]
     # MulBackward's own mul (grad * 3) carries the forward mul's number, SinBackward's (grad * cos) sin's.
@@ -219,7 +223,7 @@ def test_sym_hint_falls_back_to_hint_int_before_torch_2_13(monkeypatch):
 def test_fake_mode_functional_all_to_all_and_grouped_mm_entries():
     import torch.distributed as dist
 
-    from graph_trainer.analysis.fake_trace import fake_world
+    from graph_trainer.fake_trace import fake_world
     from graph_trainer.torch_compat import (
         all_to_all_single, all_to_all_single_autograd, grouped_mm, is_op_overload, new_fake_mode,
     )
@@ -287,7 +291,7 @@ def test_overlap_scheduler_reads_our_estimate_and_counts_collectives():
     import torch.distributed as dist
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graph_trainer.analysis.fake_trace import fake_world
+    from graph_trainer.fake_trace import fake_world
     from graph_trainer.torch_compat import inductor_counters, overlap_scheduling_module, roofline_estimate
 
     c10d = torch.ops._c10d_functional

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from graph_trainer.tracer import GraphStep, eager_step, trace_train_step
-from models.llama3 import FLAVORS, Transformer
+from graph_trainer.graph import tags
+from models.llama3.flavors import FLAVORS
+from models.llama3.model import Transformer
 
 TINY = dataclasses.replace(FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
 
@@ -42,19 +44,18 @@ def test_every_node_has_phase_and_module_fqn():
     phases = {"input", "forward", "loss", "backward", "output"}
     nodes = list(traced.gm.graph.nodes)
     for node in nodes:
-        custom = node.meta["custom"]
-        assert custom["phase"] in phases, node
-        assert isinstance(custom["module_fqn"], str), node
-    by_phase = {p: [n for n in nodes if n.meta["custom"]["phase"] == p] for p in phases}
+        assert tags.phase(node) in phases, node
+        assert isinstance(tags.get(node, "module_fqn"), str), node
+    by_phase = {p: [n for n in nodes if tags.get(n, "phase") == p] for p in phases}
     assert all(by_phase[p] for p in phases)
     # Backward matmuls inherit the FQN of the forward module they differentiate.
-    bwd_fqns = {n.meta["custom"]["module_fqn"] for n in by_phase["backward"] if n.target == torch.ops.aten.mm.default}
+    bwd_fqns = {tags.get(n, "module_fqn") for n in by_phase["backward"] if n.target == torch.ops.aten.mm.default}
     assert {"layers.0.attention.wq", "layers.1.feed_forward.w2", "output"} <= bwd_fqns
-    fwd_fqns = {n.meta["custom"]["module_fqn"] for n in by_phase["forward"]}
+    fwd_fqns = {tags.get(n, "module_fqn") for n in by_phase["forward"]}
     assert {"layers.0.attention_norm", "layers.1.feed_forward.w1", "norm", "tok_embeddings"} <= fwd_fqns
-    assert {n.meta["custom"]["module_fqn"] for n in by_phase["loss"]} == {"loss"}
+    assert {tags.get(n, "module_fqn") for n in by_phase["loss"]} == {"loss"}
     # Placeholders name the tensor they carry and its owning module.
-    inputs = {n.meta["custom"]["input_fqn"]: n.meta["custom"]["module_fqn"] for n in by_phase["input"]}
+    inputs = {tags.get(n, "input_fqn"): tags.get(n, "module_fqn") for n in by_phase["input"]}
     assert inputs["layers.0.attention.wq.weight"] == "layers.0.attention.wq"
     assert inputs["tokens"] == "" and inputs["labels"] == ""
     # The graph is one piece: forward nodes come before loss nodes, which come before backward.

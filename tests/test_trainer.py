@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from graph_trainer.config import load_config, validate_config
+from graph_trainer.config_loading import load_config
+from graph_trainer.validation import validate_config
 from graph_trainer.trainer import Trainer
 from tests.conftest import ROOT
 
@@ -67,7 +68,7 @@ def test_bf16_on_one_process_is_applied_and_graph_equals_eager(tmp_path):
 def test_bf16_compute_where_no_data_parallel_dim_exists(world_size, layout):
     """Matmuls run in bf16 on float32 parameters on one process and under tensor parallel alone
     (layouts where SimpleFSDP, which used to do the cast, is not applied)."""
-    from graph_trainer.analysis.fake_trace import fake_world, trace_job
+    from graph_trainer.fake_trace import fake_world, trace_job
 
     def matmul_dtypes(dtype: str) -> set:
         cfg = load_config(["--training.seq_len", "32", "--training.local_batch_size", "2", *layout,

@@ -42,21 +42,14 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-import sympy
 import torch
 import torch.fx as fx
 
-from graph_trainer.analysis.collectives import collective_name
-from graph_trainer.torch_compat import (
-    is_op_overload,
-    is_view_op,
-    op_name,
-    op_schema,
-    resolve_process_group,
-    sym_expr,
-    sym_has_hint,
-    sym_hint,
-)
+from graph_trainer.graph import collectives
+from graph_trainer.graph.collectives import collective_bytes, collective_name, group_name, group_size_arg
+from graph_trainer.graph.ops import ATTENTION_PREFIX, DENSE_MATMULS, GROUPED_MM, is_view, name_of, named_args
+from graph_trainer.graph.sizes import SizeHints, tensors_in, value_of
+from graph_trainer.torch_compat import is_op_overload, resolve_process_group, sym_expr
 
 aten = torch.ops.aten
 
@@ -210,93 +203,6 @@ DEVICES: dict[str, DeviceModel] = {"h100": H100_SXM, "cpu": CPU_2CORE}
 
 
 # ---------------------------------------------------------------------------------------
-# Concrete sizes from (possibly symbolic) shapes
-
-
-
-
-class SizeHints:
-    """Concrete ints for shapes that may hold SymInts (see the module docstring)."""
-
-    def __init__(self, values: dict | None = None, fallback: int = 1):
-        self.values: dict[sympy.Symbol, sympy.Expr] = dict(values or {})
-        self.fallback = fallback
-
-    def resolved(self, x) -> bool:
-        """Whether ``x`` has a value without the fallback."""
-        if not isinstance(x, torch.SymInt) or sym_has_hint(x):
-            return True
-        return sym_expr(x).free_symbols <= set(self.values)
-
-    def concrete(self, x) -> int:
-        if not isinstance(x, torch.SymInt):
-            return int(x)
-        if sym_has_hint(x):  # backed symbol traced with an example value
-            return sym_hint(x)
-        expr = sym_expr(x)
-        subs = {s: self.values.get(s, self.fallback) for s in expr.free_symbols}
-        return max(0, int(round(float(expr.xreplace(subs)))))
-
-    def numel(self, t: torch.Tensor) -> int:
-        n = 1
-        for d in t.shape:
-            n *= self.concrete(d)
-        return n
-
-    def nbytes(self, val) -> int:
-        return sum(self.numel(t) * t.element_size() for t in _tensors(val))
-
-    @classmethod
-    def from_graph(cls, graph: fx.Graph) -> "SizeHints":
-        """Assign unbacked split-size symbols by balanced routing (module docstring)."""
-        hints = cls()
-        for _ in range(3):  # a few sweeps let assignments propagate (combine after dispatch)
-            for node in graph.nodes:
-                name = collective_name(node)
-                if name == "all_to_all_single":
-                    inp = _val(node.args[0])
-                    lists = [node.args[1], node.args[2]]
-                    size = inp.shape[0] if isinstance(inp, torch.Tensor) and inp.dim() else None
-                elif node.target in (aten.split_with_sizes.default, aten.split.sizes):
-                    inp = _val(node.args[0])
-                    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-                    lists = [node.args[1]]
-                    size = inp.shape[dim] if isinstance(inp, torch.Tensor) else None
-                else:
-                    continue
-                if size is None or not hints.resolved(size):
-                    continue
-                for splits in lists:
-                    if not isinstance(splits, (list, tuple)) or not splits:
-                        continue
-                    share = sympy.Rational(hints.concrete(size), len(splits))
-                    for s in splits:
-                        v = _val(s)
-                        if isinstance(v, torch.SymInt) and not sym_has_hint(v):
-                            expr = sym_expr(v)
-                            if isinstance(expr, sympy.Symbol) and expr not in hints.values:
-                                hints.values[expr] = share
-        if hints.values:
-            vals = [float(v) for v in hints.values.values()]
-            hints.fallback = max(1, int(round(sum(vals) / len(vals))))
-        return hints
-
-
-def _val(x):
-    if isinstance(x, (list, tuple)):  # e.g. the inputs of a coalesced collective
-        return [_val(v) for v in x]
-    return x.meta.get("val") if isinstance(x, fx.Node) else x
-
-
-def _tensors(val) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (list, tuple)):
-        return [t for v in val for t in _tensors(v)]
-    return []
-
-
-# ---------------------------------------------------------------------------------------
 # Compute
 
 
@@ -306,9 +212,6 @@ _ZERO_COST = {
 }
 _GATHER_LIKE = {aten.embedding.default: 1, aten.index_select.default: 2, aten.gather.default: 2, aten.index.Tensor: 1}
 """Ops that read only the rows they output: position of their index argument."""
-_MATMULS = {
-    aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1, aten.baddbmm.default: 1,
-}
 _FILLS = {
     aten.zeros.default, aten.ones.default, aten.full.default, aten.zeros_like.default,
     aten.ones_like.default, aten.full_like.default, aten.new_zeros.default, aten.new_ones.default,
@@ -330,27 +233,13 @@ _CONCATS = {"cat", "stack"}
 _CASTS = {"_to_copy", "to", "copy", "copy_", "_to_dtype"}
 
 
-def _named_args(node: fx.Node) -> dict:
-    """Arguments by schema name, defaults filled in (``OpOverload._schema``)."""
-    schema = op_schema(node.target)
-    out = {}
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args) and not arg.kwarg_only:
-            out[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-    return out
-
-
 def _attention_flops(node: fx.Node, hints: SizeHints) -> tuple[float, torch.dtype] | None:
     """FLOPs of an SDPA forward/backward op with (B, H, S, D) inputs, or None if not one."""
-    opname = op_name(node.target)
-    if not opname.startswith("_scaled_dot_product_"):
+    opname = name_of(node)
+    if not opname.startswith(ATTENTION_PREFIX):
         return None  # low-level (B, S, H, D) kernels (_flash_attention_forward ...) are not counted
-    args = _named_args(node)
-    q, k, v = (_val(args.get(n)) for n in ("query", "key", "value"))
+    args = named_args(node)
+    q, k, v = (value_of(args.get(n)) for n in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return None
     b, h, sq, dqk = (hints.concrete(d) for d in q.shape)
@@ -368,13 +257,13 @@ def node_flops(node: fx.Node, hints: SizeHints | None = None) -> tuple[float, to
     hints = hints or SizeHints()
     if node.op != "call_function" or not is_op_overload(node.target):
         return 0.0, None
-    out = _val(node)
-    if node.target in _MATMULS or node.target == aten._grouped_mm.default:
-        a = _val(node.args[_MATMULS.get(node.target, 0)])
-        b = _val(node.args[_MATMULS.get(node.target, 0) + 1])
+    out = value_of(node)
+    if node.target in DENSE_MATMULS or node.target == GROUPED_MM:
+        a = value_of(node.args[DENSE_MATMULS.get(node.target, 0)])
+        b = value_of(node.args[DENSE_MATMULS.get(node.target, 0) + 1])
         k = hints.concrete(a.shape[-1])
         numel = hints.numel(out)
-        if node.target == aten._grouped_mm.default and a.dim() == 2 and b.dim() == 2:
+        if node.target == GROUPED_MM and a.dim() == 2 and b.dim() == 2:
             numel //= max(1, hints.concrete(out.shape[0]))  # (G, M, N) out; K is split over groups
         return 2.0 * numel * k, a.dtype
     attention = _attention_flops(node, hints)
@@ -385,21 +274,21 @@ def node_bytes(node: fx.Node, hints: SizeHints | None = None) -> int:
     """Bytes a kernel reads and writes: tensor inputs plus outputs (logical sizes), except for
     ops that read only part of an input (gathers, ``nll_loss``) or none of it (``*_like`` fills)."""
     hints = hints or SizeHints()
-    out = hints.nbytes(_val(node))
+    out = hints.nbytes(value_of(node))
     if node.target in _GATHER_LIKE:  # reads only the gathered rows, plus the indices
         index = node.args[_GATHER_LIKE[node.target]]
-        return 2 * out + hints.nbytes(_val([i for i in index if i is not None] if isinstance(index, list) else index))
+        return 2 * out + hints.nbytes(value_of([i for i in index if i is not None] if isinstance(index, list) else index))
     if node.target in _FILLS:  # writes its output, reads at most a scalar
         return out
     if node.target == aten.nll_loss_forward.default:
         # Reads one logit per target (a gather), not the whole (N, vocab) input.
-        target = _val(node.args[1])
-        return out + hints.nbytes(target) + hints.numel(target) * _val(node.args[0]).element_size()
+        target = value_of(node.args[1])
+        return out + hints.nbytes(target) + hints.numel(target) * value_of(node.args[0]).element_size()
     if node.target == aten.nll_loss_backward.default:
         # Zero-fills the (N, vocab) gradient and scatters one value per target; never reads
         # ``self`` (the profiled kernels: fill_ 1.27 ms + a 12 us scatter at 8192 x 128256).
-        return out + hints.nbytes(_val(node.args[2]))
-    return out + sum(_read_bytes(t, hints) for a in node.all_input_nodes for t in _tensors(_val(a)))
+        return out + hints.nbytes(value_of(node.args[2]))
+    return out + sum(_read_bytes(t, hints) for a in node.all_input_nodes for t in tensors_in(value_of(a)))
 
 
 def _read_bytes(t: torch.Tensor, hints: SizeHints) -> int:
@@ -418,24 +307,24 @@ def is_free(node: fx.Node) -> bool:
         return True
     if not is_op_overload(node.target):
         return True  # operator.* on SymInts and other Python-level calls
-    return node.target in _ZERO_COST or is_view_op(node)
+    return node.target in _ZERO_COST or is_view(node)
 
 
 def kernel_class(node: fx.Node, hints: SizeHints | None = None) -> str:
     """The ``KernelEfficiency`` field that applies to ``node``'s kernel (a compute node)."""
     target = node.target
-    if target in _MATMULS:
+    if target in DENSE_MATMULS:
         return "matmul"
-    if target == aten._grouped_mm.default:
+    if target == GROUPED_MM:
         return "grouped_mm"
-    name = op_name(target) if isinstance(target, torch._ops.OpOverload) else ""
-    if name.startswith("_scaled_dot_product_"):
+    name = name_of(node)
+    if name.startswith(ATTENTION_PREFIX):
         return "attention_backward" if name.endswith("_backward") else "attention_forward"
     if name in _SOFTMAX_FORWARD:
         return "softmax_forward"
     if name in _SOFTMAX_BACKWARD:
         return "softmax_backward"
-    if name in _SCATTER_ADD or (name in ("index_put", "index_put_") and _named_args(node).get("accumulate")):
+    if name in _SCATTER_ADD or (name in ("index_put", "index_put_") and named_args(node).get("accumulate")):
         return "scatter_add"
     if name in _REDUCTIONS:
         return "reduction"
@@ -450,20 +339,20 @@ def kernel_class(node: fx.Node, hints: SizeHints | None = None) -> str:
 
 def _changes_dtype(node: fx.Node) -> bool:
     """Whether a copy's tensor input (``_to_copy(x)``, ``copy(dst, src)``) differs in dtype from its output."""
-    out = _val(node)
+    out = value_of(node)
     return isinstance(out, torch.Tensor) and any(
-        t.dtype != out.dtype for a in node.all_input_nodes for t in _tensors(_val(a)))
+        t.dtype != out.dtype for a in node.all_input_nodes for t in tensors_in(value_of(a)))
 
 
 def _has_strided_operand(node: fx.Node, hints: SizeHints) -> bool:
     """Whether a pointwise op has a broadcast operand (fewer elements than the output, more
     than one) or a non-contiguous one: PyTorch then runs its generic, non-vectorized kernel."""
-    out = _tensors(_val(node))
+    out = tensors_in(value_of(node))
     if not out or torch.Tag.pointwise not in getattr(node.target, "tags", ()):
         return False
     out_numel = hints.numel(out[0])
     for arg in node.all_input_nodes:
-        t = _val(arg)
+        t = value_of(arg)
         if not isinstance(t, torch.Tensor):
             continue
         numel = hints.numel(t)
@@ -519,25 +408,6 @@ def _resolve_group(group_name: str):
         return None
 
 
-def collective_kind(node: fx.Node) -> str | None:
-    """'all_gather', 'reduce_scatter', 'all_reduce', 'all_to_all', 'broadcast', 'other' or None."""
-    name = collective_name(node)
-    if name is None or name == "wait_tensor":
-        return None
-    for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"):
-        if kind in name:
-            return kind
-    return "other"
-
-
-def group_name_of(node: fx.Node) -> str:
-    """The process-group name of a collective (its last string argument)."""
-    for arg in reversed([*node.args, *node.kwargs.values()]):
-        if isinstance(arg, str):
-            return arg
-    return "?"
-
-
 @dataclass(frozen=True)
 class GroupInfo:
     size: int
@@ -551,15 +421,14 @@ def group_info(node: fx.Node, ranks_per_node: int = 8, group_size: int | None = 
     (all_gather / reduce_scatter), else the size of the resolved process group; the ranks of
     the resolved group decide node crossing (``rank // ranks_per_node``).
     """
-    pg = _resolve_group(group_name_of(node))
+    pg = _resolve_group(group_name(node))
     ranks = None
     if pg is not None:
         import torch.distributed as dist
 
         ranks = dist.get_process_group_ranks(pg)
     if group_size is None:
-        args = _named_args(node) if is_op_overload(node.target) else {}
-        group_size = args.get("group_size") or (len(ranks) if ranks else None)
+        group_size = group_size_arg(node) or (len(ranks) if ranks else None)
     if group_size is None:
         raise ValueError(f"cannot find the group size of {node.name}: pass group_size")
     if ranks and len(ranks) == group_size:
@@ -567,19 +436,6 @@ def group_info(node: fx.Node, ranks_per_node: int = 8, group_size: int | None = 
     else:
         spans = group_size > ranks_per_node
     return GroupInfo(int(group_size), spans)
-
-
-def collective_bytes(node: fx.Node, hints: SizeHints | None = None) -> int:
-    """Full buffer bytes: gathered output (AG), unreduced input (RS, AR), max(in, out) (A2A)."""
-    hints = hints or SizeHints()
-    kind = collective_kind(node)
-    out = hints.nbytes(_val(node))
-    inp = hints.nbytes(_val(node.args[0])) if node.args else 0
-    if kind in ("reduce_scatter", "all_reduce"):
-        return inp
-    if kind == "all_to_all":
-        return max(inp, out)
-    return out
 
 
 def collective_time(
@@ -597,7 +453,7 @@ def collective_time(
     n, spans = group_size, spans_nodes
     if hints is None:
         hints = SizeHints.from_graph(node.graph)
-    kind = collective_kind(node)
+    kind = collectives.kind(node)
     factor = (n - 1) / n if n > 1 else 0.0
     if kind == "all_reduce":
         factor *= 2
@@ -608,7 +464,6 @@ def collective_time(
 
 
 __all__ = [
-    "CPU_2CORE", "DEVICES", "DeviceModel", "GroupInfo", "H100_SXM", "KernelEfficiency", "SizeHints",
-    "collective_bytes", "collective_kind", "collective_time", "group_info", "group_name_of", "is_free",
-    "kernel_class", "node_bytes", "node_compute_time", "node_flops",
+    "CPU_2CORE", "DEVICES", "DeviceModel", "GroupInfo", "H100_SXM", "KernelEfficiency", "collective_time",
+    "group_info", "is_free", "kernel_class", "node_bytes", "node_compute_time", "node_flops",
 ]

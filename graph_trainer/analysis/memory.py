@@ -62,25 +62,24 @@ CUDA attention kernel allocates, so such graphs are over-estimated. Data-depende
 ``memory_warning`` compares the peak with a device memory the caller gives (this module
 never asks CUDA).
 
-Checked against one H100 (``torch.cuda.max_memory_allocated``, one process, 2026-11-24):
-LLaMA-3 8B shape, 4 layers, fp32, 1x4096: 33.56 GiB estimated, 33.6 measured; pure bf16
-at 1x8192 with 2 / 4 / 6 layers: 23.56 / 29.24 / 34.93 GiB estimated, 23.59 / 29.3 / 34.97
-measured. DeepSeek-V3 16B shape, 4 layers, bf16, 2x4096: 36.8 estimated, 28.5 measured (the
-CPU attention fallback above: 2 GiB per layer).
+Checked against one H100 (``torch.cuda.max_memory_allocated``, one process): the LLaMA-3
+8B-shaped cases (fp32 and pure bf16, a few layers) agree closely; the DeepSeek-V3 16B-shaped
+case traced on CPU is over-estimated by the CPU attention fallback above (measured:
+docs/performance.md).
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 import torch.fx as fx
 
-from graph_trainer.analysis.cost_model import SizeHints
+from graph_trainer.graph.collectives import is_wait
+from graph_trainer.graph.ops import aliases_input
+from graph_trainer.graph.sizes import SizeHints
 from graph_trainer.parallel import local_tensor
-from graph_trainer.torch_compat import is_view_op
 
 GIB = float(1 << 30)
 
@@ -123,10 +122,9 @@ class MemoryEstimate:
 
 
 def _aliases_input(node: fx.Node) -> bool:
-    """Nodes whose result is (a view of) their first input's memory, not a new allocation."""
-    if node.target in (torch.ops._c10d_functional.wait_tensor.default, operator.getitem):
-        return True  # the wait hands back the collective's buffer; getitem picks a result
-    return is_view_op(node)
+    """Nodes whose result is (a view of) their first input's memory, not a new allocation: views,
+    ``getitem`` (picks a result) and waits (hand back the collective's buffer)."""
+    return is_wait(node) or aliases_input(node)
 
 
 def _graph_outputs(nodes: list[fx.Node]) -> list:

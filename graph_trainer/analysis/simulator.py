@@ -22,25 +22,16 @@ The peak memory estimate is ``graph_trainer.analysis.memory.estimate_peak_memory
 from __future__ import annotations
 
 import json
-import operator
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from graph_trainer.analysis.collectives import collective_name
-from graph_trainer.analysis.cost_model import (
-    DeviceModel,
-    GroupInfo,
-    SizeHints,
-    collective_bytes,
-    collective_kind,
-    collective_time,
-    group_info,
-    group_name_of,
-    kernel_class,
-    node_compute_time,
-)
+from graph_trainer.analysis.cost_model import DeviceModel, GroupInfo, collective_time, group_info, kernel_class
+from graph_trainer.analysis.cost_model import node_compute_time
 from graph_trainer.analysis.memory import MemoryEstimate, estimate_peak_memory
+from graph_trainer.graph import collectives, tags
+from graph_trainer.graph.collectives import collective_bytes, group_name, is_collective, is_wait, launch_of
+from graph_trainer.graph.sizes import SizeHints
 
 COMPUTE_TRACK = "compute"
 
@@ -129,14 +120,6 @@ class SimulationResult:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
-def _collective_of(node: fx.Node, launches: dict[fx.Node, CollectiveRecord]) -> CollectiveRecord | None:
-    """The collective a wait_tensor waits on (through getitem of coalesced collectives)."""
-    src = node.args[0] if node.args else None
-    while isinstance(src, fx.Node) and src not in launches and src.target is operator.getitem:
-        src = src.args[0]
-    return launches.get(src) if isinstance(src, fx.Node) else None
-
-
 def simulate(
     graph: fx.Graph,
     device: DeviceModel,
@@ -165,9 +148,8 @@ def simulate(
     by_class: dict[str, float] = {}
     for node in graph.nodes:
         inputs_ready = max((ready.get(a, 0.0) for a in node.all_input_nodes), default=0.0)
-        name = collective_name(node)
-        if name == "wait_tensor":
-            record = _collective_of(node, launches)
+        if is_wait(node):
+            record = launches.get(launch_of(node))
             if record is not None and record.end > now:
                 blocked = record.end - now
                 record.exposed += blocked
@@ -175,8 +157,8 @@ def simulate(
                 wait_events.append((record.name, now, blocked))
                 now = record.end
             ready[node] = now
-        elif name is not None:
-            group = group_name_of(node)
+        elif is_collective(node):
+            group = group_name(node)
             if group not in infos:
                 infos[group] = group_info(node, ranks_per_node, group_sizes.get(group))
             info = infos[group]
@@ -184,9 +166,9 @@ def simulate(
             end = start + collective_time(node, device, info.size, ranks_per_node, hints, info.spans_nodes)
             stream_free[group] = end
             record = CollectiveRecord(
-                name=node.name, kind=collective_kind(node), group=group, group_size=info.size,
+                name=node.name, kind=collectives.kind(node), group=group, group_size=info.size,
                 bytes=collective_bytes(node, hints), issue=now, start=start, end=end,
-                module_fqn=node.meta.get("custom", {}).get("module_fqn", ""))
+                module_fqn=tags.module_fqn(node))
             launches[node] = record
             records.append(record)
             ready[node] = end
@@ -195,8 +177,7 @@ def simulate(
             if cost > 0:
                 now = max(now, inputs_ready)
                 if record_events:
-                    fqn = node.meta.get("custom", {}).get("module_fqn", "")
-                    compute_events.append((node.name, now, cost, fqn))
+                    compute_events.append((node.name, now, cost, tags.module_fqn(node)))
                 now += cost
                 compute_total += cost
                 cls = kernel_class(node, hints)

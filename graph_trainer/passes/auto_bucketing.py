@@ -44,11 +44,11 @@ starts. In a backward pass the compute hiding one parameter's reduce-scatter is 
 of the previous module, which produces the NEXT parameter's gradient: there is always a path
 from one reduce-scatter's start, through its hiding compute, to the next one's input ("has
 ancestor conflicts" / "path exists between starts" in PyTorch's bucket log). So each
-reduce-scatter stays alone but hidden (debug model at FSDP=4: 57 of 57 kept, 97.5% of their
-time hidden; all-gathers, whose inputs are all ready early, merge 57 -> 14). For per-block
-reduce-scatter buckets run ``transformer_block_bucketing`` before this pass.
+reduce-scatter stays alone but hidden, while all-gathers, whose inputs are all ready early,
+merge (measured: docs/performance.md). For per-block reduce-scatter buckets run
+``transformer_block_bucketing`` before this pass.
 
-Tags: PyTorch copies the ``meta`` (so ``meta["custom"]``) of a bucket's FIRST collective onto
+Tags: PyTorch copies the ``meta`` (so the tags) of a bucket's FIRST collective onto
 the nodes it creates for that bucket (buffer, copies, merged collective, wait, splits): their
 ``fsdp_param`` names only that first member, ``phase`` / ``fsdp_role`` are right. Any new
 ``call_function`` node still without tags gets ``{"phase": <first tagged neighbour's>,
@@ -82,16 +82,12 @@ from typing import Any
 
 import torch.fx as fx
 
-from graph_trainer.analysis.collectives import collective_counts, format_counts
-from graph_trainer.analysis.cost_model import (
-    DEVICES,
-    SizeHints,
-    collective_bytes,
-    collective_kind,
-    collective_time,
-    node_compute_time,
-)
+from graph_trainer.analysis.cost_model import DEVICES, collective_time, node_compute_time
 from graph_trainer.errors import ConfigError
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import collective_bytes, collective_counts, format_counts, is_collective
+from graph_trainer.graph.sizes import SizeHints
+from graph_trainer.graph.tags import AUTO_BUCKET, MODULE_FQN, PHASE
 from graph_trainer.passes.ep_overlap import find_regions, reorders, schedule_regions
 from graph_trainer.passes.registry import PassContext, PassError, PassSpec
 from graph_trainer.torch_compat import (
@@ -123,7 +119,7 @@ class CostModelEstimator:
         return 1e3 * node_compute_time(node, self.device, self.hints)
 
     def __call__(self, node: fx.Node, override_size: int | None) -> float | None:
-        if collective_kind(node) is None:
+        if not is_collective(node):
             return self.compute_ms(node)
         seconds = collective_time(node, self.device, ranks_per_node=self.ranks_per_node, hints=self.hints)
         if override_size is not None:  # the bucketer asks for another size in bytes (0: latency only)
@@ -134,23 +130,20 @@ class CostModelEstimator:
 
 
 def _tag_new_nodes(graph: fx.Graph) -> int:
-    """Tag the nodes PyTorch added (no ``custom`` meta); returns how many."""
-    added = 0
-    for node in graph.nodes:
-        if node.op != "call_function" or "custom" in node.meta:
-            continue
-        neighbours = [*node.all_input_nodes, *node.users]
-        phase = next((n.meta["custom"]["phase"] for n in neighbours if n.meta.get("custom", {}).get("phase")), "")
-        node.meta["custom"] = {"phase": phase, "module_fqn": "", "auto_bucket": True}
-        added += 1
+    """Tag the nodes PyTorch added (no tags at all); returns how many."""
+    added = [n for n in graph.nodes if n.op == "call_function" and not tags.tags(n)]
+    for node in added:
+        tags.replace(node, {PHASE: _neighbour_phase(node), MODULE_FQN: "", AUTO_BUCKET: True})
     # a node tagged above may feed another new node: second sweep fills phases still empty
-    for node in graph.nodes:
-        custom = node.meta.get("custom", {})
-        if custom.get("auto_bucket") and not custom["phase"]:
-            neighbours = [*node.all_input_nodes, *node.users]
-            custom["phase"] = next((n.meta["custom"]["phase"] for n in neighbours
-                                    if n.meta.get("custom", {}).get("phase")), "")
-    return added
+    for node in added:
+        if not tags.phase(node):
+            tags.update(node, {PHASE: _neighbour_phase(node)})
+    return len(added)
+
+
+def _neighbour_phase(node: fx.Node) -> str:
+    """The phase of the first input or user of ``node`` that has one ("" if none)."""
+    return next((p for n in (*node.all_input_nodes, *node.users) if (p := tags.phase(n))), "")
 
 
 def auto_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:

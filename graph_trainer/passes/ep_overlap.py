@@ -55,26 +55,23 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from graph_trainer.analysis.collectives import collective_name
-from graph_trainer.chunking import CHUNK_DIMS, CHUNK_ID, CHUNK_REGION, install_chunking, match_modules
+from graph_trainer.chunking import CHUNK_DIMS, install_chunking, match_modules
 from graph_trainer.errors import ConfigError
-from graph_trainer.expert_parallel import COUNT_EXCHANGE, ExpertParallelDispatcher
+from graph_trainer.expert_parallel import ExpertParallelDispatcher
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import ALL_TO_ALL, PairingError, wait_of
+from graph_trainer.graph.ops import mutated_args
+from graph_trainer.graph.tags import BACKWARD, CHUNK_ID, CHUNK_REGION, COUNT_EXCHANGE, EP_ROLE, FORWARD, FSDP_ROLE
 from graph_trainer.passes.registry import PassContext, PassError, PassSpec
-from graph_trainer.torch_compat import is_op_overload, op_schema, pass_needs_torch_2_13
+from graph_trainer.torch_compat import pass_needs_torch_2_13
 
 logger = logging.getLogger("graph_trainer")
 
 NAME = "ep_overlap"
-PHASE_CHUNK_ORDER = {"forward": (0, 1), "backward": (1, 0)}
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-
-
-def _custom(node: fx.Node) -> dict:
-    return node.meta.get("custom", {})
+PHASE_CHUNK_ORDER = {FORWARD: (0, 1), BACKWARD: (1, 0)}
 
 
 @dataclass
@@ -97,28 +94,27 @@ class Region:
         return PHASE_CHUNK_ORDER[self.phase]
 
     def roles(self, chunk: int) -> list[str]:
-        return [_custom(n).get("ep_role", "?") for n in self.launches[chunk]]
+        return [tags.get(n, EP_ROLE, "?") for n in self.launches[chunk]]
 
 
 def _wait_of(launch: fx.Node) -> fx.Node:
-    waits = [u for u in launch.users if u.target == _WAIT]
-    if len(waits) != 1:
-        raise PassError(f"{NAME}: all_to_all {launch.name} has {len(waits)} waits, expected 1")
-    return waits[0]
+    try:
+        return wait_of(launch)
+    except PairingError as e:
+        raise PassError(f"{NAME}: {e}") from None
 
 
 def find_regions(graph: fx.Graph) -> list[Region]:
     """The chunked regions of ``graph`` (forward and backward), with their all_to_all launches."""
     regions: dict[tuple[str, str], Region] = {}
     for node in graph.nodes:
-        custom = _custom(node)
-        fqn, phase = custom.get(CHUNK_REGION), custom.get("phase")
-        if fqn is None or phase not in PHASE_CHUNK_ORDER or "fsdp_role" in custom:
+        fqn, phase = tags.get(node, CHUNK_REGION), tags.phase(node)
+        if fqn is None or phase not in PHASE_CHUNK_ORDER or tags.has(node, FSDP_ROLE):
             continue
         region = regions.setdefault((fqn, phase), Region(fqn, phase))
         region.nodes.append(node)
-        if collective_name(node) == "all_to_all_single" and CHUNK_ID in custom:
-            region.launches[custom[CHUNK_ID]].append(node)
+        if node.target is ALL_TO_ALL and tags.has(node, CHUNK_ID):
+            region.launches[tags.get(node, CHUNK_ID)].append(node)
     for region in regions.values():
         if not any(region.launches.values()):
             raise PassError(f"{NAME}: region {region.name} has no all_to_all; ep_overlap needs expert parallelism")
@@ -156,7 +152,7 @@ def plan_region(region: Region) -> list[fx.Node]:
     launch_stage = _launch_paths(region, members, set(wait_stage))
 
     def chunk_rank(node: fx.Node) -> int:
-        chunk = _custom(node).get(CHUNK_ID)
+        chunk = tags.get(node, CHUNK_ID)
         return -1 if chunk is None else rank[chunk]  # the split and the concatenation serve both
 
     def key(node: fx.Node) -> tuple:
@@ -182,7 +178,7 @@ def plan_region(region: Region) -> list[fx.Node]:
     while on_path or waits or others:
         if on_path:
             heap = on_path
-        elif waits and (not others or _custom(waits[0][2]).get("ep_role") == COUNT_EXCHANGE):
+        elif waits and (not others or tags.get(waits[0][2], EP_ROLE) == COUNT_EXCHANGE):
             heap = waits
         else:
             heap = others if others else waits
@@ -201,12 +197,7 @@ def plan_region(region: Region) -> list[fx.Node]:
 
 def _mutation_edges(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     """Extra predecessors keeping every read and write of an in-place-mutated tensor in order."""
-    mutated: set[fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "call_function" and is_op_overload(node.target):
-            for arg, value in zip(op_schema(node.target).arguments, node.args):
-                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
-                    mutated.add(value)
+    mutated = {value for node in graph.nodes for value in mutated_args(node)}
     position = {n: i for i, n in enumerate(graph.nodes)}
     edges: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for tensor in mutated:
@@ -291,7 +282,7 @@ def verify_schedule(graph: fx.Graph) -> list[str]:
             first_wait = min(position[_wait_of(a)], position[_wait_of(b)])
             if not position[a] < position[b] < first_wait:
                 problems.append(
-                    f"{region.name} stage {stage} ({_custom(a).get('ep_role')}): chunk {first} issued at "
+                    f"{region.name} stage {stage} ({tags.get(a, EP_ROLE)}): chunk {first} issued at "
                     f"{position[a]}, chunk {second} at {position[b]}, first wait at {first_wait}")
     return problems
 

@@ -3,8 +3,8 @@
 Contract
 --------
 Reads: ``context.extras["bucket_plan"]``, the model's list of FQN-prefix groups
-(``[["tok_embeddings"], ["layers.0"], ..., ["norm", "output"]]``); and ``node.meta["custom"]``
-tags written by ``graph_trainer.simple_fsdp``, the tracer and ``reshard_after_forward``:
+(``[["tok_embeddings"], ["layers.0"], ..., ["norm", "output"]]``); and the tags
+(``graph_trainer.graph.tags``) written by ``graph_trainer.simple_fsdp``, the tracer and ``reshard_after_forward``:
 ``fsdp_role`` (``unshard`` / ``reduce_grad``), ``fsdp_param``, ``phase``, ``module_fqn``,
 ``recomputed``. A parameter belongs to the first group with a prefix matching its
 ``fsdp_param`` (``p == prefix`` or ``p`` starts with ``prefix + "."``).
@@ -69,14 +69,24 @@ import torch
 import torch.fx as fx
 
 from graph_trainer.errors import ConfigError
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, PairingError, wait_of
+from graph_trainer.graph.tags import (
+    BACKWARD,
+    FORWARD,
+    FSDP_BUCKET,
+    FSDP_PARAM,
+    FSDP_PARAMS,
+    FSDP_ROLE,
+    MODULE_FQN,
+    RECOMPUTED,
+    REDUCE_GRAD,
+    UNSHARD,
+)
 from graph_trainer.passes.registry import PassContext, PassError, PassSpec
-from graph_trainer.simple_fsdp import REDUCE_GRAD, UNSHARD
 from graph_trainer.torch_compat import fake_mode_of, pass_needs_torch_2_13
 
 aten = torch.ops.aten
-ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
-WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 FORWARD_GATHER, BACKWARD_GATHER, GRAD_REDUCE = "forward all_gather", "backward all_gather", "reduce_scatter"
 
@@ -104,10 +114,6 @@ def ring_aligned_row(row: int, world: int, itemsize: int) -> int:
         length += 1
 
 
-def _custom(node: fx.Node) -> dict:
-    return node.meta.get("custom", {})
-
-
 def bucket_index(plan: list[list[str]], fqn: str) -> int | None:
     """Index of the first plan group with a prefix matching ``fqn`` (a parameter or module FQN)."""
     for index, prefixes in enumerate(plan):
@@ -118,20 +124,19 @@ def bucket_index(plan: list[list[str]], fqn: str) -> int | None:
 
 def collective_kind(node: fx.Node) -> str | None:
     """Which FSDP bucket kind a collective belongs to, from its tags; None for all others."""
-    custom = _custom(node)
-    if node.target is ALL_GATHER and custom.get("fsdp_role") == UNSHARD:
-        return FORWARD_GATHER if custom.get("phase") == "forward" else BACKWARD_GATHER
-    if node.target is REDUCE_SCATTER and custom.get("fsdp_role") == REDUCE_GRAD:
+    role = tags.get(node, FSDP_ROLE)
+    if node.target is ALL_GATHER and role == UNSHARD:
+        return FORWARD_GATHER if tags.phase(node) == FORWARD else BACKWARD_GATHER
+    if node.target is REDUCE_SCATTER and role == REDUCE_GRAD:
         return GRAD_REDUCE
     return None
 
 
 def _only_wait(node: fx.Node) -> fx.Node:
-    users = list(node.users)
-    if len(users) != 1 or users[0].target is not WAIT:
-        raise PassError(f"transformer_block_bucketing: collective {node.name} must have exactly one user, "
-                        f"its wait_tensor; has {[u.name for u in users]}")
-    return users[0]
+    try:
+        return wait_of(node)
+    except PairingError as e:
+        raise PassError(f"transformer_block_bucketing: {e}") from None
 
 
 @dataclass
@@ -154,28 +159,28 @@ class Merged:
 
 
 class _Emitter:
-    """Adds call_function nodes before ``anchor``, each with a fake ``val`` and ``custom`` tags."""
+    """Adds call_function nodes before ``anchor``, each with a fake ``val`` and its tags."""
 
     def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode: Any):
         self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
         self.created: list[fx.Node] = []
 
-    def __call__(self, target, args: tuple, tags: dict, kwargs: dict | None = None) -> fx.Node:
+    def __call__(self, target, args: tuple, node_tags: dict, kwargs: dict | None = None) -> fx.Node:
         kwargs = kwargs or {}
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, args, kwargs)
         vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
         with self.fake_mode:
             node.meta["val"] = target(*vals[0], **vals[1])
-        node.meta["custom"] = dict(tags)
+        tags.replace(node, node_tags)
         self.created.append(node)
         return node
 
-    def flat_rows(self, x: fx.Node, rows: int, tags: dict) -> fx.Node:
+    def flat_rows(self, x: fx.Node, rows: int, node_tags: dict) -> fx.Node:
         """``x`` viewed as ``(rows, -1)`` (``(-1,)`` when rows is 0), made contiguous first if needed."""
         if not x.meta["val"].is_contiguous():
-            x = self(aten.clone.default, (x,), tags, {"memory_format": torch.contiguous_format})
-        return self(aten.view.default, (x, [rows, -1] if rows else [-1]), tags)
+            x = self(aten.clone.default, (x,), node_tags, {"memory_format": torch.contiguous_format})
+        return self(aten.view.default, (x, [rows, -1] if rows else [-1]), node_tags)
 
     def take(self) -> list[fx.Node]:
         created, self.created = self.created, []
@@ -186,7 +191,7 @@ def _cast_chain(collective: fx.Node) -> list[fx.Node]:
     """The single-user ``unshard`` nodes feeding a gather (the mixed-precision cast), in order."""
     chain: list[fx.Node] = []
     node = collective.args[0]
-    while (isinstance(node, fx.Node) and _custom(node).get("fsdp_role") == UNSHARD and len(node.users) == 1
+    while (isinstance(node, fx.Node) and tags.get(node, FSDP_ROLE) == UNSHARD and len(node.users) == 1
            and len(node.all_input_nodes) == 1):
         chain.insert(0, node)
         node = node.all_input_nodes[0]
@@ -195,7 +200,7 @@ def _cast_chain(collective: fx.Node) -> list[fx.Node]:
 
 def _common_module(members: list[fx.Node]) -> str:
     """The innermost module FQN containing every member's module ("" for the root)."""
-    parts = [_custom(m).get("module_fqn", "").split(".") for m in members]
+    parts = [tags.module_fqn(m).split(".") for m in members]
     common = []
     for names in zip(*parts):
         if len(set(names)) != 1:
@@ -205,8 +210,12 @@ def _common_module(members: list[fx.Node]) -> str:
 
 
 def _shared_tags(members: list[fx.Node], name: str) -> dict:
-    return {**_custom(members[0]), "module_fqn": _common_module(members), "fsdp_param": name,
-            "fsdp_bucket": name, "fsdp_params": tuple(_custom(m)["fsdp_param"] for m in members)}
+    return {**tags.tags(members[0]), MODULE_FQN: _common_module(members), FSDP_PARAM: name,
+            FSDP_BUCKET: name, FSDP_PARAMS: tuple(tags.get(m, FSDP_PARAM) for m in members)}
+
+
+def _member_tags(member: fx.Node, bucket: str) -> dict:
+    return {**tags.tags(member), FSDP_BUCKET: bucket}
 
 
 def _replace(graph: fx.Graph, members: list[fx.Node], outputs: list[fx.Node]) -> None:
@@ -221,7 +230,7 @@ def _unmerged(collective: fx.Node, bucket: int, kind: str, group: str, casts: li
     """A bucket of one collective: nothing to merge, only tagged and scheduled."""
     wait = _only_wait(collective)
     for node in (collective, wait):
-        node.meta["custom"] = _custom(node) | {"fsdp_bucket": name}
+        tags.update(node, {FSDP_BUCKET: name})
     return Merged(bucket, kind, group, casts + [collective], [wait], [wait])
 
 
@@ -237,8 +246,8 @@ def merge_all_gathers(graph: fx.Graph, members: list[fx.Node], bucket: int, name
     as_bytes = len({m.args[0].meta["val"].dtype for m in members}) > 1
     flats = []
     for m in members:
-        flat = emit.flat_rows(m.args[0], 0, _custom(m) | {"fsdp_bucket": name})
-        flats.append(emit(aten.view.dtype, (flat, torch.uint8), _custom(m) | {"fsdp_bucket": name})
+        flat = emit.flat_rows(m.args[0], 0, _member_tags(m, name))
+        flats.append(emit(aten.view.dtype, (flat, torch.uint8), _member_tags(m, name))
                      if as_bytes else flat)
     sizes = [f.meta["val"].numel() for f in flats]
     gathered = emit(ALL_GATHER, (emit(aten.cat.default, (flats,), shared), group_size, group), shared)
@@ -246,12 +255,12 @@ def merge_all_gathers(graph: fx.Graph, members: list[fx.Node], bucket: int, name
     rows = emit(aten.view.default, (emit(WAIT, (gathered,), shared), [group_size, sum(sizes)]), shared)
     outputs, offset = [], 0
     for m, size in zip(members, sizes):
-        tags = _custom(m) | {"fsdp_bucket": name}
-        piece = emit(aten.slice.Tensor, (rows, 1, offset, offset + size), tags)
-        piece = emit(aten.clone.default, (piece,), tags, {"memory_format": torch.contiguous_format})
+        member = _member_tags(m, name)
+        piece = emit(aten.slice.Tensor, (rows, 1, offset, offset + size), member)
+        piece = emit(aten.clone.default, (piece,), member, {"memory_format": torch.contiguous_format})
         if as_bytes:
-            piece = emit(aten.view.dtype, (piece, m.meta["val"].dtype), tags)
-        outputs.append(emit(aten.view.default, (piece, list(m.meta["val"].shape)), tags))
+            piece = emit(aten.view.dtype, (piece, m.meta["val"].dtype), member)
+        outputs.append(emit(aten.view.default, (piece, list(m.meta["val"].shape)), member))
         offset += size
     wait = emit.take()
     _replace(graph, members, outputs)
@@ -266,7 +275,7 @@ def merge_reduce_scatters(graph: fx.Graph, members: list[fx.Node], bucket: int, 
         return _unmerged(first, bucket, GRAD_REDUCE, group, [], name)
     emit = _Emitter(graph, first, _fake_mode(first))
     shared = _shared_tags(members, name)
-    rows = [emit.flat_rows(m.args[0], group_size, _custom(m) | {"fsdp_bucket": name}) for m in members]
+    rows = [emit.flat_rows(m.args[0], group_size, _member_tags(m, name)) for m in members]
     sizes = [r.meta["val"].shape[1] for r in rows]
     pad = ring_aligned_row(sum(sizes), group_size, rows[0].meta["val"].element_size()) - sum(sizes)
     if pad:  # zeros at the end of each rank's row: see Numerics in the module docstring
@@ -277,9 +286,9 @@ def merge_reduce_scatters(graph: fx.Graph, members: list[fx.Node], bucket: int, 
     shard = emit(WAIT, (reduced,), shared)
     outputs, offset = [], 0
     for m, size in zip(members, sizes):
-        tags = _custom(m) | {"fsdp_bucket": name}
-        piece = emit(aten.slice.Tensor, (shard, 0, offset, offset + size), tags)
-        outputs.append(emit(aten.view.default, (piece, list(m.meta["val"].shape)), tags))
+        member = _member_tags(m, name)
+        piece = emit(aten.slice.Tensor, (shard, 0, offset, offset + size), member)
+        outputs.append(emit(aten.view.default, (piece, list(m.meta["val"].shape)), member))
         offset += size
     wait = emit.take()
     _replace(graph, members, outputs)
@@ -301,7 +310,7 @@ def fsdp_buckets(graph: fx.Graph, plan: list[list[str]]) -> dict[tuple, list[fx.
         kind = collective_kind(node)
         if kind is None:
             continue
-        param = _custom(node).get("fsdp_param", "")
+        param = tags.get(node, FSDP_PARAM, "")
         index = bucket_index(plan, param)
         if index is None:
             raise PassError(f"transformer_block_bucketing: parameter {param!r} ({node.name}) is in no group "
@@ -317,16 +326,16 @@ def fsdp_buckets(graph: fx.Graph, plan: list[list[str]]) -> dict[tuple, list[fx.
 
 def compute_starts(graph: fx.Graph, plan: list[list[str]]) -> dict[str, dict[int, fx.Node]]:
     """First compute node of each bucket in the forward and in the backward (FSDP nodes excluded)."""
-    starts: dict[str, dict[int, fx.Node]] = {"forward": {}, "backward": {}}
+    starts: dict[str, dict[int, fx.Node]] = {FORWARD: {}, BACKWARD: {}}
     for node in graph.nodes:
-        custom = _custom(node)
-        if node.op != "call_function" or custom.get("phase") not in starts:
+        phase = tags.phase(node)
+        if node.op != "call_function" or phase not in starts:
             continue
-        if custom.get("fsdp_role") or custom.get("recomputed"):
+        if tags.get(node, FSDP_ROLE) or tags.get(node, RECOMPUTED):
             continue
-        index = bucket_index(plan, custom.get("module_fqn", ""))
+        index = bucket_index(plan, tags.module_fqn(node))
         if index is not None:
-            starts[custom["phase"]].setdefault(index, node)
+            starts[phase].setdefault(index, node)
     return starts
 
 
@@ -338,7 +347,7 @@ def _first_reader(outputs: list[fx.Node], position: dict[fx.Node, int]) -> fx.No
             if user in seen:
                 continue
             seen.add(user)
-            (frontier if _custom(user).get("fsdp_role") == UNSHARD else readers).append(user)
+            (frontier if tags.get(user, FSDP_ROLE) == UNSHARD else readers).append(user)
     return min(readers, key=position.__getitem__)
 
 
@@ -419,8 +428,8 @@ def transformer_block_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.
         merge = merge_reduce_scatters if kind == GRAD_REDUCE else merge_all_gathers
         merged[kind].append(merge(graph, members, index, "+".join(plan[index])))
     position = {node: i for i, node in enumerate(graph.nodes)}
-    schedule_gathers(merged[FORWARD_GATHER], starts["forward"], position)
-    schedule_gathers(merged[BACKWARD_GATHER], starts["backward"], position)
+    schedule_gathers(merged[FORWARD_GATHER], starts[FORWARD], position)
+    schedule_gathers(merged[BACKWARD_GATHER], starts[BACKWARD], position)
     schedule_reduce_scatters(graph, merged[GRAD_REDUCE], position)
     stable_topological_sort(graph)
     graph.lint()

@@ -6,8 +6,8 @@ Parameter names follow the classic DeepSeek / torchtitan layout: ``tok_embedding
 (the first ``n_dense_layers`` blocks) or ``layers.{i}.moe.{router.gate, experts.{w1,w2,w3},
 shared_experts.{w1,w2,w3}}``, then ``norm`` and the untied ``output``.
 
-Choices made for tracing and sharding (as in models/llama3/model.py, whose ``RMSNorm``,
-SwiGLU ``FeedForward`` and ``apply_rope`` are reused here):
+Choices made for tracing and sharding (as in models/llama3/model.py; ``RMSNorm``, the SwiGLU
+``FeedForward`` and ``apply_rope`` are the shared ones of ``models/common.py``):
 
 - Multi-head latent attention (MLA) applies RoPE to ``qk_rope_head_dim`` dims of each query
   head and to ONE key part shared by all heads (decoupled RoPE), from real cos/sin tables
@@ -34,10 +34,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from graph_trainer.graph.tags import EP_ROLE, EXPERT_COMPUTE, annotate
 from graph_trainer.torch_compat import grouped_mm
+from models.common import FeedForward, InitRule, RMSNorm, apply_rope, init_plain_parameters, rotary_table
 from models.deepseek_v3.flavors import DeepSeekV3Args
-from models.init_rules import InitRule, init_plain_parameters
-from models.llama3.model import FeedForward, RMSNorm, apply_rope
 
 # --------------------------------------------------------------------------------------
 # Rotary position embedding with YaRN
@@ -72,13 +72,8 @@ def yarn_frequencies(args: DeepSeekV3Args) -> torch.Tensor:
 
 
 def rope_table(args: DeepSeekV3Args, device: torch.device | str | None = None) -> torch.Tensor:
-    """``[max_seq_len, qk_rope_head_dim]`` float32: cos of the angles in the first half of the
-    last dim, sin in the second half (the layout ``models.llama3.model.apply_rope`` reads).
-    Angles are formed in float64; only cos/sin are rounded to float32."""
-    freqs = yarn_frequencies(args).to(device)
-    positions = torch.arange(args.max_seq_len, dtype=torch.float64, device=device)
-    angles = torch.outer(positions, freqs)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32)
+    """``[max_seq_len, qk_rope_head_dim]`` float32 cos | sin table of the YaRN frequencies (``rotary_table``)."""
+    return rotary_table(yarn_frequencies(args), args.max_seq_len, device)
 
 
 # --------------------------------------------------------------------------------------
@@ -227,7 +222,7 @@ class GroupedExperts(nn.Module):
         if counts.shape[0] != w1.shape[0]:
             raise ValueError(f"got token counts for {counts.shape[0]} experts, but this module holds "
                              f"{w1.shape[0]} (local) experts")
-        with torch.fx.traceback.annotate({"ep_role": "expert_compute"}):
+        with annotate({EP_ROLE: EXPERT_COMPUTE}):
             if x.dtype == torch.bfloat16:  # what CUDA runs; PyTorch's CPU kernel takes bf16 too
                 return _grouped_mm_swiglu(x, counts, w1, w2, w3)
             return _looped_swiglu(x, counts, w1, w2, w3)

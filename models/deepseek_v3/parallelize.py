@@ -35,7 +35,6 @@ from graph_trainer.expert_parallel import ExpertParallelDispatcher
 from graph_trainer.parallel import ParallelDims, dp_mesh_dims, expert_dp_mesh_dims
 from graph_trainer.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
 from models.deepseek_v3.flavors import DeepSeekV3Args
-from models.llama3.parallelize import bucket_plan  # same layout: embeddings, blocks, norm + output
 
 _TP_NOT_WIRED = "tensor parallelism for deepseek_v3 is not wired yet (use parallelism.tp = 1)"
 
@@ -90,4 +89,4 @@ def parallelize_deepseek_v3(model: nn.Module, mesh: DeviceMesh | None, dims: Par
     return model
 
 
-__all__ = ["apply_expert_parallel", "bucket_plan", "parallelize_deepseek_v3", "validate_parallelism"]
+__all__ = ["apply_expert_parallel", "parallelize_deepseek_v3", "validate_parallelism"]

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.init_rules import InitRule, init_plain_parameters
+from models.common import FeedForward, InitRule, RMSNorm, apply_rope, init_plain_parameters, rotary_table
 from models.llama3.flavors import Llama3Args
 
 # --------------------------------------------------------------------------------------
@@ -58,50 +58,12 @@ def rope_frequencies(head_dim: int, theta: float, scaling: bool) -> torch.Tensor
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float, scaling: bool,
                device: torch.device | str | None = None) -> torch.Tensor:
-    """``[max_seq_len, head_dim]`` float32: cos of the angles in the first half of the last
-    dim, sin in the second half (angle[p, i] = p * freq[i]).
-
-    Angles are formed in float64 and only the cos/sin are rounded to float32, so positions
-    in the thousands keep full float32 accuracy.
-    """
-    freqs = rope_frequencies(head_dim, theta, scaling).to(device)
-    positions = torch.arange(max_seq_len, dtype=torch.float64, device=device)
-    angles = torch.outer(positions, freqs)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32)
-
-
-def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x[..., 2i], x[..., 2i+1]) of ``x`` [B, S, H, head_dim] by the angle
-    of (position, i); ``table`` is ``rope_table(...)[:S]``. Computed in float32, returned
-    in ``x``'s dtype.
-
-    Same as multiplying the complex number x[2i] + j*x[2i+1] by exp(j*angle).
-    """
-    half = x.shape[-1] // 2
-    cos = table[:, :half].view(1, x.shape[1], 1, half)
-    sin = table[:, half:].view(1, x.shape[1], 1, half)
-    pairs = x.float().reshape(*x.shape[:-1], half, 2)
-    real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    """``[max_seq_len, head_dim]`` float32 cos | sin table of the LLaMA-3 frequencies (``rotary_table``)."""
+    return rotary_table(rope_frequencies(head_dim, theta, scaling), max_seq_len, device)
 
 
 # --------------------------------------------------------------------------------------
-# Building blocks
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, normalised in float32 for stability in bf16."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+# Blocks
 
 
 class Attention(nn.Module):
@@ -139,19 +101,6 @@ class Attention(nn.Module):
                                              is_causal=True)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         return self.wo(out)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
@@ -262,5 +211,4 @@ class Transformer(nn.Module):
         self.init_buffers(self.output.weight.device)
 
 
-__all__ = ["Attention", "FeedForward", "RMSNorm", "Transformer", "TransformerBlock",
-           "apply_rope", "rope_frequencies", "rope_table"]
+__all__ = ["Attention", "Transformer", "TransformerBlock", "rope_frequencies", "rope_table"]

@@ -11,8 +11,8 @@ Tensor parallel (``tp`` mesh dim), Megatron style:
 
 Then every parameter goes to SimpleFSDP over the data-parallel dims
 (``graph_trainer.simple_fsdp``). The tracer tags every node with its module FQN, which is
-what the passes use to find blocks; ``bucket_plan`` lists the groups of FQNs that form one
-transformer-block bucket.
+what the passes use to find blocks; ``models.common.block_bucket_plan`` lists the groups of FQNs
+that form one transformer-block bucket.
 """
 
 from __future__ import annotations
@@ -82,9 +82,4 @@ def parallelize_llama3(model: nn.Module, mesh: DeviceMesh | None, dims: Parallel
     return model
 
 
-def bucket_plan(model: nn.Module) -> list[list[str]]:
-    """Module FQN groups that form one communication bucket each: embeddings, each block, norm + output."""
-    return [["tok_embeddings"], *[[f"layers.{i}"] for i in model.layers], ["norm", "output"]]
-
-
-__all__ = ["apply_tensor_parallel", "bucket_plan", "parallelize_llama3", "validate_parallelism"]
+__all__ = ["apply_tensor_parallel", "parallelize_llama3", "validate_parallelism"]

@@ -10,9 +10,9 @@ size 1, fake tensors; ``fake_trace`` with ``param_dtype=bfloat16`` for "pure bf1
 The step time is tokens per step over the measured tok/s. AdamW and clipping run outside the
 graph (``Trainer.train_step``); their GPU time comes from the two profiles and is scaled to the
 other cases by parameter count, since every one of their kernels streams parameter-sized
-tensors (``_optimizer_ms``). Sources: ``/work/shared/h100_measurements.md`` (2026-11-24, H100
+tensors (``_optimizer_ms``). Sources: ``docs/performance.md`` (the H100 table of 2026-11-24, H100
 80GB HBM3, torch 2.11.0+cu130, project commit 515ebdd, mode "graph") and
-``/work/shared/h100_profiles/{l8b4,d16b4}_shapes.txt`` (torch.profiler, 2 steady steps, so every
+``docs/h100_profiles/{l8b4,d16b4}_shapes.txt`` (torch.profiler, 2 steady steps, so every
 profiled number below is halved).
 
 Held to: 10% for the bf16 llama3 8B-shaped cases (the calibration target). 15% for the 16B
@@ -34,12 +34,13 @@ import pytest
 import torch
 
 from graph_trainer.analysis.cost_model import H100_SXM
-from graph_trainer.analysis.fake_trace import cast_parameters, fake_world, trace_without_passes
+from graph_trainer.build import cast_parameters
+from graph_trainer.fake_trace import fake_world, trace_without_passes
 from graph_trainer.analysis.simulator import simulate
-from graph_trainer.config import load_config
+from graph_trainer.config_loading import load_config
 from models.registry import MODEL_SPECS
 
-# --- Measurement data (h100_measurements.md table, mode "graph") --------------------------
+# --- Measurement data (docs/performance.md, H100 table, mode "graph") ----------------------
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def simulate_case(case: Case):
 
 
 def test_optimizer_and_clip_times_from_the_profiles():
-    # h100_measurements.md: "single-tensor AdamW 26 ms" of the 204 ms 8B x 4 step. Clipping
+    # docs/performance.md (H100 profile): "single-tensor AdamW 26 ms" of the 204 ms 8B x 4 step. Clipping
     # adds ~18 ms more outside the graph (its "AdamW and clip roughly 10-15 ms" is too low).
     assert ADAMW_MS["l8b4"] == pytest.approx(26.0, abs=0.1)
     assert _clip_ms("l8b4") == pytest.approx(17.7, abs=0.1)

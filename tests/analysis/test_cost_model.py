@@ -4,15 +4,9 @@ import pytest
 import torch
 import torch.fx as fx
 
-from graph_trainer.analysis.cost_model import (
-    H100_SXM,
-    SizeHints,
-    collective_bytes,
-    collective_time,
-    group_info,
-    node_compute_time,
-    node_flops,
-)
+from graph_trainer.analysis.cost_model import collective_time, group_info, H100_SXM, node_compute_time, node_flops
+from graph_trainer.graph.sizes import SizeHints
+from graph_trainer.graph.collectives import collective_bytes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -159,7 +153,7 @@ def test_nvlink_vs_infiniband():
 def test_group_info_from_live_fake_groups():
     from torch.distributed.device_mesh import init_device_mesh
 
-    from graph_trainer.analysis.fake_trace import fake_world
+    from graph_trainer.fake_trace import fake_world
 
     with fake_world(16):
         mesh = init_device_mesh("cpu", (2, 8), mesh_dim_names=("replicate", "shard"))
@@ -178,7 +172,7 @@ def test_unbacked_all_to_all_sizes_assume_balanced_routing():
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graph_trainer.analysis.fake_trace import fake_world
+    from graph_trainer.fake_trace import fake_world
 
     with fake_world(2):
         group = dist.group.WORLD

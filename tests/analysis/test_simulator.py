@@ -134,7 +134,8 @@ def test_format_table():
 
 def test_debug_llama3_world_size_4_end_to_end(tmp_path):
     from graph_trainer.analyze import analyze_job
-    from graph_trainer.config import load_config, validate_config
+    from graph_trainer.config_loading import load_config
+    from graph_trainer.validation import validate_config
 
     cfg = load_config(["--job.config_file", "configs/llama3_debug.toml"])
     validate_config(cfg, 4)
@@ -174,7 +175,7 @@ def test_unbacked_all_to_all_graph_simulates():
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graph_trainer.analysis.fake_trace import fake_world
+    from graph_trainer.fake_trace import fake_world
 
     with fake_world(2):
         group = dist.group.WORLD

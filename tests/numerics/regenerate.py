@@ -69,7 +69,7 @@ def add_machine() -> int:
 
 
 def main(argv: list[str]) -> int:
-    from graph_trainer.config import normalize_flags
+    from graph_trainer.config_loading import normalize_flags
 
     if normalize_flags(argv) == ["--add_machine"]:  # either spelling, as every flag
         return add_machine()

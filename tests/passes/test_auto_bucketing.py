@@ -9,12 +9,14 @@ import sys
 
 import pytest
 
-from graph_trainer.analysis.collectives import collective_counts
-from graph_trainer.analysis.fake_trace import fake_world, trace_job
-from graph_trainer.config import load_config, validate_config
+from graph_trainer.graph.collectives import collective_counts
+from graph_trainer.fake_trace import fake_world, trace_job
+from graph_trainer.config_loading import load_config
+from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.passes import PASS_REGISTRY
 from graph_trainer.torch_compat import overlap_scheduling_module
+from graph_trainer.graph import tags
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
 
 pytestmark = NEEDS_TORCH_2_13
@@ -43,7 +45,7 @@ def test_fewer_collectives_on_fake_fsdp4_and_graph_lints():
     (gathers, reduces), (plain_gathers, plain_reduces) = _gathers_and_reduces(gm), _gathers_and_reduces(plain)
     assert gathers < plain_gathers and reduces <= plain_reduces, (gathers, plain_gathers, reduces, plain_reduces)
     assert overlap_scheduling_module().estimate_roofline_runtime_ms is original  # the patch is gone
-    assert all(n.meta.get("custom", {}).get("phase") is not None for n in gm.graph.nodes if n.op == "call_function")
+    assert all(tags.get(n, "phase") is not None for n in gm.graph.nodes if n.op == "call_function")
 
 
 def test_rejected_at_config_validation():

@@ -12,15 +12,17 @@ import functools
 
 import pytest
 
-from graph_trainer.analysis.collectives import collective_counts, collective_name, process_group_of
-from graph_trainer.analysis.fake_trace import fake_world, trace_job
-from graph_trainer.chunking import CHUNK_ID
-from graph_trainer.config import load_config, validate_config
+from graph_trainer.graph.collectives import collective_counts, collective_name, group_name
+from graph_trainer.fake_trace import fake_world, trace_job
+from graph_trainer.graph.tags import CHUNK_ID
+from graph_trainer.config_loading import load_config
+from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
-from graph_trainer.expert_parallel import COMBINE, COUNT_EXCHANGE, DISPATCH
+from graph_trainer.graph.tags import COMBINE, COUNT_EXCHANGE, DISPATCH
 from graph_trainer.passes.ep_overlap import find_regions, verify_schedule
 from models.registry import MODEL_SPECS
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
+from graph_trainer.graph import tags
 from tests.graph_compare import node_multiset, node_signatures
 
 pytestmark = NEEDS_TORCH_2_13
@@ -76,7 +78,7 @@ def test_schedule_on_the_debug_model(selection):
         for stage in range(len(region.roles(0))):
             between = [n for n in region.nodes
                        if pos[region.launches[first][stage]] < pos[n] < pos[waits[first][stage]]]
-            assert any(n.meta["custom"].get(CHUNK_ID) == second and n.op == "call_function"
+            assert any(tags.get(n, CHUNK_ID) == second and n.op == "call_function"
                        and collective_name(n) is None for n in between), (region.name, stage)
 
 
@@ -111,7 +113,7 @@ def test_composes_with_fsdp_bucketing(order):
     for kind in ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor"):
         assert counts[kind] == bucketed[kind]  # chunking changes no FSDP collective
     # EP runs on its own process group, so hardware can overlap it with FSDP traffic.
-    groups = {(collective_name(n), process_group_of(n)) for n in gm.graph.nodes
+    groups = {(collective_name(n), group_name(n)) for n in gm.graph.nodes
               if collective_name(n) not in (None, "wait_tensor")}
     ep_groups = {g for kind, g in groups if kind == "all_to_all_single"}
     fsdp_groups = {g for kind, g in groups if kind != "all_to_all_single"}

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from graph_trainer.passes import PASS_REGISTRY, PassContext, PassError, PassSpec, run_passes
+from graph_trainer.passes import PASS_REGISTRY, PassContext, PassError, PassSpec
+from graph_trainer.pipeline import transform_graph
 from graph_trainer.torch_compat import fake_store
 
 
@@ -21,7 +22,7 @@ def _dumped(folder) -> list[str]:
 
 
 def test_dump_graphs_writes_code_before_and_after_every_pass(tmp_path):
-    run_passes(_graph(), PassContext(), [], str(tmp_path))
+    transform_graph(_graph(), PassContext(), [], str(tmp_path))
     assert _dumped(tmp_path) == ["00_remove_dead_code_after.py", "00_remove_dead_code_before.py",
                                  "01_reshard_after_forward_after.py", "01_reshard_after_forward_before.py"]
     assert "relu" in (tmp_path / "00_remove_dead_code_before.py").read_text()
@@ -30,7 +31,7 @@ def test_dump_graphs_writes_code_before_and_after_every_pass(tmp_path):
 def test_dump_graphs_of_a_multi_process_job_go_to_one_folder_per_rank(tmp_path):
     dist.init_process_group("fake", store=fake_store(), rank=1, world_size=2)
     try:
-        run_passes(_graph(), PassContext(), [], str(tmp_path))
+        transform_graph(_graph(), PassContext(), [], str(tmp_path))
     finally:
         dist.destroy_process_group()
     assert _dumped(tmp_path) == ["rank1"]  # rank 0 writes rank0/: no rank overwrites another's files
@@ -47,4 +48,4 @@ def test_a_pass_that_breaks_the_graph_is_named(monkeypatch):
 
     monkeypatch.setitem(PASS_REGISTRY, "breaker", PassSpec("breaker", use_before_definition, "breaks the graph"))
     with pytest.raises(PassError, match="pass 'breaker' left an invalid graph"):
-        run_passes(_graph(), PassContext(), ["breaker"])
+        transform_graph(_graph(), PassContext(), ["breaker"])

@@ -16,14 +16,16 @@ from collections import Counter
 import pytest
 import torch
 
-from graph_trainer.analysis.collectives import collective_name, is_collective
-from graph_trainer.analysis.fake_trace import fake_world, trace_job
-from graph_trainer.config import load_config, validate_config
+from graph_trainer.graph.collectives import collective_name, is_collective
+from graph_trainer.fake_trace import fake_world, trace_job
+from graph_trainer.config_loading import load_config
+from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.passes import PASS_REGISTRY, PassContext, PassError
 from graph_trainer.passes.transformer_block_bucketing import bucket_index, transformer_block_bucketing
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
 from tests.graph_compare import node_signature
+from graph_trainer.graph import tags
 from tests.launch import FAST_ARGS, run_torchrun
 
 pytestmark = NEEDS_TORCH_2_13
@@ -46,20 +48,16 @@ def _trace(extra: tuple[str, ...], passes: str = TBB, world_size: int = 4):
         return trace_job(cfg, world_size).gm
 
 
-def _custom(node):
-    return node.meta.get("custom", {})
-
-
 def _fsdp_collectives(gm, name: str, phase: str) -> list:
-    return [n for n in gm.graph.nodes if collective_name(n) == name and _custom(n).get("fsdp_role")
-            and _custom(n)["phase"] == phase]
+    return [n for n in gm.graph.nodes if collective_name(n) == name and tags.get(n, "fsdp_role")
+            and tags.get(n, "phase") == phase]
 
 
 def _compute(gm, phase: str) -> dict[int, list[int]]:
     """Positions of each bucket's compute nodes in ``phase`` (FSDP gather/reduce nodes excluded)."""
     out: dict[int, list[int]] = {}
     for i, n in enumerate(gm.graph.nodes):
-        c = _custom(n)
+        c = tags.tags(n)
         if n.op == "call_function" and c.get("phase") == phase and not c.get("fsdp_role") and not c.get("recomputed"):
             b = bucket_index(PLAN, c.get("module_fqn", ""))
             if b is not None:
@@ -80,18 +78,18 @@ def test_one_all_gather_and_one_reduce_scatter_per_bucket(layout):
     forward = _fsdp_collectives(gm, "all_gather_into_tensor", "forward")
     backward = _fsdp_collectives(gm, "all_gather_into_tensor", "backward")
     reduce = _fsdp_collectives(gm, "reduce_scatter_tensor", "backward")
-    assert [_custom(n)["fsdp_bucket"] for n in forward] == NAMES
+    assert [tags.get(n, "fsdp_bucket") for n in forward] == NAMES
     if layout == "reshard_never":
         assert backward == []
     else:  # backward order; the embedding's backward does not read its weight
-        assert [_custom(n)["fsdp_bucket"] for n in backward] == NAMES[:0:-1]
-    assert sorted(_custom(n)["fsdp_bucket"] for n in reduce) == sorted(NAMES)
+        assert [tags.get(n, "fsdp_bucket") for n in backward] == NAMES[:0:-1]
+    assert sorted(tags.get(n, "fsdp_bucket") for n in reduce) == sorted(NAMES)
     # Everything else (TP all_reduces / all_gathers) is exactly what it was without the pass.
     plain = _trace(extra, passes="")
 
     def others(g):
-        return Counter((node_signature(n), _custom(n)["phase"])
-                       for n in g.graph.nodes if is_collective(n) and not _custom(n).get("fsdp_role"))
+        return Counter((node_signature(n), tags.get(n, "phase"))
+                       for n in g.graph.nodes if is_collective(n) and not tags.get(n, "fsdp_role"))
 
     assert others(gm) == others(plain)  # same op, process group and input node, in the same phase
     assert any("all_reduce" in sig[2] for sig, _ in others(gm)) == (layout == "fsdp2xtp2")  # TP's stay
@@ -114,24 +112,24 @@ def test_gathers_are_prefetched_and_reduce_scatters_deferred(layout):
     for rs, following in zip(reduce, reduce[1:]):
         issue, wait = _issue_and_wait(gm, rs)
         next_issue, _ = _issue_and_wait(gm, following)
-        next_bucket = NAMES.index(_custom(following)["fsdp_bucket"])
+        next_bucket = NAMES.index(tags.get(following, "fsdp_bucket"))
         # waited only when the next bucket's reduce-scatter is issued, after all its gradients
-        gradients = [i for i, n in enumerate(gm.graph.nodes) if _custom(n).get("fsdp_role") == "reduce_grad"
-                     and "fsdp_bucket" not in _custom(n) and bucket_index(PLAN, _custom(n)["fsdp_param"]) == next_bucket]
+        gradients = [i for i, n in enumerate(gm.graph.nodes) if tags.get(n, "fsdp_role") == "reduce_grad"
+                     and not tags.has(n, "fsdp_bucket") and bucket_index(PLAN, tags.get(n, "fsdp_param")) == next_bucket]
         assert issue < backward_compute[next_bucket][0] and max(gradients) < wait < next_issue
 
 
 def test_deepseek_dense_buckets():
     gm = _trace(("--model.name", "deepseek_v3"))
     forward = _fsdp_collectives(gm, "all_gather_into_tensor", "forward")
-    assert [_custom(n)["fsdp_bucket"] for n in forward] == NAMES
+    assert [tags.get(n, "fsdp_bucket") for n in forward] == NAMES
     assert len(_fsdp_collectives(gm, "reduce_scatter_tensor", "backward")) == len(PLAN)
 
 
 def test_deepseek_expert_parallel_gets_one_collective_per_bucket_and_group():
     gm = _trace(("--model.name", "deepseek_v3", "--parallelism.ep", "2"))
     forward = _fsdp_collectives(gm, "all_gather_into_tensor", "forward")
-    per_bucket = Counter(_custom(n)["fsdp_bucket"] for n in forward)
+    per_bucket = Counter(tags.get(n, "fsdp_bucket") for n in forward)
     assert per_bucket["layers.0"] == 1 and per_bucket["layers.1"] == 2  # dense layer; dense + experts (efsdp)
 
 
@@ -180,7 +178,7 @@ def _grads_worker(argv: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from graph_trainer.passes import run_passes
+    from graph_trainer.pipeline import transform_graph
     from graph_trainer.tracer import trace_train_step
     from graph_trainer.trainer import Trainer
 
@@ -188,11 +186,11 @@ def _grads_worker(argv: list[str]) -> None:
     trainer = Trainer(cfg)
     tokens, labels = next(iter(trainer.dataloader))
     params, buffers = list(trainer.model.parameters()), list(trainer.model.buffers())
-    context = PassContext(config=cfg, degrees=trainer.dims.as_dict(), extras={"bucket_plan": trainer.bucket_plan})
+    context = trainer.pass_context
     results = []
     for passes in ([], [TBB]):
         traced = trace_train_step(trainer.model, tokens, labels, grad_scale=trainer.grad_scale)
-        traced.gm = run_passes(traced.gm, context, passes)
+        traced.gm = transform_graph(traced.gm, context, passes)
         results.append(traced(params, buffers, tokens, labels))
 
     def bits(t: torch.Tensor) -> torch.Tensor:
@@ -230,7 +228,7 @@ def _mixed_dtypes_worker(folder: str) -> None:
         gm = make_fx(gather_each)(*[mode.from_tensor(t) for t in shards])
     gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
     for n in gathers:
-        n.meta["custom"] = {"phase": "forward", "fsdp_role": "unshard", "fsdp_param": n.name, "module_fqn": "m"}
+        tags.replace(n, {"phase": "forward", "fsdp_role": "unshard", "fsdp_param": n.name, "module_fqn": "m"})
     expected = gm(*shards)
     merged = merge_all_gathers(gm.graph, gathers, 0, "m")
     stable_topological_sort(gm.graph)

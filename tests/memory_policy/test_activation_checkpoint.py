@@ -15,15 +15,18 @@ from collections import Counter
 import pytest
 import torch
 
-from graph_trainer.analysis.collectives import collective_counts, is_collective
-from graph_trainer.analysis.fake_trace import fake_world, trace_job
+from graph_trainer.graph.collectives import collective_counts, is_collective
+from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.analysis.memory import estimate_step_memory
-from graph_trainer.config import load_config, validate_config
+from graph_trainer.config_loading import load_config
+from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
-from graph_trainer.loss import LOSS_CHUNK
-from graph_trainer.passes.activation_checkpoint import ACTIVATION, RECOMPUTE, RECOMPUTED, recompute_counts
+from graph_trainer.graph.tags import LOSS_CHUNK
+from graph_trainer.graph.tags import ACTIVATION, RECOMPUTE, RECOMPUTED
+from graph_trainer.memory_policy.activation_checkpoint import recompute_counts
 from models.registry import MODEL_SPECS
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
+from graph_trainer.graph import tags
 from tests.graph_compare import node_multiset
 
 SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2"]
@@ -79,13 +82,13 @@ def test_recomputation_per_block_and_no_collective_issued_twice(layout, world_si
         # reshard_after_forward and the saved outputs of TP/EP exchanges.
         assert _launches(gm) == _launches(none), mode
         # Each copy says what it recomputes; each original is recomputed at most once.
-        copies = [n for n in gm.graph.nodes if n.meta["custom"].get(RECOMPUTED) and "recompute_of" in n.meta["custom"]]
-        of = Counter(n.meta["custom"]["recompute_of"] for n in copies)
+        copies = [n for n in gm.graph.nodes if tags.get(n, RECOMPUTED) and tags.has(n, "recompute_of")]
+        of = Counter(tags.get(n, "recompute_of") for n in copies)
         assert copies and max(of.values()) == 1
-        assert all(n.meta["custom"]["phase"] == "backward" for n in copies)
+        assert all(tags.get(n, "phase") == "backward" for n in copies)
         # Recomputation happens in backward: every copy comes after the loss.
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
-        last_loss = max(position[n] for n in gm.graph.nodes if n.meta["custom"].get("phase") == "loss")
+        last_loss = max(position[n] for n in gm.graph.nodes if tags.get(n, "phase") == "loss")
         assert min(position[n] for n in copies) > last_loss
 
 
@@ -95,8 +98,8 @@ def test_full_recomputes_more_than_selective_and_the_tags_are_the_decision():
     for block in ("layers.0", "layers.1"):
         assert full[block]["nodes"] > selective[block]["nodes"]
     gm = _graph((*SMALL, *_ac("full")))
-    tagged = [n for n in gm.graph.nodes if n.meta["custom"].get(ACTIVATION) == RECOMPUTE]
-    copies = {n.meta["custom"]["recompute_of"] for n in gm.graph.nodes if "recompute_of" in n.meta["custom"]}
+    tagged = [n for n in gm.graph.nodes if tags.get(n, ACTIVATION) == RECOMPUTE]
+    copies = {tags.get(n, "recompute_of") for n in gm.graph.nodes if tags.has(n, "recompute_of")}
     # exactly the tagged values were copied (an original only the backward read is gone: dead after the copy)
     names = {n.name for n in gm.graph.nodes}
     assert {n.name for n in tagged} == copies & names
@@ -108,8 +111,8 @@ def test_later_passes_keep_the_recomputation_as_decided(passes):
     """Bucketing moves and merges collectives; it must neither drop nor repeat a recomputation."""
     plain = _graph((*SMALL, *_ac("full")))
     bucketed = _graph((*SMALL, *_ac("full"), "--compile.passes", passes))
-    copies = lambda gm: Counter(n.meta["custom"]["recompute_of"] for n in gm.graph.nodes  # noqa: E731
-                                if "recompute_of" in n.meta["custom"])
+    copies = lambda gm: Counter(tags.get(n, "recompute_of") for n in gm.graph.nodes  # noqa: E731
+                                if tags.has(n, "recompute_of"))
     assert copies(bucketed) == copies(plain)
     assert recompute_counts(bucketed.graph) == recompute_counts(plain.graph)
 

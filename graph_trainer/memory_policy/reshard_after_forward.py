@@ -2,7 +2,7 @@
 
 Contract
 --------
-Reads: ``node.meta["custom"]`` tags written by ``graph_trainer.simple_fsdp`` and the tracer:
+Reads: tags (``graph_trainer.graph.tags``) written by ``graph_trainer.simple_fsdp`` and the tracer:
 ``fsdp_role == "unshard"`` marks the forward nodes that cast and all-gather one parameter
 (``fsdp_param`` names it), ``phase`` says which nodes belong to the backward.
 
@@ -28,24 +28,20 @@ from collections import defaultdict
 
 import torch.fx as fx
 
+from graph_trainer.graph import tags
+from graph_trainer.graph.ops import is_view
+from graph_trainer.graph.tags import BACKWARD, FORWARD, FSDP_PARAM, FSDP_ROLE, PHASE, RECOMPUTED, UNSHARD
 from graph_trainer.passes.registry import PassContext, PassError
-from graph_trainer.torch_compat import is_view_op
-from graph_trainer.simple_fsdp import UNSHARD
-
-
-def _custom(node: fx.Node) -> dict:
-    return node.meta.get("custom", {})
 
 
 def unshard_chains(graph: fx.Graph) -> dict[str, list[fx.Node]]:
     """The forward gather-chain nodes of each parameter, in graph order, by ``fsdp_param``."""
     chains: dict[str, list[fx.Node]] = defaultdict(list)
     for node in graph.nodes:
-        custom = _custom(node)
-        if custom.get("fsdp_role") == UNSHARD and custom.get("phase") == "forward":
-            if "fsdp_param" not in custom:
+        if tags.get(node, FSDP_ROLE) == UNSHARD and tags.phase(node) == FORWARD:
+            if not tags.has(node, FSDP_PARAM):
                 raise PassError(f"reshard_after_forward: gather node {node.name} has no fsdp_param tag")
-            chains[custom["fsdp_param"]].append(node)
+            chains[tags.get(node, FSDP_PARAM)].append(node)
     return chains
 
 
@@ -60,7 +56,7 @@ def with_forward_views(chain: list[fx.Node], position: dict[fx.Node, int]) -> li
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if (user not in members and is_view_op(user) and _custom(user).get("phase") == "forward"
+            if (user not in members and is_view(user) and tags.phase(user) == FORWARD
                     and user.args[0] is node):
                 members.add(user)
                 frontier.append(user)
@@ -70,7 +66,7 @@ def with_forward_views(chain: list[fx.Node], position: dict[fx.Node, int]) -> li
 def _backward_readers(chain: list[fx.Node]) -> list[fx.Node]:
     members = set(chain)
     readers = {user for node in chain for user in node.users
-               if user not in members and _custom(user).get("phase") == "backward"}
+               if user not in members and tags.phase(user) == BACKWARD}
     return list(readers)
 
 
@@ -84,7 +80,7 @@ def _recompute_for_backward(graph: fx.Graph, chain: list[fx.Node], readers: list
         for node in chain:
             copy = graph.node_copy(node, lambda arg: copies.get(arg, arg))
             copy.meta = dict(node.meta)
-            copy.meta["custom"] = {**_custom(node), "phase": "backward", "recomputed": True}
+            tags.replace(copy, {**tags.tags(node), PHASE: BACKWARD, RECOMPUTED: True})
             copies[node] = copy
     for node, copy in copies.items():
         node.replace_all_uses_with(copy, delete_user_cb=lambda user: user in readers_set)

@@ -2,8 +2,9 @@
 
 ``fake_world(world_size)`` starts PyTorch's fake process group (collectives are recorded,
 never run) as rank 0 of ``world_size``; ``trace_job(cfg)`` then builds the job's model on the
-meta device with its real parallel layout (TP, SimpleFSDP, ...), traces the training step on
-fake tensors and runs the job's pass pipeline. Nothing is allocated at model size: this is
+meta device with its real parallel layout (``graph_trainer.build``, as the trainer does),
+traces the training step on fake tensors and runs its memory policy and passes
+(``graph_trainer.pipeline.transform_graph``). Nothing is allocated at model size: this is
 how real-size layouts (Llama3-8B at FSDP=8 ...) are inspected and simulated on a machine
 without GPUs.
 
@@ -12,10 +13,10 @@ traces exactly what the trainer traces on this machine):
 
 - ``param_dtype``: cast the floating-point parameters to this dtype before tracing ("pure"
   low precision: parameters, and so gradients and optimizer state, in that dtype, no fp32
-  master copy). This is how one-GPU bf16 runs were measured (``h100_measurements.md``).
+  master copy), as the one-GPU bf16 runs of ``docs/performance.md`` were.
 - ``gpu_attention``: trace ``F.scaled_dot_product_attention`` as the fused kernel PyTorch
   picks on an H100 (cuDNN attention for bf16/fp16, memory-efficient attention for fp32, as
-  the measured profiles show). A CPU build cannot select them itself: it traces the CPU flash
+  the measured profiles in docs/h100_profiles/ show). A CPU build cannot select them itself: it traces the CPU flash
   kernel, or for unequal q/v head dims (DeepSeek MLA) an fp32 math decomposition whose cost
   has nothing to do with the GPU's. The fused ops only have fake/meta kernels here, so such a
   graph is for analysis, not for running on CPU.
@@ -32,15 +33,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from graph_trainer.build import build_model
-from graph_trainer.config import JobConfig, resolve_parallel_degrees
-from graph_trainer.config import model_args as config_model_args
-from graph_trainer.parallel import ParallelDims, build_mesh
-from graph_trainer.passes import PassContext, prepare_model_for_passes, run_passes
-from graph_trainer.simple_fsdp import MixedPrecision
+from graph_trainer.build import build_job_model, build_layout, pass_context
+from graph_trainer.config import JobConfig
+from graph_trainer.passes import PassContext
+from graph_trainer.pipeline import transform_graph
 from graph_trainer.torch_compat import fake_store
 from graph_trainer.tracer import TracedStep, trace_train_step
-from models.registry import MODEL_SPECS
 
 
 @contextlib.contextmanager
@@ -53,19 +51,6 @@ def fake_world(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast every floating-point parameter of ``model`` to ``dtype`` in place (buffers keep
-    theirs); a parameter shared by several modules stays shared."""
-    cast: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is None or not param.is_floating_point() or param.dtype == dtype:
-                continue
-            if id(param) not in cast:
-                cast[id(param)] = nn.Parameter(param.detach().to(dtype), param.requires_grad)
-            module._parameters[name] = cast[id(param)]
 
 
 class _GpuAttention(TorchFunctionMode):
@@ -101,37 +86,28 @@ def trace_without_passes(cfg: JobConfig, world_size: int, device_type: str = "cp
     """The job's training step at ``world_size`` traced on fake tensors, and the pass context
     the trainer would give its passes. ``model_args`` overrides the flavor's (e.g. fewer layers);
     ``param_dtype`` and ``gpu_attention`` are described in the module docstring."""
-    spec = MODEL_SPECS[cfg.model.name]
-    args = model_args if model_args is not None else config_model_args(cfg)
+    layout = build_layout(cfg, world_size, device_type)
+    model = build_job_model(cfg, layout, torch.device("meta"), model_args, param_dtype)
     t = cfg.training
-    dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
-    mesh = build_mesh(dims, device_type)
-    mp = MixedPrecision(param_dtype=getattr(torch, t.mixed_precision_param),
-                        reduce_dtype=getattr(torch, t.mixed_precision_reduce))
-    model = build_model(spec.build, args, torch.device("meta"), t.seed,
-                        parallelize=lambda m: spec.parallelize(m, mesh, dims, mp))
-    if param_dtype is not None:
-        cast_parameters(model, param_dtype)
-    prepare_model_for_passes(model, cfg)
     batch = torch.empty(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
     with _GpuAttention() if gpu_attention else contextlib.nullcontext():
-        traced = trace_train_step(model, batch, batch, t.loss_chunks, grad_scale=1.0 / dims.dp_size,
+        traced = trace_train_step(model, batch, batch, t.loss_chunks, grad_scale=1.0 / layout.dims.dp_size,
                                   fake_device=torch.device(device_type))
-    context = PassContext(config=cfg, degrees=dims.as_dict(), extras={"bucket_plan": spec.bucket_plan(model)})
-    return traced, context
+    return traced, pass_context(cfg, layout, model)
 
 
 def trace_job(cfg: JobConfig, world_size: int, device_type: str = "cpu", model_args=None,
               param_dtype: torch.dtype | None = None, gpu_attention: bool = False) -> TracedStep:
-    """The job's training step at ``world_size``, traced on fake tensors, after its passes.
+    """The job's training step at ``world_size``, traced on fake tensors, after its memory policy
+    and passes.
 
     Must run inside ``fake_world(world_size)`` when ``world_size > 1``. ``device_type`` is
     the device the graph is made for (fake tensors never touch it).
     """
     traced, context = trace_without_passes(cfg, world_size, device_type, model_args,
                                            param_dtype=param_dtype, gpu_attention=gpu_attention)
-    traced.gm = run_passes(traced.gm, context, cfg.compile.passes)
+    traced.gm = transform_graph(traced.gm, context)
     return traced
 
 
-__all__ = ["cast_parameters", "fake_world", "trace_job", "trace_without_passes"]
+__all__ = ["fake_world", "trace_job", "trace_without_passes"]

@@ -4,11 +4,12 @@ That values do not change is the cpu suite's case `fsdp2_keep_params` (bitwise `
 
 import pytest
 
-from graph_trainer.analysis.collectives import collective_counts
-from graph_trainer.analysis.fake_trace import fake_world, trace_job
+from graph_trainer.graph.collectives import collective_counts
+from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.analysis.memory import estimate_peak_memory
-from graph_trainer.config import load_config
-from graph_trainer.passes.reshard_after_forward import unshard_chains, with_forward_views
+from graph_trainer.config_loading import load_config
+from graph_trainer.memory_policy.reshard_after_forward import unshard_chains, with_forward_views
+from graph_trainer.graph import tags
 
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32"]
 
@@ -20,7 +21,7 @@ def _trace(mode: str, world_size: int = 4, *extra: str):
 
 
 def _phase(node):
-    return node.meta["custom"]["phase"]
+    return tags.get(node, "phase")
 
 
 @pytest.mark.parametrize("extra", [[], ["--parallelism.tp", "2"]], ids=["fsdp4", "fsdp2xtp2"])
@@ -41,7 +42,7 @@ def test_backward_reads_only_its_own_gathers(extra):
     for chain in unshard_chains(resharded.graph).values():
         for node in with_forward_views(chain, position):
             assert all(_phase(u) != "backward" for u in node.users), node
-    recomputed = [n for n in resharded.graph.nodes if n.meta["custom"].get("recomputed")]
+    recomputed = [n for n in resharded.graph.nodes if tags.get(n, "recomputed")]
     assert recomputed and all(_phase(n) == "backward" for n in recomputed)
     # Unsharded weights no longer live from forward to backward.
     assert estimate_peak_memory(resharded.graph).peak_bytes < estimate_peak_memory(kept.graph).peak_bytes
@@ -51,4 +52,4 @@ def test_single_process_graph_is_left_alone():
     cfg = load_config(SMALL)
     gm = trace_job(cfg, 1).gm
     assert not unshard_chains(gm.graph)
-    assert not any(n.meta["custom"].get("recomputed") for n in gm.graph.nodes)
+    assert not any(tags.get(n, "recomputed") for n in gm.graph.nodes)

@@ -1,11 +1,11 @@
-"""Memory policy: activation checkpointing as two graph passes, decide then recompute.
+"""Activation checkpointing as two graph passes, decide then recompute.
 
 Contract
 --------
-Reads: the tracer's tags on every node (``node.meta["custom"]``): ``phase`` (forward /
-backward / ...), ``module_fqn`` (transformer blocks are the modules ``layers.<i>``; a backward
-node carries the FQN of the forward op it differentiates), ``fsdp_role`` (SimpleFSDP's gather
-chains); and ``--activation_checkpoint.mode`` / ``selective_ops``.
+Reads: the tracer's tags on every node (``graph_trainer.graph.tags``): ``phase`` (forward /
+backward / ...), ``module_fqn`` (transformer blocks are the modules ``layers.<i>``, ``block_of``;
+a backward node carries the FQN of the forward op it differentiates), ``loss_chunk`` (``unit_of``),
+``fsdp_role`` (SimpleFSDP's gather chains); and ``--activation_checkpoint.mode`` / ``selective_ops``.
 
 ``tag_activations`` (decides, changes no edge): within each transformer block (and each row
 block of a chunked loss, ``graph_trainer.loss``, which is always recomputed in full), every
@@ -44,40 +44,30 @@ would have read from forward: losses and gradients are bitwise those without the
 from __future__ import annotations
 
 import operator
-import re
 from collections import defaultdict
 
 import torch
 import torch.fx as fx
 
-from graph_trainer.analysis.collectives import collective_name
-from graph_trainer.loss import LOSS_CHUNK
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import collective_name
+from graph_trainer.graph.ops import SCALAR_READ, aliases_input, is_matmul, name_of
+from graph_trainer.graph.tags import (
+    ACTIVATION,
+    BACKWARD,
+    FORWARD,
+    FSDP_ROLE,
+    LOSS,
+    LOSS_CHUNK,
+    PHASE,
+    RECOMPUTE,
+    RECOMPUTE_OF,
+    RECOMPUTED,
+    SAVE,
+    unit_of,
+)
 from graph_trainer.passes.registry import PassContext
-from graph_trainer.torch_compat import is_op_overload, is_view_op
-
-SAVE, RECOMPUTE = "save", "recompute"
-ACTIVATION = "activation"
-"""``node.meta["custom"]`` key of the decision."""
-RECOMPUTED = "recomputed"
-_BLOCK = re.compile(r"^(layers\.\d+)(\.|$)")
-_NEVER = {torch.ops.aten._local_scalar_dense.default}
-
-
-def _custom(node: fx.Node) -> dict:
-    return node.meta.setdefault("custom", {})
-
-
-def block_of(node: fx.Node) -> str | None:
-    """The transformer block (``layers.<i>``) a node belongs to, from its ``module_fqn``."""
-    match = _BLOCK.match(_custom(node).get("module_fqn", ""))
-    return match.group(1) if match else None
-
-
-def region_of(node: fx.Node) -> str | None:
-    """The unit the policy decides for: a row block of the loss (``loss_chunk.<k>``, see
-    ``graph_trainer.loss``) or a transformer block; None elsewhere (embeddings, final norm)."""
-    chunk = _custom(node).get(LOSS_CHUNK)
-    return f"{LOSS_CHUNK}.{chunk}" if chunk is not None else block_of(node)
+from graph_trainer.torch_compat import is_op_overload, op_schema
 
 
 def _is_tensor(node: fx.Node) -> bool:
@@ -91,38 +81,30 @@ def _may_run_twice(node: fx.Node) -> bool:
     """Whether copying ``node`` is safe: a pure, deterministic tensor op that is not a collective."""
     if node.op != "call_function" or not _is_tensor(node):
         return False
-    if collective_name(node) is not None or node.target in _NEVER or node.is_impure():
+    if collective_name(node) is not None or node.target is SCALAR_READ or node.is_impure():
         return False
-    if _custom(node).get("fsdp_role"):
+    if tags.get(node, FSDP_ROLE):
         return False  # parameter gathers: reshard_after_forward re-gathers them for backward
     if is_op_overload(node.target):
-        if torch.Tag.nondeterministic_seeded in node.target.tags or node.target._schema.is_mutable:
+        if torch.Tag.nondeterministic_seeded in node.target.tags or op_schema(node.target).is_mutable:
             return False
     return node.target is operator.getitem or is_op_overload(node.target)
 
 
-def _op_name(node: fx.Node) -> str:
-    return node.target.__name__.split(".")[0] if is_op_overload(node.target) else ""
-
-
-def _aliases_its_input(node: fx.Node) -> bool:
-    return node.target is operator.getitem or is_view_op(node)
-
-
 def decide_region(nodes: list[fx.Node], region: str, mode: str, saved_ops: set[str]) -> dict[fx.Node, str]:
     """The decision for each forward node of ``region`` that its backward (or a recomputation) reads."""
-    forward = {n for n in nodes if region_of(n) == region and _custom(n).get("phase") in ("forward", "loss")}
+    forward = {n for n in nodes if unit_of(n) == region and tags.phase(n) in (FORWARD, LOSS)}
 
     def backward_readers(node: fx.Node) -> list[fx.Node]:
-        return [u for u in node.users if _custom(u).get("phase") == "backward"]
+        return [u for u in node.users if tags.phase(u) == BACKWARD]
 
     def pinned(node: fx.Node) -> bool:
         if not _may_run_twice(node):
             return True
-        if mode == "selective" and _op_name(node) in saved_ops:
+        if mode == "selective" and name_of(node) in saved_ops:
             return True
         # Read outside its region (another block, the loss): the region's boundary is saved.
-        return any(region_of(u) != region for u in node.users)
+        return any(unit_of(u) != region for u in node.users)
 
     needed = [n for n in nodes if n in forward and backward_readers(n)]
     decision: dict[fx.Node, str] = {}
@@ -138,7 +120,7 @@ def decide_region(nodes: list[fx.Node], region: str, mode: str, saved_ops: set[s
         stack.extend(a for a in node.all_input_nodes if a in forward and a not in decision)
     # A view of a saved value costs nothing to keep (same storage): save it rather than copy it.
     for node in nodes:  # graph order: a view's source is decided before the view
-        if decision.get(node) == RECOMPUTE and _aliases_its_input(node):
+        if decision.get(node) == RECOMPUTE and aliases_input(node):
             sources = [a for a in node.all_input_nodes if a in forward]
             if sources and all(decision.get(a, SAVE) == SAVE for a in sources):
                 decision[node] = SAVE
@@ -150,14 +132,14 @@ def tag_activations(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
     and of every loss row block (always ``full``: their logits are what chunking frees)."""
     ac = context.config.activation_checkpoint
     nodes = list(gm.graph.nodes)
-    regions = {r for n in nodes if (r := region_of(n)) is not None}
+    regions = {r for n in nodes if (r := unit_of(n)) is not None}
     saved_ops = set(ac.selective_ops)
     for region in sorted(regions):
         mode = "full" if region.startswith(LOSS_CHUNK) else ac.mode
         if mode == "none":
             continue
         for node, choice in decide_region(nodes, region, mode, saved_ops).items():
-            _custom(node)[ACTIVATION] = choice
+            tags.update(node, {ACTIVATION: choice})
     return gm
 
 
@@ -166,14 +148,14 @@ def recompute_activations(gm: fx.GraphModule, context: PassContext) -> fx.GraphM
     graph = gm.graph
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
-    recompute = [n for n in nodes if _custom(n).get(ACTIVATION) == RECOMPUTE]
+    recompute = [n for n in nodes if tags.get(n, ACTIVATION) == RECOMPUTE]
     if not recompute:
         return gm
     chosen = set(recompute)
     # Where each copy must exist: before its first backward reader and before the copies that read it.
     target: dict[fx.Node, fx.Node] = {}
     for node in reversed(recompute):
-        candidates = [u for u in node.users if _custom(u).get("phase") == "backward"]
+        candidates = [u for u in node.users if tags.phase(u) == BACKWARD]
         candidates += [target[u] for u in node.users if u in chosen]
         if not candidates:
             raise RuntimeError(f"activation {node.name} is tagged recompute but nothing in backward reads it")
@@ -183,12 +165,11 @@ def recompute_activations(gm: fx.GraphModule, context: PassContext) -> fx.GraphM
         with graph.inserting_before(target[node]):
             copy = graph.node_copy(node, lambda arg: copies.get(arg, arg))
         copy.meta = dict(node.meta)
-        copy.meta["custom"] = {**_custom(node), "phase": "backward", RECOMPUTED: True, "recompute_of": node.name}
-        copy.meta["custom"].pop(ACTIVATION, None)
+        tags.replace(copy, {**tags.tags(node), PHASE: BACKWARD, RECOMPUTED: True, RECOMPUTE_OF: node.name})
+        tags.remove(copy, ACTIVATION)
         copies[node] = copy
     for node, copy in copies.items():
-        node.replace_all_uses_with(copy, delete_user_cb=lambda user: _custom(user).get("phase") == "backward"
-                                   and user is not copy)
+        node.replace_all_uses_with(copy, delete_user_cb=lambda user: tags.phase(user) == BACKWARD and user is not copy)
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
@@ -198,13 +179,12 @@ def recompute_counts(graph: fx.Graph) -> dict[str, dict[str, int]]:
     """Per block: how many nodes were recomputed, of which matmuls, and collectives (must be 0)."""
     counts: dict[str, dict[str, int]] = defaultdict(lambda: {"nodes": 0, "matmuls": 0, "collectives": 0})
     for node in graph.nodes:
-        if _custom(node).get(RECOMPUTED) and "recompute_of" in _custom(node):
-            row = counts[region_of(node) or "?"]
+        if tags.get(node, RECOMPUTED) and tags.has(node, RECOMPUTE_OF):
+            row = counts[unit_of(node) or "?"]
             row["nodes"] += 1
-            row["matmuls"] += _op_name(node) in ("mm", "addmm", "bmm", "_grouped_mm")
+            row["matmuls"] += is_matmul(node)
             row["collectives"] += collective_name(node) is not None
     return dict(counts)
 
 
-__all__ = ["ACTIVATION", "RECOMPUTE", "RECOMPUTED", "SAVE", "block_of", "decide_region", "region_of",
-           "recompute_activations", "recompute_counts", "tag_activations"]
+__all__ = ["decide_region", "recompute_activations", "recompute_counts", "tag_activations"]

@@ -1,0 +1,241 @@
+"""Reading a job: a TOML file (tomli) overridden by the command line (tyro).
+
+``load_config(argv)`` reads ``--job.config_file X.toml`` and then applies every other
+``--section.key value`` from the command line; the command line wins over the file. A flag may
+be spelled with dashes or underscores (``--job.config-file`` is ``--job.config_file``), as
+``--help`` shows them. Every value is checked against its field's type here, from the file and
+from the command line alike: an unknown section, key or flag, a value of the wrong type, or a
+value outside a ``Literal`` field's choices raises ``ConfigError`` with one line naming the
+field, the value and what is allowed (``train.py`` prints it and exits with code 2). Checks that
+involve several fields are ``graph_trainer.validation``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from typing import Any
+
+import tomli
+import tyro
+
+from graph_trainer.config import JobConfig
+from graph_trainer.errors import ConfigError
+
+
+def field_types(section_cls: type) -> dict[str, Any]:
+    """Field name -> resolved type of a config dataclass."""
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def choices(typ: Any) -> tuple | None:
+    """The allowed values of a ``Literal`` field type, None for any other type."""
+    return typing.get_args(typ) if typing.get_origin(typ) is typing.Literal else None
+
+
+def not_allowed(name: str, value: Any, allowed: tuple) -> ConfigError:
+    return ConfigError(f"{name} = {value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+
+
+def canonical_flag(arg: str) -> str:
+    """``--a-b.c-d[=v]`` -> ``--a_b.c_d[=v]``: the one spelling of a flag; other arguments are returned as they are.
+
+    Dashes and underscores in a flag's name are the same everywhere (tyro shows dashes, the
+    dataclasses and TOML use underscores); the value after ``=`` is left alone."""
+    if not arg.startswith("--") or len(arg) < 3 or not arg[2].isalpha():
+        return arg
+    name, eq, value = arg.partition("=")
+    return "--" + name[2:].replace("-", "_") + eq + value
+
+
+def take_flag(argv: list[str], flag: str, default, kind=str):
+    """Remove ``--flag value`` (or ``--flag=value``; either spelling, ``canonical_flag``) from
+    ``argv``: returns (the rest of argv, the value converted by ``kind``, or ``default`` when the
+    flag is absent). For command lines that add their own flags to the job's; a missing or
+    unconvertible value is a ``ConfigError``."""
+    for i, arg in enumerate(argv):
+        arg = canonical_flag(arg)
+        if arg == flag:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{flag} needs a value")
+            rest, value = argv[:i] + argv[i + 2:], argv[i + 1]
+        elif arg.startswith(flag + "="):
+            rest, value = argv[:i] + argv[i + 1:], arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            return rest, kind(value)
+        except ValueError:
+            what = {int: "a whole number", float: "a number"}.get(kind, f"a valid {kind.__name__}")
+            raise ConfigError(f"{flag} {value!r} is not {what}") from None
+    return argv, default
+
+
+def normalize_flags(argv: list[str]) -> list[str]:
+    """Every flag of ``argv`` in its one spelling (``canonical_flag``), for parsers that know only one."""
+    return [canonical_flag(arg) for arg in argv]
+
+
+def _config_file_from_argv(argv: list[str]) -> str:
+    """The TOML file named on the command line (either spelling); if named twice, the last one (as for any flag)."""
+    path = ""
+    argv = normalize_flags(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--job.config_file":
+            if i + 1 >= len(argv):
+                raise ConfigError("--job.config_file needs a path to a TOML file")
+            path = argv[i + 1]
+        elif arg.startswith("--job.config_file="):
+            path = arg.split("=", 1)[1]
+    return path
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Check a TOML value against a field's type (TOML already gives typed values)."""
+    allowed = choices(typ)
+    if allowed is not None:
+        if value not in allowed or not isinstance(value, str):
+            raise not_allowed(where, value, allowed)
+        return value
+    if typ is bool:
+        ok = isinstance(value, bool)
+    elif typ is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif typ is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif typ is str:
+        ok = isinstance(value, str)
+    elif typing.get_origin(typ) is list:
+        if isinstance(value, str):  # "a,b" is accepted for lists of names
+            value = [value]
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    else:  # pragma: no cover - every field type is listed above
+        raise TypeError(f"unsupported config field type {typ} at {where}")
+    if not ok:
+        raise ConfigError(f"{where} = {value!r} has the wrong type; expected {getattr(typ, '__name__', typ)}")
+    return value
+
+
+def config_from_toml(path: str) -> JobConfig:
+    """Read a TOML job file into a JobConfig; unknown sections or keys are errors."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--job.config_file {path!r} does not exist")
+    try:
+        with open(path, "rb") as f:
+            data = tomli.load(f)
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8; tomli decodes before parsing
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); TOML files must be UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read --job.config_file {path!r}: {e.strerror or e}") from None
+    cfg = JobConfig()
+    sections = {f.name: f for f in dataclasses.fields(JobConfig)}
+    for section, values in data.items():
+        if section not in sections:
+            raise ConfigError(
+                f"unknown section [{section}] in {path}; allowed sections: {', '.join(sections)}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"'{section}' in {path} must be a [{section}] table")
+        _fill_section(getattr(cfg, section), values, section, path)
+    cfg.job.config_file = path
+    return cfg
+
+
+def _fill_section(obj: Any, values: dict, section: str, path: str) -> None:
+    """Set a section's fields from its TOML table; a nested dataclass field is a sub-table."""
+    types = field_types(type(obj))
+    for key, value in values.items():
+        if key not in types:
+            raise ConfigError(
+                f"unknown key '{key}' in section [{section}] of {path}; allowed keys: {', '.join(types)}"
+            )
+        if dataclasses.is_dataclass(types[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{section}.{key}' in {path} must be a [{section}.{key}] table")
+            _fill_section(getattr(obj, key), value, f"{section}.{key}", path)
+        else:
+            setattr(obj, key, _coerce(value, types[key], f"[{section}] {key} in {path}"))
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """TOML file (if ``--job.config_file`` is given) overridden by the command line."""
+    argv = normalize_flags(list(sys.argv[1:] if argv is None else argv))
+    check_command_line(argv)
+    path = _config_file_from_argv(argv)
+    default = config_from_toml(path) if path else JobConfig()
+    cfg = tyro.cli(
+        JobConfig,
+        default=default,
+        args=argv,
+        config=(tyro.conf.FlagConversionOff,),
+        description="Train a model whose whole training step is one traced FX graph.",
+    )
+    cfg.compile.passes = normalize_pass_list(cfg.compile.passes)
+    cfg.activation_checkpoint.selective_ops = normalize_pass_list(cfg.activation_checkpoint.selective_ops)
+    return cfg
+
+
+def normalize_pass_list(passes: list[str]) -> list[str]:
+    """Accept 'a,b c' style lists from TOML or the command line: split on commas, drop blanks."""
+    return [p.strip() for item in passes for p in item.split(",") if p.strip()]
+
+
+
+
+_BOOLS = ("True", "False")
+"""The spellings tyro accepts for a bool flag's value."""
+
+
+def _flag_types(cls: type = JobConfig, prefix: str = "") -> dict[str, Any]:
+    """``"section.key"`` (nested: ``"compile.ep_overlap.chunk_dim"``) -> field type, for every field."""
+    out = {}
+    for name, typ in field_types(cls).items():
+        if dataclasses.is_dataclass(typ):
+            out.update(_flag_types(typ, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = typ
+    return out
+
+
+def check_command_line(argv: list[str]) -> None:
+    """Check every ``--section.key value`` of ``argv`` (canonical spelling) against its field:
+    one ``ConfigError`` line for an unknown flag, a missing value, or a value of the wrong type or
+    outside a field's choices, before tyro parses (tyro would print a box of its own)."""
+    types = _flag_types()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--") or arg in ("--help",):
+            continue
+        name, has_value, value = arg[2:].partition("=")
+        if name not in types:
+            raise ConfigError(f"unknown flag --{name}; python train.py --help lists every flag")
+        typ = types[name]
+        if typing.get_origin(typ) is list:  # any number of values, up to the next flag
+            continue
+        if not has_value:
+            if i >= len(argv) or argv[i].startswith("--"):
+                raise ConfigError(f"--{name} needs a value")
+            value, i = argv[i], i + 1
+        _check_flag_value(name, value, typ)
+
+
+def _check_flag_value(name: str, value: str, typ: Any) -> None:
+    allowed = choices(typ) if typ is not bool else _BOOLS
+    if allowed is not None:
+        if value not in allowed:
+            raise not_allowed(name, value, allowed)
+        return
+    convert = {int: (int, "a whole number"), float: (float, "a number")}.get(typ)
+    if convert is not None:
+        try:
+            convert[0](value)
+        except ValueError:
+            raise ConfigError(f"{name} = {value!r} is not {convert[1]}") from None

@@ -1,0 +1,178 @@
+"""Node metadata: every tag the project writes on a traced node or reads from one.
+
+Tags live in ``node.meta["custom"]``, a dict PyTorch copies from the active
+``torch.fx.traceback.annotate`` regions onto every node made while tracing (``annotate`` below
+wraps it) and keeps through ``node_copy``. Passes write tags on the nodes they create. Every key
+and every value with a meaning is a constant here: no module spells one as a string of its own.
+Read with ``get(node, KEY)`` (or the few named getters), write with ``update(node, ...)`` or
+``replace(node, {...})``.
+
+============================  ============================================  ===========================================
+key (constant)                written by                                    read by
+============================  ============================================  ===========================================
+``phase`` (PHASE)             tracer: INPUT, FORWARD, LOSS, BACKWARD,       every stage (which half of the step a node
+                              OUTPUT; memory policy copies: BACKWARD;       is in)
+                              backend ``full``: STEP
+``module_fqn`` (MODULE_FQN)   tracer (innermost module; backward nodes      memory policy and backend (``block_of``,
+                              get their forward op's); ``LOSS_MODULE``     ``unit_of``), bucketing passes, simulator
+                              for the loss
+``input_fqn`` (INPUT_FQN)     tracer, placeholders: parameter/buffer name,  tests, dumps
+                              ``tokens`` or ``labels``
+``fsdp_role`` (FSDP_ROLE)     SimpleFSDP: UNSHARD on a parameter's cast +   reshard_after_forward, memory policy (never
+                              gather chain; tracer: REDUCE_GRAD on its      recomputed), transformer_block_bucketing,
+                              backward (the gradient reduction)             ep_overlap (not region nodes)
+``fsdp_param`` (FSDP_PARAM)   SimpleFSDP (the parameter's FQN); copied to   reshard_after_forward, bucketing
+                              its reduction by the tracer
+``fsdp_bucket``,              transformer_block_bucketing on the nodes      dumps, tests
+``fsdp_params``               it makes: bucket name, its parameters
+``ep_role`` (EP_ROLE)         expert_parallel: COUNT_EXCHANGE, DISPATCH,    ep_overlap, dry run, tests
+                              COMBINE; the MoE model: EXPERT_COMPUTE
+``moe_fqn`` (MOE_FQN)         expert_parallel: the MoE module's FQN         dry run, tests
+``chunk_region`` (CHUNK_      chunking (ep_overlap's model preparation):    ep_overlap
+REGION), ``chunk_id``         the chunked module, chunk 0 or 1
+``loss_chunk`` (LOSS_CHUNK)   loss: which row block of a chunked loss       memory policy, backend (``unit_of``)
+``activation`` (ACTIVATION)   memory policy ``tag_activations``: SAVE or    memory policy ``recompute_activations``
+                              RECOMPUTE
+``recomputed`` (RECOMPUTED),  reshard_after_forward and memory policy on    transformer_block_bucketing (not a
+``recompute_of``              their copies; recompute_of: the original      block's first compute), tests
+``inductor_region``           backend: the compiled region a call runs      backend report, tests
+``auto_bucket``               auto_bucketing on nodes PyTorch's bucketer    tests
+                              made untagged
+============================  ============================================  ===========================================
+
+The tracer copies the keys in ``INHERITED_BY_BACKWARD`` from a forward node onto the backward
+nodes that differentiate it, so a tag written once in the forward also marks its backward.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from types import MappingProxyType
+from typing import Any
+
+import torch.fx as fx
+import torch.fx.traceback
+
+CUSTOM = "custom"
+"""The ``node.meta`` entry holding the tags."""
+
+# --- keys -----------------------------------------------------------------------------------
+PHASE = "phase"
+MODULE_FQN = "module_fqn"
+INPUT_FQN = "input_fqn"
+FSDP_ROLE = "fsdp_role"
+FSDP_PARAM = "fsdp_param"
+FSDP_BUCKET = "fsdp_bucket"
+FSDP_PARAMS = "fsdp_params"
+EP_ROLE = "ep_role"
+MOE_FQN = "moe_fqn"
+CHUNK_REGION = "chunk_region"
+CHUNK_ID = "chunk_id"
+LOSS_CHUNK = "loss_chunk"
+ACTIVATION = "activation"
+RECOMPUTED = "recomputed"
+RECOMPUTE_OF = "recompute_of"
+INDUCTOR_REGION = "inductor_region"
+AUTO_BUCKET = "auto_bucket"
+
+# --- values ---------------------------------------------------------------------------------
+INPUT, FORWARD, LOSS, BACKWARD, OUTPUT, STEP = "input", "forward", "loss", "backward", "output", "step"
+"""Values of PHASE (STEP: the one call of a whole-step compiled graph)."""
+LOSS_MODULE = "loss"
+"""MODULE_FQN of the loss's own nodes (the mean cross-entropy after the logits)."""
+UNSHARD = "unshard"
+"""FSDP_ROLE of the forward nodes that cast and gather a parameter (and of their re-gathers)."""
+REDUCE_GRAD = "reduce_grad"
+"""FSDP_ROLE of the backward nodes that reduce (and cast) that parameter's gradient."""
+COUNT_EXCHANGE, DISPATCH, COMBINE, EXPERT_COMPUTE = "count_exchange", "dispatch", "combine", "expert_compute"
+"""Values of EP_ROLE: the token-count all_to_all, the token all_to_all there, the one back, the local experts."""
+EP_ROLES = (COUNT_EXCHANGE, DISPATCH, COMBINE, EXPERT_COMPUTE)
+SAVE, RECOMPUTE = "save", "recompute"
+"""Values of ACTIVATION."""
+
+INHERITED_BY_BACKWARD = (EP_ROLE, MOE_FQN, CHUNK_REGION, CHUNK_ID, LOSS_CHUNK)
+"""Forward tags that the backward nodes differentiating a node carry too (copied by the tracer)."""
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+_BLOCK = re.compile(r"^(layers\.\d+)(\.|$)")
+
+
+# --- reading --------------------------------------------------------------------------------
+def tags(node: fx.Node) -> Mapping[str, Any]:
+    """All tags of ``node``, read-only (empty for an untagged node)."""
+    custom = node.meta.get(CUSTOM)
+    return MappingProxyType(custom) if custom is not None else _EMPTY
+
+
+def get(node: fx.Node, key: str, default: Any = None) -> Any:
+    """One tag of ``node``, or ``default``."""
+    return node.meta.get(CUSTOM, _EMPTY).get(key, default)
+
+
+def has(node: fx.Node, key: str) -> bool:
+    return key in node.meta.get(CUSTOM, _EMPTY)
+
+
+def phase(node: fx.Node) -> str | None:
+    return get(node, PHASE)
+
+
+def module_fqn(node: fx.Node) -> str:
+    return get(node, MODULE_FQN, "")
+
+
+def block_of(node: fx.Node) -> str | None:
+    """The transformer block (``layers.<i>``) a node belongs to, from its MODULE_FQN; None elsewhere."""
+    match = _BLOCK.match(module_fqn(node))
+    return match.group(1) if match else None
+
+
+def unit_of(node: fx.Node) -> str | None:
+    """The unit the memory policy decides for and the backend compiles as one region: a row block
+    of the loss (``loss_chunk.<k>``) or a transformer block; None elsewhere (embeddings, final norm)."""
+    chunk = get(node, LOSS_CHUNK)
+    return f"{LOSS_CHUNK}.{chunk}" if chunk is not None else block_of(node)
+
+
+# --- writing --------------------------------------------------------------------------------
+# Writes never mutate a node's tag dict in place: ``Graph.node_copy`` copies ``node.meta``
+# shallowly, so a copy and its original share one dict until either is written.
+def update(node: fx.Node, values: Mapping[str, Any] | None = None, **more: Any) -> None:
+    """Add or overwrite tags of ``node``."""
+    node.meta[CUSTOM] = {**node.meta.get(CUSTOM, _EMPTY), **(values or {}), **more}
+
+
+def replace(node: fx.Node, values: Mapping[str, Any]) -> None:
+    """Make ``values`` (copied) all the tags of ``node``."""
+    node.meta[CUSTOM] = dict(values)
+
+
+def remove(node: fx.Node, key: str) -> None:
+    if key in node.meta.get(CUSTOM, _EMPTY):
+        node.meta[CUSTOM] = {k: v for k, v in node.meta[CUSTOM].items() if k != key}
+
+
+def set_default(node: fx.Node, key: str, value: Any) -> None:
+    """Tag ``key`` = ``value`` unless ``node`` already has ``key``."""
+    if key not in node.meta.get(CUSTOM, _EMPTY):
+        update(node, {key: value})
+
+
+@contextmanager
+def annotate(values: Mapping[str, Any]) -> Iterator[None]:
+    """While tracing, tag every node made inside the block with ``values`` (nested blocks add
+    their own; an inner value wins). Outside tracing it does nothing."""
+    with torch.fx.traceback.annotate(dict(values)):
+        yield
+
+
+__all__ = [
+    "ACTIVATION", "AUTO_BUCKET", "BACKWARD", "CHUNK_ID", "CHUNK_REGION", "COMBINE", "COUNT_EXCHANGE", "CUSTOM",
+    "DISPATCH", "EP_ROLE", "EP_ROLES", "EXPERT_COMPUTE", "FORWARD", "FSDP_BUCKET", "FSDP_PARAM", "FSDP_PARAMS",
+    "FSDP_ROLE", "INDUCTOR_REGION", "INHERITED_BY_BACKWARD", "INPUT", "INPUT_FQN", "LOSS", "LOSS_CHUNK",
+    "LOSS_MODULE", "MODULE_FQN", "MOE_FQN", "OUTPUT", "PHASE", "RECOMPUTE", "RECOMPUTED", "RECOMPUTE_OF",
+    "REDUCE_GRAD", "SAVE", "STEP", "UNSHARD", "annotate", "block_of", "get", "has", "module_fqn", "phase",
+    "remove", "replace", "set_default", "tags", "unit_of", "update",
+]

@@ -1,0 +1,143 @@
+"""Validation of a whole job before anything is built, and the device checks of this machine.
+
+``validate_config(cfg, world_size)`` checks what the types of ``graph_trainer.config`` cannot:
+every ``Literal`` field against its choices (for configs built in code; ``config_loading``
+already refused other values from a file or the command line), every float finite, ranges,
+fields that depend on each other, the flavor of the model, parallel degrees against the world
+size and the model's shapes (``models.<name>.parallelize.validate_parallelism``), and each pass
+listed against the layout (``PassSpec.check_config``). The first problem raises ``ConfigError``
+with one line naming the field, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+import torch
+
+from graph_trainer.config import JobConfig
+from graph_trainer.config_loading import choices, field_types, not_allowed
+from graph_trainer.errors import ConfigError
+from graph_trainer.parallel import resolve_parallel_degrees
+from graph_trainer.passes import PASS_REGISTRY
+from models.registry import MODEL_SPECS, model_args
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_fields(obj: Any, prefix: str) -> None:
+    """Every ``Literal`` field holds one of its choices and every float field is a finite number
+    (TOML and the command line both accept inf and nan, and an inf weight decay or eps trains
+    nothing, or NaN, without any error)."""
+    for name, typ in field_types(type(obj)).items():
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value):
+            _check_fields(value, f"{prefix}{name}.")
+        elif (allowed := choices(typ)) is not None and value not in allowed:
+            raise not_allowed(f"{prefix}{name}", value, allowed)
+        elif isinstance(value, float):
+            _require(math.isfinite(value), f"{prefix}{name} = {value} must be a finite number")
+
+
+def resolve_device(requested: str) -> str:
+    """``job.device`` as the job will run it: 'auto' is 'cuda' when CUDA is available, else 'cpu'."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def check_device(requested: str) -> None:
+    """Whether THIS machine can run the job on ``job.device`` (a check of the machine, not of the
+    config: ``analyze`` and the dry run trace CUDA jobs on a CPU): CUDA at all when it is asked
+    for, and one CUDA device per process of this node (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    import torch
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        reason = "this PyTorch has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ConfigError(f"job.device = 'cuda' but {reason} (torch {torch.__version__}); use --job.device cpu")
+    if resolve_device(requested) == "cuda":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        visible = torch.cuda.device_count()
+        if local > visible:
+            raise ConfigError(f"{local} processes on this node need {local} CUDA devices, {visible} visible; "
+                              f"use --job.device cpu or fewer processes")
+
+
+def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
+    """Check every field before anything is built; raise ConfigError on the first problem."""
+    t, c = cfg.training, cfg.compile
+    _check_fields(cfg, "")
+    spec = MODEL_SPECS[cfg.model.name]
+    if cfg.model.flavor not in spec.flavors:
+        raise not_allowed(f"model.flavor (for {cfg.model.name})", cfg.model.flavor, tuple(spec.flavors))
+    flavor = spec.flavors[cfg.model.flavor]
+    _require(cfg.model.n_layers >= 0, f"model.n_layers = {cfg.model.n_layers} must be >= 0 (0: the flavor's "
+                                      f"{flavor.n_layers})")
+    try:
+        args = model_args(cfg.model)
+    except ValueError as e:  # the flavor's own shape checks (e.g. DeepSeek-V3's dense layers)
+        raise ConfigError(f"model.n_layers = {cfg.model.n_layers} does not fit flavor {cfg.model.flavor}: {e}") from None
+
+    _require(t.steps >= 1, f"training.steps = {t.steps} must be >= 1")
+    _require(t.local_batch_size >= 1, f"training.local_batch_size = {t.local_batch_size} must be >= 1")
+    _require(
+        1 <= t.seq_len <= args.max_seq_len,
+        f"training.seq_len = {t.seq_len} must be between 1 and the flavor's max_seq_len {args.max_seq_len}",
+    )
+    _require(1 <= t.loss_chunks <= t.local_batch_size * t.seq_len,
+             f"training.loss_chunks = {t.loss_chunks} must be between 1 and the tokens per batch "
+             f"({t.local_batch_size * t.seq_len})")
+    _require(t.lr > 0 and math.isfinite(t.lr), f"training.lr = {t.lr} must be a positive number")
+    _require(t.weight_decay >= 0, f"training.weight_decay = {t.weight_decay} must be >= 0")
+    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "training.beta1 and training.beta2 must be in [0, 1)")
+    _require(t.eps > 0, f"training.eps = {t.eps} must be > 0")
+    _require(t.warmup_steps >= 0, f"training.warmup_steps = {t.warmup_steps} must be >= 0")
+    _require(0 <= t.min_lr_ratio <= 1, f"training.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1]")
+    _require(t.max_norm >= 0, f"training.max_norm = {t.max_norm} must be >= 0 (0 disables clipping)")
+
+    degrees = resolve_parallel_degrees(cfg.parallelism, world_size)
+    spec.validate_parallelism(args, degrees)
+
+    for name in c.passes:
+        _require(
+            name in PASS_REGISTRY,
+            f"unknown pass {name!r} in compile.passes; available passes: "
+            f"{', '.join(sorted(PASS_REGISTRY)) or '(none registered)'}",
+        )
+    _require(
+        len(set(c.passes)) == len(c.passes),
+        f"compile.passes lists a pass more than once: {','.join(c.passes)}",
+    )
+    _require(not (c.passes and c.mode == "eager"), "compile.passes needs compile.mode = 'graph'")
+    _require(c.backend == "none" or c.mode == "graph",
+             f"compile.backend = {c.backend!r} needs compile.mode = 'graph' (it compiles the traced graph)")
+    _require(c.inductor_scope == "regional" or c.backend == "inductor",
+             f"compile.inductor_scope = {c.inductor_scope!r} needs compile.backend = 'inductor'")
+    for name in c.passes:
+        PASS_REGISTRY[name].check_config(cfg, degrees)
+
+    ac = cfg.activation_checkpoint
+    _require(ac.mode == "none" or c.mode == "graph",
+             f"activation_checkpoint.mode = {ac.mode!r} needs compile.mode = 'graph' (the policy rewrites the "
+             f"traced graph; eager mode keeps every activation)")
+    unknown = [op for op in ac.selective_ops if not hasattr(torch.ops.aten, op)]
+    _require(not unknown, f"activation_checkpoint.selective_ops: {', '.join(unknown)} is not an aten op name "
+                          f"(e.g. mm, addmm, bmm)")
+    _require(cfg.metrics.log_freq >= 1, f"metrics.log_freq = {cfg.metrics.log_freq} must be >= 1")
+    _require(cfg.metrics.peak_tflops >= 0, f"metrics.peak_tflops = {cfg.metrics.peak_tflops} must be >= 0")
+    _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval = {cfg.checkpoint.interval} must be >= 0")
+    _require(cfg.checkpoint.load_step >= -1, f"checkpoint.load_step = {cfg.checkpoint.load_step} must be >= -1")
+    for name in ("init_timeout_seconds", "timeout_seconds"):
+        _require(getattr(cfg.comm, name) > 0, f"comm.{name} = {getattr(cfg.comm, name)} must be > 0")
+    _require(cfg.debug.grad_record_step >= 0,
+             f"debug.grad_record_step = {cfg.debug.grad_record_step} must be >= 0 (0: off)")
+    _require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")
+
+
+__all__ = ["check_device", "resolve_device", "validate_config"]

@@ -1,0 +1,161 @@
+"""Building blocks both model families share: norms, the SwiGLU MLP, rotary embedding, init rules.
+
+``models.llama3`` and ``models.deepseek_v3`` import what they share from here and never from each
+other. Everything here is plain PyTorch, written to be traced into one aten graph.
+
+Parameter initialisation is described as data (``InitRule``), so it can be replayed under any
+sharding: a model says *how* each parameter is initialised (``init_rules() -> {fqn: InitRule}``);
+the trainer decides *when* and *where*. Every parameter's FULL tensor is drawn from its own
+generator, seeded from ``(seed, fqn)`` by ``stable_seed``, and only then sharded, so the initial
+weights are the same whatever the parallel layout, the number of processes or the order in which
+parameters are visited.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# --------------------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, normalised in float32 for stability in bf16."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[..., 2i], x[..., 2i+1]) of ``x`` [B, S, H, head_dim] by the angle
+    of (position, i); ``table`` is ``rope_table(...)[:S]``. Computed in float32, returned
+    in ``x``'s dtype.
+
+    Same as multiplying the complex number x[2i] + j*x[2i+1] by exp(j*angle).
+    """
+    half = x.shape[-1] // 2
+    cos = table[:, :half].view(1, x.shape[1], 1, half)
+    sin = table[:, half:].view(1, x.shape[1], 1, half)
+    pairs = x.float().reshape(*x.shape[:-1], half, 2)
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+def rotary_table(freqs: torch.Tensor, max_seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[max_seq_len, 2 * len(freqs)]`` float32: cos of the angles ``p * freqs[i]`` in the first
+    half of the last dim, sin in the second half (the layout ``apply_rope`` reads).
+
+    ``freqs`` are float64; angles are formed in float64 and only the cos/sin are rounded to
+    float32, so positions in the thousands keep full float32 accuracy.
+    """
+    positions = torch.arange(max_seq_len, dtype=torch.float64, device=device)
+    angles = torch.outer(positions, freqs.to(device))
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# Communication buckets
+
+
+def block_bucket_plan(model: nn.Module) -> list[list[str]]:
+    """Module FQN groups that form one communication bucket each (for bucketing passes): the
+    embeddings, each transformer block ``layers.<i>``, the final norm with the output."""
+    return [["tok_embeddings"], *[[f"layers.{i}"] for i in model.layers], ["norm", "output"]]
+
+
+# --------------------------------------------------------------------------------------
+# Initialisation
+
+_KINDS = ("normal", "trunc_normal", "ones")
+
+
+@dataclass(frozen=True)
+class InitRule:
+    """How one parameter is initialised.
+
+    kind: ``"normal"`` (mean 0, ``std``), ``"trunc_normal"`` (mean 0, ``std``, cut at the
+        absolute bounds ``a``/``b``) or ``"ones"``.
+    std: standard deviation for the two normal kinds (ignored for ``"ones"``).
+    a, b: truncation bounds for ``"trunc_normal"``; ``None`` means torch's defaults -2 / 2
+        (absolute values, not multiples of ``std``).
+    """
+
+    kind: str
+    std: float = 0.0
+    a: float | None = None
+    b: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"InitRule.kind must be one of {_KINDS}, got {self.kind!r}")
+        if self.kind != "ones" and self.std <= 0.0:
+            raise ValueError(f"InitRule({self.kind!r}) needs std > 0, got {self.std}")
+
+
+def stable_seed(seed: int, fqn: str) -> int:
+    """A 63-bit generator seed from ``(seed, fqn)``, identical in every process and run.
+
+    Python's ``hash()`` of a str is salted per interpreter, so it cannot be used here.
+    """
+    digest = hashlib.sha256(f"{int(seed)}/{fqn}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def materialize_init(rule: InitRule, shape, dtype: torch.dtype, generator: torch.Generator | None,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """A new tensor of ``shape`` filled according to ``rule``, drawing from ``generator``."""
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    with torch.no_grad():
+        if rule.kind == "ones":
+            nn.init.ones_(out)
+        elif rule.kind == "normal":
+            nn.init.normal_(out, mean=0.0, std=rule.std, generator=generator)
+        else:  # trunc_normal
+            a = -2.0 if rule.a is None else rule.a
+            b = 2.0 if rule.b is None else rule.b
+            nn.init.trunc_normal_(out, mean=0.0, std=rule.std, a=a, b=b, generator=generator)
+    return out
+
+
+def draw_parameter(rule: InitRule, fqn: str, shape, seed: int, device: torch.device | str) -> torch.Tensor:
+    """The FULL float32 initial value of parameter ``fqn``: from its own generator seeded by
+    ``(seed, fqn)``, so it does not depend on sharding, process count or visiting order."""
+    generator = torch.Generator(device=device).manual_seed(stable_seed(seed, fqn))
+    return materialize_init(rule, shape, torch.float32, generator, device)
+
+
+@torch.no_grad()
+def init_plain_parameters(model: nn.Module, rules: dict[str, InitRule], seed: int) -> None:
+    """Initialise a plain (unsharded, materialised) model in place, exactly as the trainer does."""
+    for fqn, param in model.named_parameters():
+        param.copy_(draw_parameter(rules[fqn], fqn, param.shape, seed, param.device))
+
+
+__all__ = ["FeedForward", "InitRule", "RMSNorm", "apply_rope", "block_bucket_plan", "draw_parameter",
+           "init_plain_parameters", "materialize_init", "rotary_table", "stable_seed"]
