@@ -21,7 +21,7 @@ transformer-block bucketing pass:
   the tag our tracer already writes, so no module-stack adaptation is needed.
 
 Both graphs (and the unbucketed one, for reference) are simulated with
-``graph_trainer.analysis.simulator.simulate`` on ``cost_model.DEVICES["h100"]``; the table
+``graph_trainer.analysis.simulator.simulate`` on ``devices.DEVICES["h100"]``; the table
 gives collectives by type and simulated step / exposed communication time
 (``graph_trainer.analyze.summary_row``; its "trace s" column is the pass time here).
 
@@ -108,7 +108,7 @@ def run_torchtitan(gm: fx.GraphModule, plan: list[list[str]], param_fqns: list[s
 
 
 def main(argv: list[str]) -> int:
-    from graph_trainer.analysis.cost_model import DEVICES
+    from graph_trainer.analysis.devices import DEVICES
     from graph_trainer.fake_trace import fake_world, trace_job
     from graph_trainer.analysis.simulator import format_table, simulate
     from graph_trainer.analyze import summary_row

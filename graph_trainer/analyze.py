@@ -105,7 +105,7 @@ def _trace_path(path: str, label: str, several: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from graph_trainer.analysis.cost_model import DEVICES
+    from graph_trainer.analysis.devices import DEVICES
     from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, estimate_step_memory, memory_warning
     from graph_trainer.analysis.simulator import format_table
     from graph_trainer.config_loading import load_config, take_flag

@@ -2,7 +2,8 @@
 
 ``private_modules_only_through``: the modules of ``importers`` may import a private module of
 ``package`` (one whose dotted name has a part starting with ``_``, e.g. ``torch._inductor`` or
-``torch.distributed._functional_collectives``) only if they are one of ``allowed_importers``.
+``torch.distributed._functional_collectives``) only if they are one of ``allowed_importers`` (or
+inside one of them: a package allows its modules).
 Import-linter's own contracts cannot say this: a module expression cannot match "every module
 whose name starts with an underscore". The package must be one of the root packages, so its
 modules are in the graph. ``ignore_imports`` lists exceptions (each with its reason, in the
@@ -39,7 +40,7 @@ class PrivateModulesOnlyThrough(Contract):
         package = str(self.package)
         importers = {m.name for m in helpers.module_expressions_to_modules(graph, self.importers, as_packages=True)}
         allowed = {m.name for m in helpers.module_expressions_to_modules(graph, self.allowed_importers,
-                                                                         as_packages=False)}
+                                                                         as_packages=True)}
         illegal = []
         for importer in sorted(importers - allowed):
             for imported in sorted(graph.find_modules_directly_imported_by(importer)):

@@ -1,6 +1,6 @@
-"""DeepSeek-V3 model: sizes of every flavor, names and init rules, YaRN RoPE, causality, routing,
-load-balancing buffers, the token-dispatcher contract, and the traced step bitwise equal to eager
-(also on a second routing through the same graph)."""
+"""DeepSeek-V3 model: sizes of every flavor, names and init rules, YaRN RoPE, causality, the traced
+step bitwise equal to eager (also on a second routing through the same graph), validation and
+the registry entry. The MoE's own tests are in test_deepseek_v3_moe.py."""
 
 import dataclasses
 import math
@@ -10,52 +10,24 @@ import pytest
 import torch
 
 from graph_trainer.config_loading import load_config
-from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
+from graph_trainer.graph import tags
 from graph_trainer.parallel import ParallelDims
 from graph_trainer.simple_fsdp import MixedPrecision
 from graph_trainer.tracer import GraphStep, eager_step, trace_train_step
-from models.deepseek_v3.flavors import FLAVORS, num_params
-from models.deepseek_v3.model import DeepSeekV3, GroupedExperts, LocalTokenDispatcher, Router
-from models.deepseek_v3.flavors import DeepSeekV3Args, flops_per_token
-from models.deepseek_v3.model import _grouped_mm_swiglu, _looped_swiglu, yarn_frequencies
-from models.deepseek_v3.parallelize import parallelize_deepseek_v3, validate_parallelism
+from graph_trainer.validation import validate_config
 from models.common import InitRule
+from models.deepseek_v3.flavors import FLAVORS, DeepSeekV3Args, flops_per_token, num_params
+from models.deepseek_v3.model import (
+    DeepSeekV3,
+    yarn_frequencies,
+)
+from models.deepseek_v3.parallelize import parallelize_deepseek_v3, validate_parallelism
 from models.registry import MODEL_SPECS
-from graph_trainer.graph import tags
 from tests.conftest import ROOT
+from tests.deepseek_v3_tiny import TINY, TINY_V3, expert_counts, tiny_batch, tiny_model
 
 EXPECTED_PARAMS = {"debugmodel": 33_014_016, "16B": 15_706_484_224, "671B": 671_026_404_352}
-
-# dim 64, 2 layers (1 dense + 1 MoE), 4 experts top-2, softmax, plain wq.
-TINY = dataclasses.replace(
-    FLAVORS["debugmodel"], dim=64, n_layers=2, n_dense_layers=1, n_heads=4, vocab_size=128,
-    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, inter_dim=128,
-    moe_inter_dim=32, n_routed_experts=4, n_shared_experts=1, n_activated_experts=2, max_seq_len=64,
-)
-# The 671B-style variant: low-rank q, sigmoid scores, 8 experts in 4 groups (2 kept), top-3,
-# normalised weights times 2.5, no shared experts, 2 MoE layers.
-TINY_V3 = dataclasses.replace(
-    TINY, n_layers=3, q_lora_rank=24, score_func="sigmoid", n_routed_experts=8, n_activated_experts=3,
-    n_expert_groups=4, n_limited_groups=2, route_scale=2.5, route_norm=True, n_shared_experts=0,
-)
-
-
-def _model(args=TINY, seed=0):
-    model = DeepSeekV3(args)
-    model.init_weights(seed)
-    return model
-
-
-def _batch(args=TINY, batch=2, seq=16, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def _counts(model):
-    return torch.stack([m.tokens_per_expert.clone() for m in model.moe_layers()])
-
 
 # --------------------------------------------------------------------------------------
 # Sizes, names, init
@@ -126,8 +98,8 @@ def test_init_is_deterministic_and_meta_init_equals_cpu_init():
         meta_model = DeepSeekV3(TINY)
     meta_model.to_empty(device="cpu")
     meta_model.init_weights(3)
-    cpu_model = _model(seed=3)
-    other = _model(seed=4)
+    cpu_model = tiny_model(seed=3)
+    other = tiny_model(seed=4)
     pm, pc, po = (dict(m.named_parameters()) for m in (meta_model, cpu_model, other))
     assert all(torch.equal(pm[k], pc[k]) for k in pc)
     assert all(not torch.equal(pc[k], po[k]) for k in pc if not k.endswith("norm.weight"))
@@ -175,7 +147,7 @@ def test_yarn_frequencies_and_softmax_scale():
 
 @pytest.mark.parametrize("args", [TINY, TINY_V3], ids=["softmax", "sigmoid_grouped_qlora"])
 def test_forward_shape_finite_and_causal(args):
-    model = _model(args)
+    model = tiny_model(args)
     tokens = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(tokens)
@@ -191,188 +163,17 @@ def test_forward_shape_finite_and_causal(args):
         model(torch.zeros(1, args.max_seq_len + 1, dtype=torch.long))
 
 
-# --------------------------------------------------------------------------------------
-# Routing and load balancing
-
-
-def _router(args, seed=0):
-    router = Router(args)
-    torch.nn.init.normal_(router.gate.weight, std=0.5, generator=torch.Generator().manual_seed(seed))
-    return router
-
-
-def test_grouped_routing_picks_experts_in_the_best_groups():
-    args = TINY_V3  # 8 experts, 4 groups of 2, 2 groups kept, top-3, sigmoid, route_norm, scale 2.5
-    router = _router(args)
-    x = torch.randn(200, args.dim, generator=torch.Generator().manual_seed(1))
-    bias = torch.linspace(-0.2, 0.2, 8)
-    with torch.no_grad():
-        ids, weights = router(x, bias)
-        scores = router.gate(x).float().sigmoid()
-    assert ids.shape == weights.shape == (200, 3)
-    biased = (scores + bias).view(200, 4, 2)
-    best_groups = biased.sum(-1).topk(2, dim=-1).indices  # a group's top-2 of 2 = its sum
-    for t in range(200):
-        allowed = {2 * g + j for g in best_groups[t].tolist() for j in (0, 1)}
-        assert set(ids[t].tolist()) <= allowed and len(set(ids[t].tolist())) == 3
-    # The weights are the UNBIASED scores, normalised over the k, times route_scale.
-    picked = scores.gather(1, ids)
-    torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True) * 2.5)
-    torch.testing.assert_close(weights.sum(-1), torch.full((200,), 2.5))
-
-
-def test_expert_bias_changes_the_choice_not_the_weights():
-    router = _router(TINY)  # softmax, 4 experts, top-2, no groups
-    x = torch.randn(64, TINY.dim, generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        scores = router.gate(x).float().softmax(-1)
-        ids, weights = router(x, torch.zeros(4))
-        assert torch.equal(ids, scores.topk(2, dim=-1).indices)
-        ids_b, weights_b = router(x, torch.tensor([0.0, 0.0, 0.0, 10.0]))
-    assert (ids_b == 3).any(-1).all()  # every token now takes expert 3 ...
-    assert torch.equal(weights_b, scores.gather(1, ids_b))  # ... weighted by its unbiased score
-    assert torch.equal(weights, scores.gather(1, ids))
-    # The gate gets gradients through the weights; the bias is never differentiated.
-    bias = torch.zeros(4, requires_grad=True)
-    _, w = router(x, bias)
-    w.sum().backward()
-    assert router.gate.weight.grad is not None and bias.grad is None
-
-
-def test_token_counts_accumulate_in_the_buffer():
-    model = _model()
-    tokens, _ = _batch()
-    moe = model.layers["1"].moe
-    seen = []
-    moe.router.register_forward_hook(lambda mod, inp, out: seen.append(out[0].flatten()))
-    with torch.no_grad():
-        model(tokens)
-        first = moe.tokens_per_expert.clone()
-        model(tokens)
-    assert torch.equal(first, torch.bincount(seen[0], minlength=4).float())
-    assert first.sum() == 2 * 16 * 2  # tokens x top-k
-    assert torch.equal(moe.tokens_per_expert, 2 * first)
-
-
-def test_update_expert_bias_moves_toward_balance():
-    args = dataclasses.replace(TINY, load_balance_coeff=0.01)
-    model = _model(args)
-    tokens, _ = _batch(args, batch=4, seq=32)
-    moe = model.layers["1"].moe
-    moe.expert_bias.copy_(torch.tensor([0.3, 0.2, 0.0, 0.0]))  # experts 0 and 1 take everything
-    calls = []
-
-    def all_reduce(t):  # a stand-in for the sum over 2 identical ranks
-        calls.append(t.shape)
-        return t * 2
-
-    def imbalance():
-        with torch.no_grad():
-            model(tokens)
-        c = moe.tokens_per_expert
-        return (c.max() - c.min()).item()
-
-    start = imbalance()
-    counts = moe.tokens_per_expert.clone()
-    model.update_expert_bias(all_reduce)
-    assert calls == [torch.Size([1, 4])]  # one collective for all MoE layers
-    assert not moe.tokens_per_expert.any()
-    expected = torch.tensor([0.3, 0.2, 0.0, 0.0]) + 0.01 * torch.sign(2 * counts.mean() - 2 * counts)
-    assert torch.equal(moe.expert_bias, expected)
-    for _ in range(30):
-        imbalance()
-        model.update_expert_bias()
-    assert start == 4 * 32 and imbalance() < start / 4  # 128 vs 0 tokens -> within ~10
-    # Disabled balancing: only the counts are reset.
-    frozen = _model(dataclasses.replace(TINY, load_balance_coeff=None))
-    with torch.no_grad():
-        frozen(tokens)
-    frozen.update_expert_bias()
-    assert not frozen.layers["1"].moe.expert_bias.any() and not frozen.layers["1"].moe.tokens_per_expert.any()
-
-
-# --------------------------------------------------------------------------------------
-# Experts and the dispatcher contract
-
-
-def test_local_token_dispatcher_is_the_identity():
-    d = LocalTokenDispatcher()
-    x, counts = torch.randn(6, 4), torch.tensor([2, 0, 4])
-    x_local, local_counts, ctx = d.dispatch(x, counts)
-    assert x_local is x and local_counts is counts and ctx is None
-    y = torch.randn(6, 4)
-    assert d.combine(y, ctx) is y
-
-
-class _TwoRankDispatcher:
-    """Simulates expert parallel over 2 "ranks" in one process: this rank owns the first half
-    of the experts; the second half is computed by a stand-in for the remote rank."""
-
-    def __init__(self, remote_experts):
-        self.remote = remote_experts
-        self.calls = 0
-
-    def dispatch(self, x_sorted, counts):
-        self.calls += 1
-        half = counts.shape[0] // 2
-        n_local = int(counts[:half].sum())
-        remote_out = self.remote(x_sorted[n_local:], counts[half:])
-        return x_sorted[:n_local], counts[:half], remote_out
-
-    def combine(self, y_local, ctx):
-        return torch.cat([y_local, ctx])
-
-
-def test_moe_runs_through_a_dispatcher_with_a_local_slice_of_experts():
-    model = _model()
-    tokens, _ = _batch()
-    moe = model.layers["1"].moe
-    with torch.no_grad():
-        reference = model(tokens)
-        local, remote = GroupedExperts(64, 32, 2), GroupedExperts(64, 32, 2)
-        for name in ("w1", "w2", "w3"):
-            full = getattr(moe.experts, name)
-            getattr(local, name).copy_(full[:2])
-            getattr(remote, name).copy_(full[2:])
-        moe.experts = local  # this "rank" holds experts 0 and 1 only (w1.shape[0] == 2)
-        moe.token_dispatcher = _TwoRankDispatcher(remote)
-        sliced = model(tokens)
-    assert moe.token_dispatcher.calls == 1
-    assert torch.equal(sliced, reference)
-
-
-def test_grouped_experts_checks_counts_and_grouped_mm_matches_loop():
-    experts = GroupedExperts(16, 32, 3)
-    for w in experts.parameters():
-        torch.nn.init.normal_(w, std=0.1, generator=torch.Generator().manual_seed(0))
-    x = torch.randn(10, 16, generator=torch.Generator().manual_seed(1))
-    with pytest.raises(ValueError, match="3 \\(local\\) experts"):
-        experts(x, torch.tensor([5, 5]))
-    counts = torch.tensor([3, 0, 7])
-    loop = _looped_swiglu(x, counts, experts.w1, experts.w2, experts.w3)
-    assert torch.equal(experts(x, counts), loop)
-    # bf16 (on CUDA or CPU) takes the grouped_mm path: the same function, to bf16 rounding.
-    bf = [t.detach().to(torch.bfloat16) for t in (x, experts.w1, experts.w2, experts.w3)]
-    grouped = _grouped_mm_swiglu(bf[0], counts, *bf[1:])
-    torch.testing.assert_close(grouped.float(), loop.detach(), rtol=3e-2, atol=3e-3)
-    assert torch.equal(experts.to(torch.bfloat16)(bf[0], counts), grouped)
-
-
-# --------------------------------------------------------------------------------------
-# The traced step
-
-
 @pytest.mark.parametrize("args", [TINY, TINY_V3], ids=["softmax", "sigmoid_grouped_qlora"])
 def test_graph_matches_eager_bitwise_on_new_routings(args):
-    model = _model(args)
+    model = tiny_model(args)
     graph_step = GraphStep(model)
     for seed in (1, 2):  # the second batch routes differently, through the SAME graph
-        tokens, labels = _batch(args, seed=seed)
-        before = _counts(model)
+        tokens, labels = tiny_batch(args, seed=seed)
+        before = expert_counts(model)
         loss, grads = graph_step(tokens, labels)
-        graph_counts = _counts(model) - before
+        graph_counts = expert_counts(model) - before
         ref_loss, ref_grads = eager_step(model, tokens, labels)
-        eager_counts = _counts(model) - before - graph_counts
+        eager_counts = expert_counts(model) - before - graph_counts
         assert len(graph_step.graphs) == 1
         assert torch.equal(loss, ref_loss)
         assert len(grads) == len(ref_grads) == len(list(model.parameters()))

@@ -13,8 +13,8 @@ nothing; ``_c10d_functional`` nodes are costed by ``collective_time`` instead. E
 assumed to run alone (no fusion, no two kernels at once), which is eager PyTorch without CUDA
 graphs, on a GPU kept busy by its host (host-side stalls are not modelled).
 
-The efficiencies depend on the kernel: ``kernel_class`` sorts every compute node into a class
-of ``KernelEfficiency`` (matmul, grouped_mm, attention forward / backward, elementwise,
+The efficiencies depend on the kernel (``devices.py`` holds the device models): ``kernel_class``
+sorts every compute node into a class of ``KernelEfficiency`` (matmul, grouped_mm, attention forward / backward, elementwise,
 strided (broadcast / non-contiguous operands, cat), dtype_cast, reduction, softmax forward /
 backward, scatter_add) and a device with ``kernel_efficiency`` applies that class's fraction
 of the roofline: to the FLOP side for matmuls and attention (their byte side uses
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from graph_trainer.analysis.devices import DeviceModel
 from graph_trainer.graph import collectives
 from graph_trainer.graph.collectives import collective_bytes, collective_name, group_name, group_size_arg
 from graph_trainer.graph.ops import ATTENTION_PREFIX, DENSE_MATMULS, GROUPED_MM, is_view, name_of, named_args
@@ -54,152 +55,6 @@ from graph_trainer.torch_compat import is_op_overload, resolve_process_group, sy
 aten = torch.ops.aten
 
 
-@dataclass(frozen=True)
-class KernelEfficiency:
-    """Fraction of the roofline one class of kernels reaches (``kernel_class`` names the class).
-
-    Compute classes (matmuls, attention) scale the FLOP side of the roofline; memory classes
-    scale the byte side. The memory side of a compute class uses ``elementwise``.
-    """
-
-    matmul: float
-    """Dense GEMMs (mm, addmm, bmm, baddbmm), of the dtype's peak FLOP/s."""
-    grouped_mm: float
-    """``_grouped_mm`` (MoE experts), of the dtype's peak FLOP/s."""
-    attention_forward: float
-    """Fused SDPA forward kernels, of peak FLOP/s for the counted attention FLOPs."""
-    attention_backward: float
-    """Fused SDPA backward kernels (counted as 2.5x the forward FLOPs), of peak FLOP/s."""
-    elementwise: float
-    """Elementwise and copy kernels whose operands are contiguous and of the output's size."""
-    strided: float
-    """Elementwise kernels with a broadcast or non-contiguous operand, and cat / stack."""
-    dtype_cast: float
-    """Copies that change the dtype (``_to_copy`` bf16 <-> fp32)."""
-    reduction: float
-    """Sums, means, norms and other reductions."""
-    softmax_forward: float
-    """(log_)softmax forward over rows (the loss over the vocabulary)."""
-    softmax_backward: float
-    """(log_)softmax backward."""
-    scatter_add: float
-    """Accumulating scatters (index_add, scatter_add, index_put with accumulate): atomics."""
-
-
-@dataclass(frozen=True)
-class DeviceModel:
-    """Throughputs and fixed costs of one accelerator and its interconnect (SI units)."""
-
-    name: str
-    peak_flops_bf16: float
-    """Dense tensor-core FLOP/s for bf16/fp16 matmuls (fp8 counts twice this)."""
-    peak_flops_fp32: float
-    """FLOP/s for fp32 matmuls (and any dtype other than bf16/fp16/fp8)."""
-    hbm_bandwidth: float
-    """Device memory bytes/s: the roofline for memory-bound kernels."""
-    intra_node_bandwidth: float
-    """Bytes/s per direction per rank on links inside a node (NVLink)."""
-    inter_node_bandwidth: float
-    """Bytes/s per direction per rank between nodes (one NIC per GPU)."""
-    collective_latency: float
-    """Fixed seconds per collective (launch, synchronisation, ring start-up)."""
-    flops_efficiency: float
-    """Fraction of peak FLOP/s that real kernels achieve (when ``kernel_efficiency`` is None)."""
-    bandwidth_efficiency: float
-    """Fraction of peak link bandwidth that collectives achieve, and of memory bandwidth that
-    kernels achieve when ``kernel_efficiency`` is None."""
-    launch_overhead: float
-    """Seconds added to every compute kernel (launch gap and tail effects)."""
-    kernel_efficiency: KernelEfficiency | None = None
-    """Per kernel class fractions of the roofline (see ``kernel_class``); None: the two global ones."""
-    fused_attention: bool = False
-    """The device runs attention as a fused GPU kernel: graphs simulated for it are traced with
-    ``fake_trace``'s ``gpu_attention`` (a CPU trace would hold the math fallback's S x S scores)."""
-
-    def peak_flops(self, dtype: torch.dtype) -> float:
-        if dtype in (torch.bfloat16, torch.float16):
-            return self.peak_flops_bf16
-        if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return 2 * self.peak_flops_bf16
-        return self.peak_flops_fp32
-
-
-# Calibration of H100_SXM's kernels (2026-11, ``h100_measurements.md`` and the two
-# torch.profiler tables in ``h100_profiles/``: llama3 8B shape x 4 layers at 1 x 8192 and
-# deepseek_v3 16B shape x 4 layers at 2 x 4096, pure bf16, traced graph, 2 steady steps).
-# Each profiled aten op (name + input shapes) was matched to the nodes of the same graph
-# traced here (``fake_trace``: ``param_dtype=bfloat16, gpu_attention=True``); a class's
-# efficiency is sum(roofline time at 100%) / sum(profiled CUDA time) over its matched ops,
-# pooled over both profiles (rows mixing two kernel classes, e.g. pow(x, 1.0) running as a
-# copy_, are left out). Per profile (8B / 16B) and what the pool covers:
-H100_KERNELS = KernelEfficiency(
-    # mm: 0.776 / 0.803 over 110 ms of mm (87 + 96 calls per step); single shapes 0.63-0.84.
-    matmul=0.78,
-    # _grouped_mm (MoE experts, 64 groups of ~768 rows): 0.52-0.59, 16B only, 13.9 ms.
-    grouped_mm=0.56,
-    # cuDNN flash attention (sm90), causal, FLOPs as counted by ``_attention_flops``:
-    # forward 0.611 (8B, d=128, S=8192) / 0.533 (16B, d_qk=192, d_v=128, S=4096).
-    attention_forward=0.59,
-    # backward (2.5x the forward FLOPs): 0.442 / 0.384.
-    attention_backward=0.43,
-    # Contiguous pointwise kernels, fills, gathers (add, mul, silu(_backward), nll_loss_backward's
-    # zero-fill, embedding_dense_backward; 16B: index_copy at 0.56): 0.922 / 0.865, 20 ms.
-    elementwise=0.90,
-    # Broadcast or strided operands (RMSNorm scale by rsqrt / by weight, RoPE on strided
-    # halves, stack/cat interleaving): 0.488 / 0.493, 17 ms; single ops range 0.29-0.70.
-    strided=0.49,
-    # bf16 <-> fp32 _to_copy (RMSNorm upcasts, logits to fp32 and back): 0.695 / 0.710, 12.5 ms.
-    dtype_cast=0.70,
-    # sums over rows/columns (norm-weight gradients, MoE combine): 0.588 / 0.699, 2.4 ms.
-    reduction=0.66,
-    # cunn_SoftMaxForward on (tokens, vocab) fp32: 0.452 / 0.452 (it reads its input twice).
-    softmax_forward=0.45,
-    # cunn_SoftMaxBackward: 0.659 / 0.662.
-    softmax_backward=0.66,
-    # index_add of 49152 bf16 rows into 8192 (MoE combine, atomics): 0.094 (16B, 2.6 ms).
-    scatter_add=0.094,
-)
-
-H100_SXM = DeviceModel(
-    name="H100 SXM",
-    peak_flops_bf16=989e12,
-    # fp32 matmuls at PyTorch's default (torch.backends.cuda.matmul.allow_tf32 = False) run on
-    # the non-tensor-core FP32 units: 67 TFLOP/s. With TF32 enabled it would be 494e12.
-    # No fp32 profile exists: fp32 kernels take the bf16-derived class efficiencies, which the
-    # measured fp32 step time checks in aggregate (tests/analysis/test_calibration.py).
-    peak_flops_fp32=67e12,
-    hbm_bandwidth=3.35e12,
-    intra_node_bandwidth=450e9,  # NVLink 4, 900 GB/s bidirectional, 8 GPUs per node
-    inter_node_bandwidth=50e9,  # 400 Gb/s InfiniBand NIC per GPU
-    collective_latency=15e-6,
-    flops_efficiency=0.7,  # unused for kernels (kernel_efficiency is set)
-    bandwidth_efficiency=0.8,  # links only (collectives); not re-calibrated here
-    # GPU time per step not spent in any kernel, per kernel launched: (step time from tok/s -
-    # profiled CUDA time) / launches, 8B: (204.45 - 203.36 ms) / ~1140 (1048 cudaLaunchKernel
-    # + 95 cuBLAS/cuDNN), 16B: (148.68 - 141.01 ms) / ~1720; pooled 8.8 ms / 2860 = 3.1 us.
-    # Per profile 1.0 / 4.5 us: the 16B step has host-bound stretches (GPU idle) that the
-    # simulator does not model; the tables have no timeline to locate them.
-    launch_overhead=3.1e-6,
-    kernel_efficiency=H100_KERNELS,
-    fused_attention=True,
-)
-
-CPU_2CORE = DeviceModel(
-    # Rough, for sanity checks only: measured once on the 2-core AMD EPYC dev machine with
-    # 1024^3 matmuls, a 128 MiB elementwise op and gloo over loopback.
-    name="CPU 2-core",
-    peak_flops_bf16=200e9,
-    peak_flops_fp32=80e9,
-    hbm_bandwidth=6e9,
-    intra_node_bandwidth=1e9,
-    inter_node_bandwidth=1e9,
-    collective_latency=100e-6,
-    flops_efficiency=1.0,
-    bandwidth_efficiency=1.0,
-    launch_overhead=10e-6,
-)
-
-DEVICES: dict[str, DeviceModel] = {"h100": H100_SXM, "cpu": CPU_2CORE}
 
 
 # ---------------------------------------------------------------------------------------
@@ -464,6 +319,6 @@ def collective_time(
 
 
 __all__ = [
-    "CPU_2CORE", "DEVICES", "DeviceModel", "GroupInfo", "H100_SXM", "KernelEfficiency", "collective_time",
+    "GroupInfo", "collective_time",
     "group_info", "is_free", "kernel_class", "node_bytes", "node_compute_time", "node_flops",
 ]

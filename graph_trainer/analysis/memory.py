@@ -84,7 +84,7 @@ from graph_trainer.parallel import local_tensor
 GIB = float(1 << 30)
 
 DEVICE_MEMORY_BYTES: dict[str, int] = {"h100": round(79.1 * (1 << 30))}
-"""Usable memory by device model name (``cost_model.DEVICES``): an H100 SXM "80 GB" shows
+"""Usable memory by device model name (``devices.DEVICES``): an H100 SXM "80 GB" shows
 about 79.1 GiB to PyTorch. Devices without an entry (``cpu``) are not checked."""
 
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from graph_trainer.analysis.cost_model import DeviceModel, GroupInfo, collective_time, group_info, kernel_class
+from graph_trainer.analysis.devices import DeviceModel
+from graph_trainer.analysis.cost_model import collective_time, group_info, GroupInfo, kernel_class
 from graph_trainer.analysis.cost_model import node_compute_time
 from graph_trainer.analysis.memory import MemoryEstimate, estimate_peak_memory
 from graph_trainer.graph import collectives, tags

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from graph_trainer.analysis.cost_model import H100_SXM
+from graph_trainer.analysis.devices import H100_SXM
 from graph_trainer.build import cast_parameters
 from graph_trainer.fake_trace import fake_world, trace_without_passes
 from graph_trainer.analysis.simulator import simulate

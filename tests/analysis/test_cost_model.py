@@ -4,14 +4,15 @@ import pytest
 import torch
 import torch.fx as fx
 
-from graph_trainer.analysis.cost_model import collective_time, group_info, H100_SXM, node_compute_time, node_flops
+from graph_trainer.analysis.cost_model import collective_time, group_info, node_compute_time, node_flops
+from graph_trainer.analysis.devices import H100_SXM
 from graph_trainer.graph.sizes import SizeHints
 from graph_trainer.graph.collectives import collective_bytes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 D = H100_SXM
-K = D.kernel_efficiency  # calibrated per kernel class (cost_model.H100_KERNELS)
+K = D.kernel_efficiency  # calibrated per kernel class (devices.H100_KERNELS)
 LAUNCH = D.launch_overhead
 US = 1e-6
 
@@ -247,7 +248,8 @@ def test_kernel_classes_pick_their_calibrated_efficiency():
 
 
 def test_cpu_device_keeps_global_efficiencies():
-    from graph_trainer.analysis.cost_model import CPU_2CORE, node_bytes
+    from graph_trainer.analysis.devices import CPU_2CORE
+    from graph_trainer.analysis.cost_model import node_bytes
 
     _, nodes = _class_graph()
     cpu = CPU_2CORE

@@ -1,0 +1,112 @@
+"""The private PyTorch APIs graph_trainer depends on, in one place.
+
+Everything here reaches below PyTorch's public surface, grouped by area: ``versions`` (which torch
+this is, ``private_api``), ``fx`` (tracing metadata hooks, autograd node sequence numbers,
+``OpOverload.is_view`` / ``_opname`` / ``_schema``, SymInt internals the cost model reads, fake
+tensor modes, ``torch._grouped_mm``), ``distributed`` (``_StridedShard``, the dp-over-tp placement
+SimpleFSDP needs; mesh flattening; process groups by name and their timeouts; the fake process
+group's store; functional all_to_all; gloo's worker-thread count), ``checkpoint`` (DCP internals:
+the classes a checkpoint's metadata pickle holds, a reader that unpickles it safely) and
+``inductor`` (the overlap scheduler, whose roofline estimate is swapped for ours inside one context
+manager, and its counters; partition fusing; standalone compilation; its logs and caches).
+Import them from this package; the import-linter contract in pyproject.toml keeps every other
+module away from private torch modules. ``tests/torch_compat/`` checks each entry against the
+installed PyTorch so that an upgrade that changes one fails loudly there, not deep inside a
+training run; and a lookup that fails at run time raises ``TorchCompatError`` (one line: the API,
+the installed torch, the supported range ``SUPPORTED_TORCH``), not an ImportError deep in a
+traceback.
+"""
+
+from graph_trainer.torch_compat.checkpoint import (
+    DCP_METADATA_FILE,
+    dcp_metadata_globals,
+    dcp_reader,
+    dcp_storage_files,
+)
+from graph_trainer.torch_compat.distributed import (
+    ONE_THREAD_GLOO,
+    StridedShard,
+    all_to_all_single,
+    all_to_all_single_autograd,
+    cpu_backend,
+    fake_store,
+    flatten_mesh_dims,
+    process_groups,
+    resolve_process_group,
+    set_group_timeout,
+)
+from graph_trainer.torch_compat.fx import (
+    fake_mode_of,
+    grouped_mm,
+    is_op_overload,
+    is_view_op,
+    new_fake_mode,
+    op_name,
+    op_schema,
+    sym_expr,
+    sym_has_hint,
+    sym_hint,
+    tag_backward_with_forward_seq_nr,
+)
+from graph_trainer.torch_compat.inductor import (
+    OVERLAP_SCHEDULER_ARGS,
+    default_cache_dir,
+    deterministic_algorithms,
+    fuse_partitions,
+    inductor_compile,
+    inductor_counters,
+    inductor_graph_pass,
+    inductor_output_files,
+    overlap_scheduler_problem,
+    overlap_scheduling_module,
+    roofline_estimate,
+)
+from graph_trainer.torch_compat.versions import (
+    SUPPORTED_TORCH,
+    TORCH_VERSION,
+    pass_needs_torch_2_13,
+    private_api,
+)
+
+__all__ = [
+    "DCP_METADATA_FILE",
+    "ONE_THREAD_GLOO",
+    "OVERLAP_SCHEDULER_ARGS",
+    "SUPPORTED_TORCH",
+    "StridedShard",
+    "TORCH_VERSION",
+    "all_to_all_single",
+    "all_to_all_single_autograd",
+    "cpu_backend",
+    "dcp_metadata_globals",
+    "dcp_reader",
+    "dcp_storage_files",
+    "default_cache_dir",
+    "deterministic_algorithms",
+    "fake_mode_of",
+    "fake_store",
+    "flatten_mesh_dims",
+    "fuse_partitions",
+    "grouped_mm",
+    "inductor_compile",
+    "inductor_counters",
+    "inductor_graph_pass",
+    "inductor_output_files",
+    "is_op_overload",
+    "is_view_op",
+    "new_fake_mode",
+    "op_name",
+    "op_schema",
+    "overlap_scheduler_problem",
+    "overlap_scheduling_module",
+    "pass_needs_torch_2_13",
+    "private_api",
+    "process_groups",
+    "resolve_process_group",
+    "roofline_estimate",
+    "set_group_timeout",
+    "sym_expr",
+    "sym_has_hint",
+    "sym_hint",
+    "tag_backward_with_forward_seq_nr",
+]

@@ -1,0 +1,107 @@
+"""Private APIs of tracing: autograd sequence numbers, op overload internals, SymInt internals,
+fake tensor modes, and the grouped matmul kernel."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+
+from graph_trainer.torch_compat.versions import private_api
+
+
+def tag_backward_with_forward_seq_nr(loss: torch.Tensor) -> None:
+    """Make nodes traced during backward carry the sequence number of their forward op.
+
+    Each autograd node remembers the sequence number of the forward op that created it
+    (``_sequence_nr()``). Pre/post hooks on every node of ``loss``'s autograd graph push and
+    pop that number into the FX tracing metadata (``fx.traceback.set_grad_fn_seq_nr``), so
+    backward FX nodes get ``meta["seq_nr"]`` equal to their forward node's. The tracer then
+    copies the forward ``module_fqn`` across. Needs ``fx.traceback.preserve_node_meta()``.
+    """
+    if loss.grad_fn is None:
+        return
+    seen: set = set()
+    queue = collections.deque([loss.grad_fn])
+    while queue:
+        node = queue.popleft()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        with private_api("autograd Node._sequence_nr"):
+            seq_nr = node._sequence_nr()
+        node.register_prehook(lambda grad_outputs, seq_nr=seq_nr: fx_traceback.set_grad_fn_seq_nr(seq_nr))
+        node.register_hook(lambda grad_inputs, grad_outputs: fx_traceback.reset_grad_fn_seq_nr())
+        queue.extend(fn for fn, _ in node.next_functions)
+
+
+def is_op_overload(target) -> bool:
+    """Whether an FX node's target is an operator overload (``torch._ops.OpOverload``, e.g.
+    ``aten.mm.default``), as opposed to a Python function or method name."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def is_view_op(node: fx.Node) -> bool:
+    """Whether ``node`` calls an aten op whose result aliases its input (``OpOverload.is_view``)."""
+    return is_op_overload(node.target) and node.target.is_view
+
+
+def op_name(target) -> str:
+    """The op's name without namespace and overload (``OpOverload._opname``)."""
+    with private_api("OpOverload._opname"):
+        return target._opname
+
+
+def op_schema(target):
+    """The op's ``FunctionSchema`` (``OpOverload._schema``): argument names and defaults."""
+    with private_api("OpOverload._schema"):
+        return target._schema
+
+
+def sym_expr(x: torch.SymInt):
+    """The sympy expression behind a SymInt (``SymNode.expr``)."""
+    return x.node.expr
+
+
+def sym_has_hint(x: torch.SymInt) -> bool:
+    """Whether a SymInt has an example value (backed), unlike an unbacked data-dependent size."""
+    return x.node.has_hint()
+
+
+def sym_hint(x: torch.SymInt) -> int:
+    """The example value of a backed SymInt (``guarding_hint_or_throw`` since torch 2.13,
+    ``hint_int`` before)."""
+    import torch.fx.experimental.symbolic_shapes as symbolic_shapes
+
+    with private_api("torch.fx.experimental.symbolic_shapes.guarding_hint_or_throw (or hint_int)"):
+        hint = getattr(symbolic_shapes, "guarding_hint_or_throw", None) or symbolic_shapes.hint_int
+    return int(hint(x))
+
+
+def new_fake_mode(**kwargs):
+    """A ``FakeTensorMode`` (``torch._subclasses.fake_tensor``) built with ``kwargs`` (shape_env, static_shapes, ...)."""
+    with private_api("torch._subclasses.fake_tensor.FakeTensorMode"):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``: row block ``i`` of ``a`` (rows up to ``offs[i]``) times ``b[i]``, one kernel."""
+    with private_api("torch._grouped_mm"):
+        kernel = torch._grouped_mm
+    return kernel(a, b, offs=offs)
+
+
+def fake_mode_of(value):
+    """The ``FakeTensorMode`` a traced node's ``meta["val"]`` belongs to (``FakeTensor.fake_mode``), else None.
+
+    Passes that add nodes run the new ops on these fake values (under that mode) to give the
+    new nodes a ``meta["val"]`` of the same trace.
+    """
+    with private_api("torch._subclasses.fake_tensor.FakeTensor"):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+    return value.fake_mode if isinstance(value, FakeTensor) else None

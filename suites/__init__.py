@@ -1,0 +1,58 @@
+"""The end-to-end suites' case tables: every case of ``integration_tests.py`` (the runner) and of
+its ``--dry-run`` (``integration_dry_run.py``), the bounds they are held to, and the flags each
+case's job gets (``job_args``). Both runners import this package; it imports neither.
+
+``cases`` says what a case and a suite are; ``cpu``, ``h100`` and ``gpu`` hold the tables.
+"""
+
+from __future__ import annotations
+
+from suites.cases import (
+    BUCKETING,
+    CLOSE_RTOL,
+    EP_OVERLAP,
+    GRAD_RECORD_STEP,
+    GRAD_RTOL,
+    INDUCTOR_RTOL,
+    ROOT,
+    Case,
+    Suite,
+    job_args,
+)
+from suites.cpu import CPU_CASES
+from suites.gpu import GPU_CASES
+from suites.h100 import H100_CASES
+
+SUITES = {
+    "cpu": Suite(
+        config="configs/llama3_debug.toml",
+        overrides=["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "5",
+                   "--metrics.enable_tensorboard", "False", "--checkpoint.interval", "0", "--job.device", "cpu"],
+        steps=10,
+        record_grads=True,
+        cases=CPU_CASES,
+    ),
+    "h100": Suite(
+        config="configs/llama3_8b.toml",
+        # bitwise comparisons on CUDA need deterministic kernels (attention backward)
+        overrides=["--metrics.log_freq", "5", "--checkpoint.interval", "0", "--job.device", "cuda",
+                   "--debug.deterministic", "True"],
+        steps=20,
+        cases=H100_CASES,
+        gpus=True,
+        timeout=3600,
+    ),
+    "gpu": Suite(
+        config="configs/llama3_debug.toml",
+        overrides=["--metrics.log_freq", "5", "--checkpoint.interval", "0", "--job.device", "cuda",
+                   "--metrics.enable_tensorboard", "False"],
+        steps=10,
+        cases=GPU_CASES,
+        gpus=True,
+        report_speed=True,
+        timeout=1800,
+    ),
+}
+
+__all__ = ["BUCKETING", "CLOSE_RTOL", "EP_OVERLAP", "GRAD_RECORD_STEP", "GRAD_RTOL", "INDUCTOR_RTOL", "ROOT", "SUITES",
+           "Case", "Suite", "job_args"]

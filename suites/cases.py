@@ -1,0 +1,149 @@
+"""What a case and a suite are, the bounds cases are held to, the flags each case's job gets
+(``job_args``), and the helpers the tables (``cpu``, ``h100``, ``gpu``) are written with.
+
+A case names a layout (processes and flags) and optionally the case it must equal bitwise
+(``same_as``) or stay close to (``close_to``, within ``rtol``); a suite gives its cases a config,
+flags and a step count (see ``integration_tests.py`` for what a passing case means).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CLOSE_RTOL = 1e-4
+"""Bound on the relative deviation of a ``close_to`` case's losses from its one-process reference."""
+INDUCTOR_RTOL = 5e-6
+"""Bound on the relative deviation of losses compiled by Inductor (``--compile.backend inductor``)
+from the op-by-op graph of the same job, fp32 on CPU: fusion rounds differently, and other CPUs'
+vector widths change Inductor's reduction loops. The measured deviations this bound covers (20
+steps of both debug models, both scopes; the cpu suite's 10-step jobs) are in docs/performance.md
+and their causes in docs/numerics.md."""
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    nproc: int
+    args: list[str]
+    same_as: str = ""
+    """Name of an earlier case whose per-step losses this one must equal bitwise."""
+    close_to: str = ""
+    """Name of an earlier case (one process, same global batch) whose losses this one must
+    match within ``rtol``: only the order of the gradient sums differs (or, with ``rtol``
+    ``INDUCTOR_RTOL``, the same job run op by op: Inductor's fusion rounds differently)."""
+    rtol: float = CLOSE_RTOL
+    """The bound of a ``close_to`` comparison on the losses (``CLOSE_RTOL`` by default)."""
+    config: str = ""
+    """Job config of this case; empty: the suite's."""
+
+    @property
+    def eager(self) -> bool:
+        return "eager" in self.args
+
+    @property
+    def references(self) -> list[str]:
+        return [r for r in (self.same_as, self.close_to) if r]
+
+
+GRAD_RTOL = 1e-5
+"""Bound on the relative deviation of a ``close_to`` case's step-1 gradients (global norm, each
+parameter's norm, each parameter's sample) from its one-process reference: only the order of the
+gradient sums differs (measured deviations: docs/performance.md). A doubled gradient deviates by 1."""
+GRAD_RECORD_STEP = 1
+
+
+@dataclass(frozen=True)
+class Suite:
+    config: str
+    overrides: list[str]
+    """Flags every case gets (before its own); ``--training.steps`` is added from ``steps``."""
+    steps: int
+    cases: list[Case] = field(default_factory=list)
+    gpus: bool = False
+    """Needs one CUDA device per process."""
+    timeout: float = 900
+    report_speed: bool = False
+    """The table shows each case's tok/s, MFU and peak memory at its last step."""
+    record_grads: bool = False
+    """Every job writes its step-``GRAD_RECORD_STEP`` gradient record, and comparisons check it."""
+    dry_run_overrides: list[str] = field(default_factory=list)
+
+
+def layout_cases(layouts: dict[str, tuple[int, list[str], str]], config: str = "") -> list[Case]:
+    """A graph case and its eager twin per layout: (processes, args, one-process reference)."""
+    cases = []
+    for name, (nproc, args, reference) in layouts.items():
+        cases.append(Case(f"{name}_graph", nproc, args, close_to=reference, config=config))
+        # Eager mode keeps every activation (it rejects a checkpointing mode a config may set); the
+        # policy changes no value, so the graph case is still bitwise its eager twin.
+        cases.append(Case(f"{name}_eager", nproc, [*args, "--compile.mode", "eager", "--activation_checkpoint.mode",
+                                                   "none"], same_as=f"{name}_graph", config=config))
+    return cases
+
+
+BUCKETING = {
+    # case-name suffix: --compile.passes
+    "tbb": "transformer_block_bucketing",
+    "auto": "auto_bucketing",
+    "tbb_auto": "transformer_block_bucketing,auto_bucketing",
+}
+
+
+def pass_cases(layouts: dict[str, tuple[int, list[str], str]], names: list[str], config: str = "",
+                passes: dict[str, str] = BUCKETING) -> list[Case]:
+    """For each named layout and pass list, a graph case bitwise the layout's graph without passes."""
+    return [Case(f"{name}_{suffix}", layouts[name][0], [*layouts[name][1], "--compile.passes", pass_list],
+                 same_as=f"{name}_graph", config=config)
+            for name in names for suffix, pass_list in passes.items()]
+
+
+def batch(n: int) -> list[str]:
+    return ["--training.local_batch_size", str(n)]
+
+
+DEEPSEEK_DEBUG = "configs/deepseek_v3_debug.toml"
+INDUCTOR_FLAGS = ["--compile.backend", "inductor"]
+INDUCTOR_FULL_FLAGS = [*INDUCTOR_FLAGS, "--compile.inductor_scope", "full"]
+
+
+# ---- ep_overlap: the chunked graph in traced order ("chunked", compile.ep_overlap.reorder False)
+# is within float rounding of the unchunked run; the scheduled one must equal it bitwise (with
+# the same FSDP passes). Whole blocks need an even local batch (2); the MoE-only selection
+# chunks the sequence, so FSDP2xEP2 keeps its local batch of 1.
+EP_OVERLAP = {
+    # case-name part: ep_overlap settings
+    "blocks": ["--compile.ep_overlap.module_fqn", "layers.*", "--compile.ep_overlap.chunk_dim", "batch"],
+    "moe_seq": ["--compile.ep_overlap.module_fqn", "layers.*.moe", "--compile.ep_overlap.chunk_dim", "seq"],
+    "moe_batch": ["--compile.ep_overlap.module_fqn", "layers.*.moe", "--compile.ep_overlap.chunk_dim", "batch"],
+}
+
+
+def ep_overlap_cases(layouts: dict[str, tuple[int, list[str], str]], plan: list[tuple[str, str, str]],
+                      config: str) -> list[Case]:
+    """Per (layout, selection, FSDP passes): the chunked reference and the scheduled case bitwise equal to it."""
+    cases = []
+    for layout, selection, fsdp_passes in plan:
+        nproc, args, reference = layouts[layout]
+        passes = ",".join(p for p in ("ep_overlap", fsdp_passes) if p)
+        short = {v: k for k, v in BUCKETING.items()}
+        name = f"{layout}_ep_overlap_{selection}" + (f"_{short[fsdp_passes]}" if fsdp_passes else "")
+        chunked = Case(f"{name}_chunked", nproc, [*args, *EP_OVERLAP[selection], "--compile.passes", passes,
+                                                  "--compile.ep_overlap.reorder", "False"],
+                       close_to=reference, config=config)
+        cases += [chunked, Case(name, nproc, [*args, *EP_OVERLAP[selection], "--compile.passes", passes],
+                                same_as=chunked.name, config=config)]
+    return cases
+
+
+def ac_flags(mode: str) -> list[str]:
+    return ["--activation_checkpoint.mode", mode]
+
+
+def job_args(suite: Suite, case: Case, extra: list[str] = ()) -> list[str]:
+    """train.py flags of a case: its config, the suite's overrides, ``extra``, its own args."""
+    record = ["--debug.grad_record_step", str(GRAD_RECORD_STEP)] if suite.record_grads else []
+    return ["--job.config_file", os.path.join(ROOT, case.config or suite.config), *suite.overrides,
+            "--training.steps", str(suite.steps), *record, *extra, *case.args]

@@ -1,0 +1,180 @@
+"""graph_trainer.torch_compat.fx: The tracing entries: annotations and sequence numbers, op internals, SymInts, fake modes, grouped_mm.
+
+Fails loudly when a PyTorch upgrade changes a private API graph_trainer relies on."""
+
+
+import pytest
+import torch
+import torch.fx.traceback as fx_traceback
+
+from graph_trainer.graph import tags
+
+
+def test_annotations_and_backward_seq_nr_reach_node_meta():
+    # The tracer tags nodes with fx.traceback.annotate (under preserve_node_meta) and gives each
+    # backward node its forward node's seq_nr through tag_backward_with_forward_seq_nr
+    # (autograd hooks calling set_grad_fn_seq_nr / reset_grad_fn_seq_nr).
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.torch_compat import tag_backward_with_forward_seq_nr
+
+    def step(x):
+        x = x.detach().requires_grad_(True)
+        with fx_traceback.annotate({"phase": "forward"}):
+            loss = (torch.sin(x) * 3.0).sum()
+        tag_backward_with_forward_seq_nr(loss)
+        with fx_traceback.annotate({"phase": "backward"}):
+            (grad,) = torch.autograd.grad(loss, [x])
+        return grad
+
+    with fx_traceback.preserve_node_meta(), torch.autograd.set_multithreading_enabled(False):
+        gm = make_fx(step, tracing_mode="fake")(torch.randn(3))
+    aten = torch.ops.aten
+    sin, = (n for n in gm.graph.nodes if n.target == aten.sin.default)
+    cos, = (n for n in gm.graph.nodes if n.target == aten.cos.default)  # d/dx sin, traced in backward
+    muls = [n for n in gm.graph.nodes if n.target == aten.mul.Tensor]
+    forward_mul = next(n for n in muls if n.args[0] is sin)  # sin(x) * 3
+    backward_muls = [n for n in muls if n is not forward_mul]
+    # (where graph_trainer.graph.tags reads them)
+    assert tags.tags(sin) == {"phase": "forward"} and tags.tags(cos) == {"phase": "backward"}
+    assert sin.meta["seq_nr"] != forward_mul.meta["seq_nr"]  # two forward ops, two numbers
+    assert cos.meta["seq_nr"] == sin.meta["seq_nr"]
+    # MulBackward's own mul (grad * 3) carries the forward mul's number, SinBackward's (grad * cos) sin's.
+    assert sorted(n.meta["seq_nr"] for n in backward_muls) == sorted([forward_mul.meta["seq_nr"], sin.meta["seq_nr"]])
+
+
+def test_autograd_node_sequence_numbers_and_hooks():
+    # tag_backward_with_forward_seq_nr walks next_functions from the loss, reads _sequence_nr()
+    # and needs each node's prehook to run right before the node computes, its hook right after.
+    events = []
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            events.append(("run", "double"))
+            return grad * 2
+
+    x = torch.ones(2, requires_grad=True)
+    y = Double.apply(x)
+    loss = y.sum()
+    double, total = y.grad_fn, loss.grad_fn
+    assert double._sequence_nr() < total._sequence_nr()  # numbered in creation order
+    assert total.next_functions[0][0] is double
+    for node, name in ((double, "double"), (total, "sum")):
+        node.register_prehook(lambda grad_outputs, name=name: events.append(("pre", name)))
+        node.register_hook(lambda grad_inputs, grad_outputs, name=name: events.append(("post", name)))
+    loss.backward()
+    assert events == [("pre", "sum"), ("post", "sum"), ("pre", "double"), ("run", "double"), ("post", "double")]
+    assert x.grad.tolist() == [2.0, 2.0]  # the hooks (returning None) leave the gradients alone
+
+
+def test_is_view_op():
+    import torch.fx as fx
+
+    from graph_trainer.torch_compat import is_view_op
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    t = graph.call_function(torch.ops.aten.t.default, (x,))
+    mm = graph.call_function(torch.ops.aten.mm.default, (x, t))
+    assert is_view_op(t) and not is_view_op(mm) and not is_view_op(x)
+
+
+def test_op_name_and_schema():
+    from graph_trainer.torch_compat import op_name, op_schema
+
+    target = torch.ops._c10d_functional.all_gather_into_tensor.default
+    assert op_name(target) == "all_gather_into_tensor"
+    assert [a.name for a in op_schema(target).arguments][:2] == ["input", "group_size"]
+
+
+def test_symint_internals():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from graph_trainer.torch_compat import sym_expr, sym_has_hint, sym_hint
+
+    env = ShapeEnv()
+    backed = env.create_symintnode(env.create_symbol(5, ConstantSource("x"), dynamic_dim=DimDynamic.DYNAMIC), hint=5)
+    unbacked = env.create_unbacked_symint()
+    assert sym_has_hint(backed) and sym_hint(backed) == 5
+    assert not sym_has_hint(unbacked)
+    assert len(sym_expr(unbacked).free_symbols) == 1
+
+
+def test_fake_mode_of_a_fake_value():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graph_trainer.torch_compat import fake_mode_of
+
+    mode = FakeTensorMode()
+    with mode:
+        fake = torch.empty(2, 3)
+    assert fake_mode_of(fake) is mode
+    assert fake_mode_of(torch.empty(2)) is None and fake_mode_of(None) is None
+    with fake_mode_of(fake):  # new ops on fake values give fake values of the same mode
+        out = torch.cat([fake.view(-1), fake.view(-1)])
+    assert fake_mode_of(out) is mode and out.shape == (12,)
+
+
+def test_sym_hint_falls_back_to_hint_int_before_torch_2_13(monkeypatch):
+    import torch.fx.experimental.symbolic_shapes as symbolic_shapes
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from graph_trainer.errors import TorchCompatError
+    from graph_trainer.torch_compat import sym_hint
+
+    env = ShapeEnv()
+    backed = env.create_symintnode(env.create_symbol(7, ConstantSource("y"), dynamic_dim=DimDynamic.DYNAMIC), hint=7)
+    calls = []
+    monkeypatch.delattr(symbolic_shapes, "guarding_hint_or_throw", raising=False)
+    monkeypatch.setattr(symbolic_shapes, "hint_int", lambda x: calls.append(x) or 7, raising=False)
+    assert sym_hint(backed) == 7 and calls == [backed]
+    monkeypatch.delattr(symbolic_shapes, "hint_int")
+    with pytest.raises(TorchCompatError, match="guarding_hint_or_throw"):
+        sym_hint(backed)
+
+
+def test_fake_mode_functional_all_to_all_and_grouped_mm_entries():
+    import torch.distributed as dist
+
+    from graph_trainer.fake_trace import fake_world
+    from graph_trainer.torch_compat import (
+        all_to_all_single,
+        all_to_all_single_autograd,
+        grouped_mm,
+        is_op_overload,
+        new_fake_mode,
+    )
+
+    mode = new_fake_mode(static_shapes=True)
+    with mode:
+        fake = torch.empty(3, 4)
+    assert fake.fake_mode is mode and fake.shape == (3, 4)
+    assert is_op_overload(torch.ops.aten.mm.default) and not is_op_overload(torch.mm)
+    assert not is_op_overload(torch.ops.aten.mm)  # the packet, not an overload
+    # Each exchange is one _c10d_functional.all_to_all_single node (and its wait) when traced,
+    # with the split sizes it was given; the autograd one has the reverse exchange as backward.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with fake_world(2):
+        group = dist.group.WORLD
+
+        def exchange(x):
+            y = all_to_all_single(x, [1, 3], [2, 2], group)
+            return all_to_all_single_autograd(y, [3, 1], [1, 3], group)
+
+        gm = make_fx(exchange, tracing_mode="fake")(torch.randn(4, 2))
+    a2a = [n for n in gm.graph.nodes if n.target == torch.ops._c10d_functional.all_to_all_single.default]
+    assert [n.args[1:3] for n in a2a] == [([1, 3], [2, 2]), ([3, 1], [1, 3])]
+    # grouped_mm: row block i of a times b[i] (bf16 on CPU), as two separate matmuls would give.
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 16, generator=g).bfloat16()  # strides must be multiples of 16 bytes
+    b = torch.randn(2, 16, 8, generator=g).bfloat16()
+    out = grouped_mm(a, b, offs=torch.tensor([2, 5], dtype=torch.int32))
+    torch.testing.assert_close(out.float(), torch.cat([a[:2] @ b[0], a[2:] @ b[1]]).float(), rtol=2e-2, atol=2e-2)
