@@ -11,26 +11,9 @@ one: ``atomic_files.replace_dir``). Only folders named exactly ``step-<N>`` hold
 count as checkpoints, so a crashed save is never found. A state with a non-finite tensor is never
 saved (``guards.check_state``). An I/O failure on any rank (full disk, read-only folder) is one
 ``JobError`` on every rank; the temporary folder is removed and the earlier checkpoints are untouched.
-A checkpoint folder holds:
-
-* DCP files (``.metadata``, ``*.distcp``): every tensor, under flat keys
-  ``model.<fqn>`` (the parameter, or a persistent buffer such as a MoE ``expert_bias``) and ``optim.<fqn>.<exp_avg|exp_avg_sq|step>`` (AdamW state).
-  ``<fqn>`` is the clean name (``graph_trainer.build.clean_fqn``), not SimpleFSDP's
-  ``...parametrizations.<name>.original``. Sharded parameters and their moments are saved as
-  DTensors, i.e. as pieces of the global tensor, so DCP reshards on load: a checkpoint written
-  at one layout (FSDP, HSDP, FSDPxTP) loads at any other, or in one process. ``.metadata`` is
-  read with ``graph_trainer.safe_metadata`` (only checkpoint classes are unpickled), never plain pickle.
-* ``metadata.json`` (rank 0): model name and flavor, step, parallel degrees, world size, and every
-  parameter's clean FQN and global shape. It is checked before the model is built (name and
-  flavor) and again against the built model (names and shapes), so a wrong checkpoint fails with a
-  ``ConfigError`` naming what differs rather than a DCP traceback.
-* ``train_state.json`` (rank 0): the step, the LR scheduler's state and the data loader's state
-  (``TokenBatchLoader.state_dict()``: a global stream position, identical on all ranks and valid
-  under any dp degree).
-* ``rng-rank<R>.pt`` (each rank): that rank's torch CPU RNG state (and CUDA RNG on cuda), read with
-  ``weights_only=True``. RNG streams belong to a rank of a layout, so they are restored only at the
-  same world size.
-* ``manifest.json``: see above.
+What the folder holds (DCP files, ``metadata.json``, ``train_state.json``, ``rng-rank<R>.pt``) and
+how it maps onto the model, AdamW, the LR schedule, the data loader and the RNG is
+``graph_trainer.checkpoint_state``.
 
 ``Checkpointer.resolve_load_step()`` runs first: rank 0 removes what interrupted saves left
 (``atomic_files.clean_leftovers``), then picks what to resume (``checkpoint.load_step``: -1 the
@@ -40,45 +23,47 @@ with -1 a checkpoint that fails is reported, renamed ``step-<N>.corrupt-<token>`
 older one tried; with N it is a ``ConfigError`` naming the file. A run that would leave checkpoints
 of another run beside its own (load_step 0 in a folder holding checkpoints, or load_step N with
 later steps there) is refused unless ``checkpoint.move_aside``. Every decision is rank 0's,
-broadcast, so all ranks resume from the same step. ``load`` restores everything in place before
-the first step: the AdamW state (created lazily by AdamW) is created here with AdamW's layout, so
-the restored step counts drive bias correction exactly as if training had not stopped. The
-learning rate is recomputed from the *current* config at the restored step. Resuming is bitwise
-identical to not stopping when the layout is unchanged.
+broadcast, so all ranks resume from the same step. ``load`` then restores everything in place
+before the first step (``checkpoint_state``: bitwise identical to not stopping when the layout is
+unchanged).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import shutil
 import time
 import uuid
-import warnings
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from graph_trainer import manifest
 from graph_trainer.atomic_files import clean_leftovers, move_aside, replace_dir, write_text_atomic
-from graph_trainer.build import clean_fqn
+from graph_trainer.checkpoint_state import (
+    check_model,
+    load_tensors,
+    read_metadata,
+    restore_rng,
+    restore_train_state,
+    save_rng,
+    save_tensors,
+    tensor_state,
+    write_metadata,
+    write_train_state,
+)
 from graph_trainer.comm import agree
 from graph_trainer.config import JobConfig
 from graph_trainer.errors import ConfigError, JobError
 from graph_trainer.guards import check_state
-from graph_trainer.safe_metadata import load_dcp_metadata, metadata_path, safe_reader
+from graph_trainer.safe_metadata import load_dcp_metadata, metadata_path
 from graph_trainer.torch_compat import dcp_storage_files
 
 logger = logging.getLogger("graph_trainer")
 
-FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_ADAMW_STATE = ("exp_avg", "exp_avg_sq", "step")
 
 
 def checkpoint_root(cfg: JobConfig) -> str:
@@ -110,84 +95,8 @@ def unsealed_steps(root: str) -> list[int]:
     return _steps_with(root, "metadata.json", absent=manifest.MANIFEST_FILE)
 
 
-def param_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
-    """Clean FQN -> global shape (a DTensor's ``shape`` is the global one)."""
-    return {clean_fqn(n): list(p.shape) for n, p in model.named_parameters()}
-
-
-def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, create: bool) -> dict:
-    """The flat DCP state: parameters, persistent buffers and AdamW state, keyed by clean FQN.
-
-    ``create`` fills in AdamW's lazily created state the way ``torch.optim.AdamW`` would (zeros
-    shaped/placed like the parameter, a CPU float32 scalar step), so DCP can load into it before
-    the first step and AdamW then uses it as it is.
-    """
-    if any(g.get("amsgrad") for g in optimizer.param_groups):
-        raise ConfigError("checkpointing supports AdamW without amsgrad")
-    state: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        fqn = clean_fqn(name)
-        # detach: DCP loads by copying in place, which autograd forbids on a leaf requiring grad.
-        state[f"model.{fqn}"] = param.detach()
-        opt = optimizer.state[param]
-        if not opt and create:
-            opt["step"] = torch.zeros((), dtype=torch.float32)
-            opt["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            opt["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        missing = [k for k in _ADAMW_STATE if k not in opt]
-        if missing:
-            raise RuntimeError(f"optimizer state of {fqn} lacks {missing}; save only after a step")
-        for key in _ADAMW_STATE:
-            state[f"optim.{fqn}.{key}"] = opt[key]
-    # Persistent buffers are training state too (e.g. a MoE layer's load-balancing expert_bias);
-    # non-persistent ones (RoPE tables, per-step counters) are recomputed or reset.
-    persistent = set(model.state_dict(keep_vars=True))
-    for name, buffer in model.named_buffers():
-        if name in persistent:
-            state[f"model.{name}"] = buffer
-    return state
-
-
-def _diff(saved: dict[str, list[int]], expected: dict[str, list[int]]) -> str:
-    """One-line description of how two {name: shape} maps differ ('' when equal)."""
-    def some(names: list[str]) -> str:
-        return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
-
-    missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
-    shapes = [f"{k} {saved[k]} vs {expected[k]}" for k in sorted(set(saved) & set(expected))
-              if list(saved[k]) != list(expected[k])]
-    parts = [f"missing {some(missing)}" if missing else "",
-             f"unexpected {some(unexpected)}" if unexpected else "",
-             f"shape (checkpoint vs model) {some(shapes)}" if shapes else ""]
-    return "; ".join(p for p in parts if p)
-
-
-def _write_json(path: str, obj: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())  # durable before rank 0's rename declares the checkpoint complete
-
-
 def _steps(steps: list[int]) -> str:
     return ", ".join(f"step-{s}" for s in steps)
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read checkpoint file {path}: {e}") from None
-
-
-@contextmanager
-def _single_process_ok():
-    """DCP warns on every single-process save/load that it 'assumes' no_dist; we ask for it explicitly."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        yield
 
 
 class Checkpointer:
@@ -257,20 +166,6 @@ class Checkpointer:
             done = [f"cannot remove what interrupted saves left ({e.strerror or e}); ignored"]
         return complete_steps(self.root), unsealed_steps(self.root), done
 
-    def _check_model(self, step: int) -> None:
-        """(rank 0) The checkpoint's format and model are this run's (its metadata.json already verified)."""
-        meta = _read_json(os.path.join(self.step_dir(step), "metadata.json"))
-        if meta.get("format") != FORMAT_VERSION:
-            raise ConfigError(f"checkpoint {self.step_dir(step)} has format {meta.get('format')!r}; "
-                              f"this build reads format {FORMAT_VERSION}")
-        model = self.cfg.model
-        saved = (meta.get("model", {}).get("name"), meta.get("model", {}).get("flavor"))
-        if saved != (model.name, model.flavor):
-            raise ConfigError(
-                f"checkpoint {self.step_dir(step)} holds model {saved[0]} flavor {saved[1]} but this run "
-                f"builds {model.name} flavor {model.flavor}; use checkpoint.load_step = 0 or another "
-                f"checkpoint.folder to start fresh")
-
     def _check_index(self, step: int, files: dict) -> None:
         """(rank 0) DCP's index unpickles with only checkpoint classes (else ConfigError: crafted or
         foreign) and every file it refers to is in the manifest."""
@@ -293,7 +188,7 @@ class Checkpointer:
                                   if "metadata.json" in saved["files"] else "metadata.json is missing")
             if problem:
                 return None, problem
-            self._check_model(step)
+            check_model(path, self.cfg.model)  # metadata.json verified above: format and model are this run's
             return saved, None
 
         saved, problem = self._on_rank0(head)
@@ -407,46 +302,11 @@ class Checkpointer:
         (verified by ``resolve_load_step``)."""
         start = time.perf_counter()
         path = self.step_dir(step)
-        meta = _read_json(os.path.join(path, "metadata.json"))
-        problem = _diff(meta.get("params", {}), param_shapes(model))
-        if problem:
-            raise ConfigError(f"checkpoint {path} does not fit {self.cfg.model.name} "
-                              f"{self.cfg.model.flavor}: {problem}")
-        state = tensor_state(model, optimizer, create=True)
-        # metadata.json describes parameters only; DCP's own index must also hold every optimizer
-        # key with the right global shape, otherwise dcp.load fails with a long planner traceback.
-        saved = load_dcp_metadata(metadata_path(path)).state_dict_metadata
-        problem = _diff({k: list(v.size) for k, v in saved.items() if isinstance(v, TensorStorageMetadata)},
-                        {k: list(v.shape) for k, v in state.items()})
-        if problem:
-            raise ConfigError(f"checkpoint {path} does not fit this run's model/optimizer state: {problem}")
-        with _single_process_ok():
-            agree(lambda: dcp.load(state, storage_reader=safe_reader(path), no_dist=not self.distributed),
-                  f"cannot load checkpoint {path}")
-
-        train_state = _read_json(os.path.join(path, "train_state.json"))
-        counts = {float(optimizer.state[p]["step"]) for p in optimizer.state}
-        if train_state.get("step") != step or counts != {float(step)}:
-            raise ConfigError(f"checkpoint {path} is inconsistent: it is step {step} but records step "
-                              f"{train_state.get('step')} and AdamW step counts {sorted(counts)}")
-        dataloader.load_state_dict(train_state["dataloader"])
-        sched = dict(train_state["scheduler"])
-        # The checkpoint gives the schedule's position; its shape (peak lr, warmup, decay over
-        # training.steps) comes from this run's config, so extending a run re-plans the decay.
-        sched["base_lrs"] = list(scheduler.base_lrs)
-        scheduler.load_state_dict(sched)
-        if scheduler.last_epoch != step:
-            raise ConfigError(f"checkpoint {path} is inconsistent: LR schedule at {scheduler.last_epoch}, not {step}")
-        # Re-enter the restored position through step() so the optimizer's lr is this config's lr.
-        scheduler.last_epoch -= 1
-        scheduler.step()
-
+        meta = read_metadata(path)
+        load_tensors(path, meta, self.cfg.model, model, optimizer, self.distributed)
+        restore_train_state(path, step, optimizer, scheduler, dataloader)
         if int(meta.get("world_size", -1)) == self.world_size:
-            rng_path = os.path.join(path, f"rng-rank{self.rank}.pt")
-            rng = agree(lambda: torch.load(rng_path, weights_only=True), f"checkpoint {path}")
-            torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], self.device)
+            restore_rng(path, self.rank, self.device)
         else:
             logger.info("checkpoint was written by %s ranks, this run has %d: RNG states not restored",
                         meta.get("world_size"), self.world_size)
@@ -470,22 +330,11 @@ class Checkpointer:
 
     def _write_state(self, tmp: str, step: int, state: dict, model, scheduler, dataloader):
         """(all ranks) Every file of the checkpoint but the manifest; returns DCP's index."""
-        with _single_process_ok():
-            index = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not self.distributed)
-        rng = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        with open(os.path.join(tmp, f"rng-rank{self.rank}.pt"), "wb") as f:
-            torch.save(rng, f)
-            f.flush()
-            os.fsync(f.fileno())
+        index = save_tensors(tmp, state, self.distributed)
+        save_rng(tmp, self.rank, self.device)
         if self.rank == 0:
-            _write_json(os.path.join(tmp, "train_state.json"), {
-                "step": step, "scheduler": scheduler.state_dict(), "dataloader": dataloader.state_dict()})
-            _write_json(os.path.join(tmp, "metadata.json"), {
-                "format": FORMAT_VERSION, "model": {"name": self.cfg.model.name, "flavor": self.cfg.model.flavor},
-                "step": step, "degrees": self.degrees, "world_size": self.world_size,
-                "params": param_shapes(model)})
+            write_train_state(tmp, step, scheduler, dataloader)
+            write_metadata(tmp, step, self.cfg.model, self.degrees, self.world_size, model)
         return index
 
     def _seal(self, tmp: str, final: str, hashed: list[dict], index) -> None:

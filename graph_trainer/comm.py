@@ -1,10 +1,10 @@
 """Collective timeouts, and ranks agreeing on a failure instead of waiting for each other forever.
 
 * ``init_timeout(cfg)``: the ``timeout`` given to ``init_process_group`` (``comm.init_timeout_seconds``).
-  Only the world group gets it: the groups a device mesh creates start with torch's default (30
-  minutes on gloo, 10 on NCCL; measured on torch 2.13), so the trainer calls ``set_timeout`` with
-  it once the mesh exists. It lasts until the first step has finished: ranks may reach their
-  first collective far apart (building, loading and verifying a checkpoint, tracing).
+  Only the world group gets it: the groups a device mesh creates start with torch's default
+  (measured: docs/performance.md), so the trainer calls ``set_timeout`` with it once the mesh
+  exists. It lasts until the first step has finished: ranks may reach their first collective far
+  apart (building, loading and verifying a checkpoint, tracing).
 * ``set_timeout(seconds)``: that timeout on every process group of this process; after the first
   step, ``comm.timeout_seconds``.
   On gloo a collective that waits longer raises on the waiting rank ("Timed out waiting ... for

@@ -1,10 +1,8 @@
-"""Tokenizers, the synthetic corpus, Hugging Face datasets, token packing and DP sharding.
+"""Datasets, token packing, data-parallel sharding and the resumable batch loader.
 
-The trainer calls two functions:
-
-* ``build_tokenizer(path)``: ``""``/``"bytes"`` gives the built-in :class:`ByteTokenizer`, a path
-  to a Hugging Face ``tokenizer.json`` (or a folder holding one) gives :class:`HFTokenizer`.
-* ``build_dataloader(...)``: a :class:`TokenBatchLoader` yielding ``(tokens, labels)`` batches.
+The trainer calls ``build_dataloader(...)``: a :class:`TokenBatchLoader` yielding ``(tokens, labels)``
+batches. Documents come from the synthetic corpus (``graph_trainer.synthetic``), a local file or
+folder, or a Hugging Face hub dataset, and are tokenized by a ``graph_trainer.tokenizer`` tokenizer.
 
 How batches are made
 --------------------
@@ -40,248 +38,15 @@ split=...)`` and so need network access or a copy already in the Hugging Face ca
 from __future__ import annotations
 
 import array
-import json
 import os
-import random
-from typing import Protocol
 
 import torch
 
-from graph_trainer.errors import ConfigError
+from graph_trainer.errors import ConfigError, one_line
+from graph_trainer.synthetic import SyntheticDocuments
+from graph_trainer.tokenizer import Tokenizer, with_specials
 
-__all__ = [
-    "Tokenizer",
-    "ByteTokenizer",
-    "HFTokenizer",
-    "build_tokenizer",
-    "synthetic_document",
-    "TokenBatchLoader",
-    "build_dataloader",
-]
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenizers
-# --------------------------------------------------------------------------------------------
-
-
-class Tokenizer(Protocol):
-    """What the data pipeline needs from a tokenizer."""
-
-    vocab_size: int
-    bos_id: int | None
-    eos_id: int | None
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without any special tokens."""
-        ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: ids 0..255 are byte values, 256 is bos, 257 is eos (258 ids)."""
-
-    vocab_size = 258
-    bos_id = 256
-    eos_id = 257
-
-    def encode(self, text: str) -> list[int]:
-        """The UTF-8 bytes of ``text``."""
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        """Text of the byte ids in ``ids``; bos/eos are dropped, invalid UTF-8 becomes U+FFFD."""
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-    def __repr__(self) -> str:
-        return "ByteTokenizer(vocab_size=258)"
-
-
-# Used only when no tokenizer_config.json sits next to tokenizer.json to name the special tokens.
-_BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
-_EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>")
-
-
-class HFTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json`` file.
-
-    bos/eos come from ``tokenizer_config.json`` in the same folder when it exists (its
-    ``bos_token``/``eos_token``, which may be null), otherwise from well-known special token names
-    (``<|begin_of_text|>``, ``<s>``, ``<|end_of_text|>``, ``</s>``, ...). ``encode`` never adds
-    special tokens itself: the packer adds bos/eos around each document.
-    """
-
-    def __init__(self, path: str):
-        from tokenizers import Tokenizer as _RustTokenizer
-
-        self.path = path
-        try:
-            self._tok = _RustTokenizer.from_file(path)
-        except Exception as e:  # the Rust side raises plain Exception subclasses with long messages
-            raise ConfigError(f"training.tokenizer_path {path!r} is not a valid Hugging Face tokenizer.json: "
-                              f"{_one_line(e)}") from e
-        vocab = self._tok.get_vocab(with_added_tokens=True)
-        # Ids can have holes; the model must cover the largest one.
-        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
-        self.bos_id, self.eos_id = self._special_ids(path)
-
-    def _special_ids(self, path: str) -> tuple[int | None, int | None]:
-        config_path = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
-        if os.path.isfile(config_path):
-            try:
-                with open(config_path, encoding="utf-8") as f:
-                    config = json.load(f)
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"cannot read {config_path}: {_one_line(e)}") from e
-            if "bos_token" in config or "eos_token" in config:
-                return self._config_token(config.get("bos_token")), self._config_token(config.get("eos_token"))
-        return self._first_known(_BOS_CANDIDATES), self._first_known(_EOS_CANDIDATES)
-
-    def _config_token(self, entry) -> int | None:
-        # tokenizer_config.json writes a special token either as a string or as {"content": ...}.
-        if isinstance(entry, dict):
-            entry = entry.get("content")
-        return self._tok.token_to_id(entry) if isinstance(entry, str) else None
-
-    def _first_known(self, names: tuple[str, ...]) -> int | None:
-        for name in names:
-            token_id = self._tok.token_to_id(name)
-            if token_id is not None:
-                return token_id
-        return None
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without the tokenizer's own special-token template."""
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        """Text of ``ids`` (special tokens skipped)."""
-        return self._tok.decode(ids)
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id})"
-
-
-def build_tokenizer(tokenizer_path: str) -> Tokenizer:
-    """Build the tokenizer named by ``training.tokenizer_path``.
-
-    ``""`` or ``"bytes"`` gives :class:`ByteTokenizer`; a path to a Hugging Face ``tokenizer.json``
-    (or to a folder containing one) gives :class:`HFTokenizer`. Anything else is a ConfigError.
-    """
-    if tokenizer_path in ("", "bytes"):
-        return ByteTokenizer()
-    path = os.path.expanduser(tokenizer_path)
-    if os.path.isdir(path):
-        path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"training.tokenizer_path {tokenizer_path!r} does not exist; give '' or 'bytes' for the "
-                          f"built-in byte tokenizer, or the path of a Hugging Face tokenizer.json (or its folder)")
-    return HFTokenizer(path)
-
-
-def _one_line(error: BaseException, limit: int = 300) -> str:
-    """``error`` as one short line: library messages can span many lines."""
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _with_specials(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
-    """``[bos] + ids + [eos]``, each special token only if the tokenizer has it."""
-    if tokenizer.bos_id is not None:
-        ids = [tokenizer.bos_id] + ids
-    if tokenizer.eos_id is not None:
-        ids.append(tokenizer.eos_id)
-    return ids
-
-
-# --------------------------------------------------------------------------------------------
-# Synthetic corpus
-# --------------------------------------------------------------------------------------------
-
-# A tiny closed vocabulary: a small model first learns the spelling of these words (byte level),
-# then the sentence templates, then the arithmetic and the in-document repetitions.
-_NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy")
-_ADJECTIVES = ("small", "red", "old", "quick", "quiet", "happy", "green", "tall", "lazy", "brave")
-_NOUNS = ("cat", "dog", "bird", "fox", "robot", "farmer", "teacher", "child", "king", "horse")
-_VERBS = ("sees", "likes", "follows", "helps", "finds", "calls", "feeds", "paints", "meets", "hears")
-_OBJECTS = ("ball", "apple", "river", "house", "book", "tree", "garden", "letter", "boat", "song")
-_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-                 "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
-                 "nineteen", "twenty")
-
-_MASK64 = (1 << 64) - 1
-
-
-def _doc_seed(seed: int, index: int) -> int:
-    """A well-mixed 64-bit seed for document ``index`` (splitmix64 finaliser; no global RNG)."""
-    x = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def synthetic_document(seed: int, index: int) -> str:
-    """Text of synthetic document ``index``: a pure function of ``(seed, index)``.
-
-    A document is 4 to 12 sentences about a small cast (two names, three nouns, three objects drawn
-    per document, so context helps prediction): subject-verb-object sentences, correct additions and
-    subtractions ("12 plus 7 is 19."), counting runs, number words, and exact repeats of an earlier
-    sentence of the same document ("again, ...").
-    """
-    # Only Random(int) seeding and random() are promised to stay the same across Python versions,
-    # so every draw is built from random() (which is also several times cheaper than randrange).
-    uniform = random.Random(_doc_seed(seed, index)).random
-
-    def below(n: int) -> int:
-        return int(uniform() * n)
-
-    def pick(options):
-        return options[int(uniform() * len(options))]
-
-    def distinct(options, k: int) -> list:
-        pool = list(options)
-        return [pool.pop(below(len(pool))) for _ in range(k)]
-
-    names, nouns, objects = distinct(_NAMES, 2), distinct(_NOUNS, 3), distinct(_OBJECTS, 3)
-    sentences: list[str] = []
-    for _ in range(4 + below(9)):
-        kind = below(10)
-        if kind < 3:
-            s = f"the {pick(_ADJECTIVES)} {pick(nouns)} {pick(_VERBS)} the {pick(objects)}."
-        elif kind < 4:
-            s = f"{pick(names)} {pick(_VERBS)} the {pick(nouns)} and the {pick(objects)}."
-        elif kind < 6:
-            a, b = below(50), below(50)
-            s = f"{a} plus {b} is {a + b}."
-        elif kind < 7:
-            a, b = below(50), below(50)
-            a, b = max(a, b), min(a, b)
-            s = f"{a} minus {b} is {a - b}."
-        elif kind < 8:
-            start = below(30)
-            s = "counting: " + " ".join(str(n) for n in range(start, start + 3 + below(5))) + "."
-        elif kind < 9:
-            n = below(len(_NUMBER_WORDS))
-            s = f"{_NUMBER_WORDS[n]} is {n}."
-        elif sentences:
-            s = "again, " + pick(sentences)
-        else:
-            s = f"{pick(names)} has {2 + below(8)} {pick(objects)}s."
-        sentences.append(s)
-    return " ".join(sentences) + "\n"
-
-
-class _SyntheticDocuments:
-    """The endless synthetic corpus as token lists (document ``i`` is ``synthetic_document(seed, i)``)."""
-
-    num_docs = None  # infinite: there are no epochs
-
-    def __init__(self, seed: int, tokenizer: Tokenizer):
-        self._seed = seed
-        self._tokenizer = tokenizer
-
-    def tokens(self, index: int) -> list[int]:
-        """Token ids of document ``index`` with bos/eos."""
-        return _with_specials(self._tokenizer, self._tokenizer.encode(synthetic_document(self._seed, index)))
+__all__ = ["TokenBatchLoader", "build_dataloader"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,7 +96,7 @@ class _HFDocuments:
             text = text.strip("\n")
         if not text:
             return []  # an empty document carries nothing to learn, not even a bos/eos pair
-        return _with_specials(self._tokenizer, self._tokenizer.encode(text))
+        return with_specials(self._tokenizer, self._tokenizer.encode(text))
 
 
 def _is_local_path(dataset: str) -> bool:
@@ -389,7 +154,7 @@ def _load_hf_documents(dataset: str, split: str, text_field: str, tokenizer: Tok
     except ConfigError:
         raise
     except Exception as e:  # datasets raises many unrelated types for bad files, splits and names
-        raise ConfigError(f"cannot load {what} with split {split!r}: {_one_line(e)}") from e
+        raise ConfigError(f"cannot load {what} with split {split!r}: {one_line(e)}") from e
     if not isinstance(ds, datasets.Dataset):
         raise ConfigError(f"{what} with split {split!r} did not give a single table but {type(ds).__name__}")
     return _HFDocuments(ds, text_field, tokenizer, dataset, strip_newlines=builder == "text")
@@ -471,7 +236,8 @@ class TokenBatchLoader:
         rows = self.local_batch_size
         # Global windows of this step: ranks 0..D-1 take consecutive blocks of `rows` windows.
         self._stream.read(self.dp_rank * rows * window, None)
-        flat = array.array("q")  # int64 buffer: turning it into a tensor is ~5x faster than a list
+        # int64 buffer: turning it into a tensor is faster than a list (measured: docs/performance.md)
+        flat = array.array("q")
         self._stream.read(rows * window, flat)
         self._stream.read((self.dp_degree - 1 - self.dp_rank) * rows * window, None)
         self._step += 1
@@ -527,7 +293,7 @@ def build_dataloader(*, dataset: str, tokenizer: Tokenizer, seq_len: int, local_
     # Not repr(tokenizer): a user tokenizer's default repr holds a memory address.
     tok_id = f"{type(tokenizer).__name__}(vocab_size={tokenizer.vocab_size}, bos={tokenizer.bos_id}, eos={tokenizer.eos_id})"
     if dataset == "synthetic":
-        documents = _SyntheticDocuments(seed, tokenizer)
+        documents = SyntheticDocuments(seed, tokenizer)
         stream_id = f"synthetic seed={seed} tokenizer={tok_id}"
     else:
         documents = _load_hf_documents(dataset, dataset_split, text_field, tokenizer)

@@ -41,3 +41,10 @@ class JobError(OneLineError):
 
 class NonFiniteError(JobError):
     """The loss, the gradient norm or the state to be saved is not finite (``graph_trainer.guards``)."""
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """``error`` as one short line, for a message of ours that quotes a library's (``tokenizers``,
+    ``datasets`` and others write messages of many lines)."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

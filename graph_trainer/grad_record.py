@@ -2,8 +2,8 @@
 
 With ``--debug.grad_record_step N`` the trainer writes ``<dump_folder>/grad_record_step<N>.pt``
 at step N, from the gradients the step produced, BEFORE clipping (clipping and AdamW hide a
-wrong gradient scale: a layout whose gradients are all doubled trains to losses within 2e-7 of
-the right ones). The record holds
+wrong gradient scale: a layout whose gradients are all doubled trains to losses very close to
+the right ones; measured: docs/performance.md). The record holds
 
 * ``norm``: the global L2 norm of the gradients (the ``grad_norm`` the metrics line logs);
 * per parameter, by its name in the plain model (``layers.0.attention.wq.weight``): the shape,
@@ -19,7 +19,7 @@ gradient, and the memory of the largest full gradient.
 parameter's norm, and each parameter's sample (relative L2 error of the sample vector), each
 within ``rtol``; ``rtol=0`` asks for bitwise equality. Runs of one model on the same global
 batch that differ only in how sums are ordered (another layout) agree to float32 rounding;
-The cpu suite holds its ``close_to`` cases to ``suites.GRAD_RTOL`` against one process.
+the cpu suite holds its ``close_to`` cases to ``suites.GRAD_RTOL`` against one process.
 
     python -m graph_trainer.grad_record RECORD REFERENCE [--rtol R]   # exit 1 if they differ
 """

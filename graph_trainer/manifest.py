@@ -16,11 +16,9 @@ unreadable or damaged, a file missing, unexpected or not a regular file, a size 
 differs. The work is split over the ranks by size (``balance``), so a resume hashes the
 checkpoint once in all, in parallel.
 
-Cost: SHA-256 (OpenSSL) of a file in the page cache took 1.15 s/GiB on the development machine
-(2 cores, under load; 0.85 s/GiB from memory), one core per rank; a save hashes what it just
-wrote (still in the page cache), a resume reads every byte once more before DCP reads it (disk
-bound). The debug LLaMA-3's 74 MB checkpoint: 0.1-0.2 s per save. Llama3-8B with AdamW state
-(96 GB, 12 GB per rank at FSDP=8): about 14 s per save and per resume, with the 8 ranks in parallel.
+Cost (measured: docs/performance.md): SHA-256 (OpenSSL) of every byte, one core per rank; a save
+hashes what it just wrote (still in the page cache), a resume reads every byte once more before
+DCP reads it (disk bound). Both grow with the checkpoint's size per rank.
 
 What it is not: an authentication. Whoever can write the folder can write a matching manifest;
 the manifest catches damage (bit rot, truncation, an interrupted copy, a file from another

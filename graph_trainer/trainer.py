@@ -22,7 +22,7 @@ from graph_trainer.analysis.memory import estimate_step_memory, memory_warning
 from graph_trainer.build import build_job_model, build_layout, pass_context
 from graph_trainer.checkpoint import Checkpointer
 from graph_trainer.config import JobConfig
-from graph_trainer.data import build_dataloader, build_tokenizer
+from graph_trainer.data import build_dataloader
 from graph_trainer.grad_record import gather_record, record_path, save_record
 from graph_trainer.guards import check_step
 from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
@@ -30,6 +30,7 @@ from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_n
 from graph_trainer.parallel import ParallelDims, average_over_dp, dp_rank, sum_over_dp
 from graph_trainer.passes.runner import PassRunner
 from graph_trainer.pipeline import apply_memory_policy, apply_passes, compile_graph
+from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.torch_compat import cpu_backend
 from graph_trainer.tracer import GraphStep, TracedStep, eager_step
 from graph_trainer.validation import check_device, resolve_device

@@ -155,7 +155,7 @@ def test_eager_resume_bitwise_restores_adamw_steps_lr_and_trims_losses(tmp_path)
     assert complete_steps(str(tmp_path / "checkpoint")) == [2, 4]
 
     # Rewinding to step 2 abandons step-4: it is moved aside (refused without move_aside, see
-    # test_reliability), so the folder never holds two runs.
+    # tests/reliability/test_fresh_starts.py), so the folder never holds two runs.
     resumed = _trainer(tmp_path, "--training.steps", "4", "--checkpoint.interval", "2",
                        "--checkpoint.load_step", "2", "--checkpoint.move_aside", "True")
     assert resumed.step == 2

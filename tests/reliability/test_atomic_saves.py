@@ -1,0 +1,110 @@
+"""Issue 18, item 8 (leftovers, re-saves, losses.txt): what interrupted saves leave is cleaned at the
+next start, re-saving a step is atomic, and ``losses.txt`` is trimmed atomically."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import shutil
+
+import pytest
+import torch
+
+from graph_trainer.checkpoint import Checkpointer, complete_steps
+from graph_trainer.config_loading import load_config
+from tests.reliability.helpers import EAGER, copy_job, make_trainer
+
+
+def test_leftovers_of_interrupted_saves_are_cleaned_at_the_next_start(tmp_path, three_steps):
+    job = copy_job(three_steps, tmp_path)
+    root = job / "checkpoint"
+    shutil.copytree(root / "step-3", root / "step-4.tmp-0badc0de")  # a save killed before its rename
+    os.rename(root / "step-3", root / "step-3.old-cafe0123")  # a replacement killed between its renames
+    trainer = make_trainer(job, "--training.steps", "3")
+    assert sorted(os.listdir(root)) == ["step-1", "step-2", "step-3"]
+    assert trainer.step == 3
+
+
+class _Killed(Exception):
+    """The process dies here (raised by a patched file-system call)."""
+
+
+def test_resaving_a_step_is_atomic(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, "--training.steps", "1", "--checkpoint.interval", "1")
+    trainer.train()
+    final = tmp_path / "checkpoint" / "step-1"
+    renames = []
+    real_rename = os.rename
+
+    def rename(src, dst):  # the process is killed at the third rename of the run
+        renames.append((src, dst))
+        if len(renames) == 3:
+            raise _Killed
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    for _ in range(2):  # save the same step again, twice: step-1 is never missing, and always complete
+        trainer.checkpointer.save(1, trainer.model, trainer.optimizer, trainer.scheduler, trainer.dataloader)
+        assert complete_steps(str(final.parent)) == [1]
+    assert sorted(os.listdir(final.parent)) == ["step-1"]
+
+
+def test_replace_dir_fallback_is_recovered_at_the_next_start(tmp_path, monkeypatch):
+    from graph_trainer.atomic_files import clean_leftovers, replace_dir
+
+    root = tmp_path / "checkpoint"
+    (root / "step-1").mkdir(parents=True)
+    (root / "step-1" / "f").write_text("old")
+    (root / "step-1.tmp-1234abcd").mkdir()
+    (root / "step-1.tmp-1234abcd" / "f").write_text("new")
+    real_rename = os.rename
+
+    def rename(src, dst):
+        real_rename(src, dst)
+        if ".old-" in str(dst):
+            raise _Killed("between the two renames")
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(_Killed):  # a file system without RENAME_EXCHANGE: two renames
+        replace_dir(str(root / "step-1.tmp-1234abcd"), str(root / "step-1"), exchange=lambda a, b: False)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert not (root / "step-1").exists()
+    done = clean_leftovers(str(root))
+    assert sorted(os.listdir(root)) == ["step-1"] and (root / "step-1" / "f").read_text() == "old"
+    assert any(d.startswith("restored step-1 from step-1.old-") for d in done)
+
+
+def test_losses_are_trimmed_atomically(tmp_path, three_steps, monkeypatch):
+    job = copy_job(three_steps, tmp_path)
+    cfg = load_config([*EAGER, "--job.dump_folder", str(job)])
+    checkpointer = Checkpointer(cfg, 0, 1, {}, torch.device("cpu"))
+    before = (job / "losses.txt").read_text()
+    real_open = builtins.open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, _):
+            raise OSError(28, "No space left on device")
+
+        writelines = write
+
+    def open_(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return FullDisk(f) if "w" in mode and str(path).startswith(str(job)) else f
+
+    monkeypatch.setattr(builtins, "open", open_)
+    with pytest.raises(OSError):
+        checkpointer._trim_losses(1)
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert (job / "losses.txt").read_text() == before  # the old file, whole
+    assert sorted(p for p in os.listdir(job) if p.startswith("losses")) == ["losses.txt"]
+    checkpointer._trim_losses(1)
+    assert (job / "losses.txt").read_text() == before.splitlines(keepends=True)[0]
