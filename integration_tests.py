@@ -24,7 +24,7 @@ clipping are compared too (``graph_trainer.grad_record``): bitwise for ``same_as
 cannot show (AdamW and clipping hide it).
 
 ``--dry-run`` runs no job: each graph case is traced at its real world size on the fake process
-group in this one CPU process (``graph_trainer.analysis.fake_trace``, as ``analyze`` does), its
+group in this one CPU process (``graph_trainer.fake_trace``, as ``analyze`` does), its
 passes run, and the graph is checked (``integration_dry_run.check_graph``): the collectives its layout needs, EP
 tags, transformer-block bucket counts. Cases of one layout share one trace: its graph is copied
 for each pass list (``tests/test_integration_tests.py`` checks that a copy gives the same graph

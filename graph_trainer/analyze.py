@@ -9,7 +9,7 @@
 
 The job flags are those of ``train.py`` (``graph_trainer.config.load_config``); the flags
 above are taken out first. The job is traced on the fake process group at ``world_size``
-(``graph_trainer.analysis.fake_trace``: fake tensors, nothing allocated, no communication),
+(``graph_trainer.fake_trace``: fake tensors, nothing allocated, no communication),
 its passes run (``compile.passes``, or each list given to ``--compare``, one trace per list;
 ``none`` is the empty list; with ``--ac_modes``, each list once per activation-checkpointing
 mode), and the graph is simulated with

@@ -40,7 +40,7 @@ compute to Inductor, in one of two scopes (``--compile.inductor_scope``):
     measured: docs/performance.md).
 
 Numerics: Inductor fuses ops and may compute reductions in another order, so ``inductor`` is
-NOT bitwise ``none``; the bound is ``INDUCTOR_RTOL`` (``suites.py``), asserted in
+NOT bitwise ``none``; the bound is ``INDUCTOR_RTOL`` (``suites/cases.py``), asserted in
 ``tests/test_backend.py`` and the cpu suite (why: docs/numerics.md; measured: docs/performance.md).
 
 With ``deterministic`` (the trainer's choice on CPU and with ``--debug.deterministic``) the value

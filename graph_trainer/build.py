@@ -68,7 +68,7 @@ def build_model(build_fn, args, device: torch.device, seed: int,
     """Construct on meta, apply ``parallelize(model)`` (may be None), materialise on ``device``, init.
 
     ``device`` meta stops before materialising: the model is then only good for tracing on
-    fake tensors (``graph_trainer.analysis.fake_trace``), at any size, with no memory.
+    fake tensors (``graph_trainer.fake_trace``), at any size, with no memory.
     """
     with torch.device("meta"):
         model = build_fn(args)

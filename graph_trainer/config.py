@@ -158,7 +158,7 @@ class Compile:
 
 @dataclass
 class ActivationCheckpoint:
-    """The memory policy (``graph_trainer/passes/activation_checkpoint.py``); TOML table ``[activation_checkpoint]``."""
+    """The memory policy (``graph_trainer/memory_policy/``); TOML table ``[activation_checkpoint]``."""
 
     mode: AcMode = "none"
     """'none': backward reads every activation it needs from forward; 'full': each transformer block
@@ -182,7 +182,8 @@ class Metrics:
 
 @dataclass
 class Checkpoint:
-    """Distributed checkpoints (torch.distributed.checkpoint); layout and guarantees in graph_trainer/checkpoint.py."""
+    """Distributed checkpoints (torch.distributed.checkpoint); guarantees in graph_trainer/checkpoint.py, what a checkpoint
+    holds in graph_trainer/checkpoint_state.py."""
 
     interval: int = 0
     """Save <folder>/step-<N> every this many steps and at the last step; 0 disables saving."""

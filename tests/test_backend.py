@@ -119,7 +119,7 @@ def test_full_compile_keeps_recomputation_and_reports_what_inductor_did_to_the_c
     """One Inductor graph for a 2-rank FSDP step with the memory policy and block bucketing: the
     matmuls survive as traced, and the report reads the collective order off the generated code:
     Inductor (2.13, CPU) issues the collectives in our order but moves every wait up to its
-    collective, so the bucketing pass's prefetch (3 in flight) is undone (1): the README says so."""
+    collective, so the bucketing pass's prefetch (3 in flight) is undone (1): docs/passes.md says so."""
     cfg = _config(LLAMA, "--activation_checkpoint.mode", "full", "--compile.passes", "transformer_block_bucketing")
     validate_config(cfg, 2)
     with fake_world(2):  # (compiled where it was traced: the collectives name its process group)

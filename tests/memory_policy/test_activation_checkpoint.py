@@ -1,4 +1,4 @@
-"""Activation checkpointing (passes/activation_checkpoint.py) and the chunked loss, on traced graphs.
+"""Activation checkpointing (memory_policy/activation_checkpoint.py) and the chunked loss, on traced graphs.
 
 Graph structure on the fake process group (one process): what is recomputed per block, that no
 collective is issued twice, that later passes keep the decisions, and that the memory estimate

@@ -10,8 +10,9 @@ A CPU run's floats depend on which kernel code runs, and PyTorch picks it per ma
   than an AMD one, which moves the loss from step 1 (seen under qemu with an Intel Haswell CPU
   model against this AMD EPYC; the reason curves recorded on one machine failed on another).
 * MKL's vector math (VML: ``torch.sqrt``, ``exp``, ``log``, ... on contiguous float tensors, and so
-  AdamW's ``exp_avg_sq.sqrt()``) is not correctly rounded on every path: on this AMD EPYC 17% of
-  float square roots are one ulp off the IEEE result, on an (emulated) Intel Haswell none are.
+  AdamW's ``exp_avg_sq.sqrt()``) is not correctly rounded on every path: on the AMD EPYC that
+  recorded the curves some float square roots are one ulp off the IEEE result, on an (emulated)
+  Intel Haswell none are (measured: docs/performance.md).
 * The number of intra-op threads splits reductions.
 
 ``PINNED_ENV`` fixes what can be fixed for the curve jobs: one thread, ATen's baseline build
