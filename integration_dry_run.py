@@ -34,7 +34,11 @@ def _launches(gm) -> list:
 def _fsdp(nodes, op: tuple[str, ...], phase: str) -> list:
     from graph_trainer.graph.collectives import collective_name
 
-    return [n for n in nodes if collective_name(n) in op and _custom(n).get("fsdp_role") and _custom(n).get("phase") == phase]
+    return [
+        n
+        for n in nodes
+        if collective_name(n) in op and _custom(n).get("fsdp_role") and _custom(n).get("phase") == phase
+    ]
 
 
 def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str]]) -> list[str]:
@@ -73,27 +77,42 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
 
     fsdp_gathers = _fsdp(nodes, FSDP_GATHER, "forward")
     fsdp_reduces = _fsdp(nodes, ("reduce_scatter_tensor",), "backward")
-    need(bool(fsdp_gathers and fsdp_reduces) == (degrees["dp_shard"] > 1),
-         f"dp_shard={degrees['dp_shard']} but {len(fsdp_gathers)} FSDP all-gathers, {len(fsdp_reduces)} reduce-scatters")
+    need(
+        bool(fsdp_gathers and fsdp_reduces) == (degrees["dp_shard"] > 1),
+        f"dp_shard={degrees['dp_shard']} but {len(fsdp_gathers)} FSDP all-gathers, {len(fsdp_reduces)} reduce-scatters",
+    )
     # (DDP's gradient all-reduces carry no fsdp_role tag: replicate mode has no forward gather)
-    need(bool(ops(nodes, "AR")) or degrees["dp_replicate"] == 1, f"dp_replicate={degrees['dp_replicate']} but no all-reduce")
+    need(
+        bool(ops(nodes, "AR")) or degrees["dp_replicate"] == 1,
+        f"dp_replicate={degrees['dp_replicate']} but no all-reduce",
+    )
     if cfg.model.name == "llama3":
         tp_reduce = [n for n in ops(nodes, "AR") if not _custom(n).get("fsdp_role")]
         need(bool(tp_reduce) or degrees["tp"] == 1, f"tp={degrees['tp']} but no TP all-reduce")
-        need(bool(ops(nodes, "AR")) == (degrees["tp"] > 1 or degrees["dp_replicate"] > 1),
-             f"{len(ops(nodes, 'AR'))} all-reduces with tp={degrees['tp']}, dp_replicate={degrees['dp_replicate']}")
+        need(
+            bool(ops(nodes, "AR")) == (degrees["tp"] > 1 or degrees["dp_replicate"] > 1),
+            f"{len(ops(nodes, 'AR'))} all-reduces with tp={degrees['tp']}, dp_replicate={degrees['dp_replicate']}",
+        )
     a2a = ops(nodes, "A2A")
     need(bool(a2a) == (degrees.get("ep", 1) > 1), f"ep={degrees.get('ep', 1)} but {len(a2a)} all_to_alls")
-    untagged = [n.name for n in a2a if _custom(n).get("ep_role") not in ("count_exchange", "dispatch", "combine")
-                or not _custom(n).get("moe_fqn")]
+    untagged = [
+        n.name
+        for n in a2a
+        if _custom(n).get("ep_role") not in ("count_exchange", "dispatch", "combine") or not _custom(n).get("moe_fqn")
+    ]
     need(not untagged, f"all_to_alls without ep_role / moe_fqn: {untagged[:3]}")
     if a2a:
         roles = Counter((_custom(n).get("moe_fqn"), _custom(n).get("phase"), _custom(n).get("ep_role")) for n in a2a)
         n_moe = args.n_layers - args.n_dense_layers
         layers = {fqn for fqn, _, _ in roles}
         need(len(layers) == n_moe, f"all_to_alls in {len(layers)} MoE layers, the model has {n_moe}")
-        missing = [(fqn, phase, role) for fqn in layers for phase in ("forward", "backward")
-                   for role in ("dispatch", "combine") if not roles[(fqn, phase, role)]]
+        missing = [
+            (fqn, phase, role)
+            for fqn in layers
+            for phase in ("forward", "backward")
+            for role in ("dispatch", "combine")
+            if not roles[(fqn, phase, role)]
+        ]
         need(not missing, f"MoE layers without an all_to_all for {missing[:3]}")
 
     passes = list(cfg.compile.passes)
@@ -116,26 +135,33 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
             continue
         names = {_custom(r).get("fsdp_bucket") for r in got}
         need(len(names) == buckets, f"{phase} {kind}: {len(names)} buckets, expected {buckets}")
-        need(len(got) == len(ref_pairs), f"{phase} {kind}: {len(got)} collectives for {len(ref_pairs)} "
-                                         f"(bucket, group) pairs")
+        need(
+            len(got) == len(ref_pairs),
+            f"{phase} {kind}: {len(got)} collectives for {len(ref_pairs)} (bucket, group) pairs",
+        )
     others = Counter((collective_name(x), _custom(x).get("phase")) for x in nodes if not _custom(x).get("fsdp_role"))
-    ref_others = Counter((collective_name(x), _custom(x).get("phase")) for x in ref_nodes
-                         if not _custom(x).get("fsdp_role"))
+    ref_others = Counter(
+        (collective_name(x), _custom(x).get("phase")) for x in ref_nodes if not _custom(x).get("fsdp_role")
+    )
     if passes == [BUCKETING["tbb"]]:
         need(others == ref_others, f"non-FSDP collectives changed: {dict(others)} vs {dict(ref_others)}")
     if "ep_overlap" in passes:
         regions = find_regions(gm.graph)
         n_moe = args.n_layers - args.n_dense_layers
-        need(len(regions) == 2 * n_moe, f"ep_overlap: {len(regions)} chunked regions, expected forward and "
-                                        f"backward of {n_moe} MoE layers")
+        need(
+            len(regions) == 2 * n_moe,
+            f"ep_overlap: {len(regions)} chunked regions, expected forward and backward of {n_moe} MoE layers",
+        )
         if cfg.compile.ep_overlap.reorder:
             wrong = verify_schedule(gm.graph)
             need(not wrong, f"ep_overlap schedule broken in {len(wrong)} places: {wrong[:1]}")
     if "auto_bucketing" in passes:
         need(len(ops(nodes, "A2A")) == len(ops(ref_nodes, "A2A")), "auto_bucketing changed the all_to_alls")
         fsdp, ref_fsdp = (sum(bool(_custom(x).get("fsdp_role")) for x in ns) for ns in (nodes, ref_nodes))
-        need(degrees["dp_shard"] == 1 or fsdp < ref_fsdp,
-             f"auto_bucketing: {fsdp} FSDP collectives, not fewer than {ref_fsdp} without passes")
+        need(
+            degrees["dp_shard"] == 1 or fsdp < ref_fsdp,
+            f"auto_bucketing: {fsdp} FSDP collectives, not fewer than {ref_fsdp} without passes",
+        )
     return problems
 
 
@@ -143,7 +169,7 @@ def _without_flag(args: list[str], flag: str) -> list[str]:
     if flag not in args:
         return list(args)
     i = args.index(flag)
-    return args[:i] + args[i + 2:]
+    return args[:i] + args[i + 2 :]
 
 
 def _without_passes(args: list[str]) -> list[str]:
@@ -157,8 +183,12 @@ def _trace_key(args: list[str]) -> tuple[str, ...]:
     nor the activation-checkpointing mode: its passes run on the traced graph, nor the backend)."""
     passes = args[args.index("--compile.passes") + 1] if "--compile.passes" in args else ""
     key = _without_passes(args)
-    for flag in ("--compile.ep_overlap.reorder", "--activation_checkpoint.mode", "--compile.backend",
-                 "--compile.inductor_scope"):
+    for flag in (
+        "--compile.ep_overlap.reorder",
+        "--activation_checkpoint.mode",
+        "--compile.backend",
+        "--compile.inductor_scope",
+    ):
         key = _without_flag(key, flag)
     return (*key, "chunked") if "ep_overlap" in passes.split(",") else tuple(key)
 
@@ -174,8 +204,9 @@ def memory_columns(memory, limit: int | None) -> dict[str, str]:
     if memory is None:
         return {**{c: "-" for c in _MEMORY_COLUMNS}, "mem": ""}
     p = memory.peak
-    cells = dict(zip(_MEMORY_COLUMNS, (f"{v / GIB:.3g}" for v in
-                                       (p.total, p.params, p.grads, p.optimizer, p.activations))))
+    cells = dict(
+        zip(_MEMORY_COLUMNS, (f"{v / GIB:.3g}" for v in (p.total, p.params, p.grads, p.optimizer, p.activations)))
+    )
     cells["mem"] = "" if limit is None else "ok" if p.total <= limit else f"> {limit / GIB:.1f} GiB"
     return cells
 
@@ -240,10 +271,16 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
                 try:
                     cfg = load_config(job_args(suite, case, suite.dry_run_overrides))
                     validate_config(cfg, nproc)
-                    gm = transform_graph(copy.deepcopy(traced.gm), dataclasses.replace(context, config=cfg),
-                                    cfg.compile.passes)
-                    problems = check_graph(gm, reference, cfg, resolve_parallel_degrees(cfg.parallelism, nproc),
-                                           context.extras["bucket_plan"])
+                    gm = transform_graph(
+                        copy.deepcopy(traced.gm), dataclasses.replace(context, config=cfg), cfg.compile.passes
+                    )
+                    problems = check_graph(
+                        gm,
+                        reference,
+                        cfg,
+                        resolve_parallel_degrees(cfg.parallelism, nproc),
+                        context.extras["bucket_plan"],
+                    )
                     memory = estimate_step_memory(gm.graph, None, adamw_memory("cuda" if suite.gpus else "cpu"))
                     problems += check_backend(gm, cfg, row)  # (last: it cuts gm into regions)
                 except Exception as e:  # a pass or the config failed: that is this case's result
@@ -251,10 +288,15 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
                 nodes = _launches(gm) if gm is not None else []
                 fsdp_ag = [len(_fsdp(nodes, FSDP_GATHER, p)) for p in ("forward", "backward")]
                 row.update({k: sum(collective_name(n) in v for n in nodes) for k, v in _KINDS.items()})
-                row.update({"FSDP AG fwd+bwd": f"{fsdp_ag[0]}+{fsdp_ag[1]}",
-                            **memory_columns(memory, limit),
-                            "trace s": f"{trace_s:.1f}", "passes s": f"{time.perf_counter() - start:.1f}",
-                            "status": "FAIL: " + "; ".join(problems) if problems else "PASS"})
+                row.update(
+                    {
+                        "FSDP AG fwd+bwd": f"{fsdp_ag[0]}+{fsdp_ag[1]}",
+                        **memory_columns(memory, limit),
+                        "trace s": f"{trace_s:.1f}",
+                        "passes s": f"{time.perf_counter() - start:.1f}",
+                        "status": "FAIL: " + "; ".join(problems) if problems else "PASS",
+                    }
+                )
                 trace_s = 0.0
                 rows.append(row)
                 print(f"[dry-run] {case.name:34s} {row['status']}", flush=True)

@@ -131,8 +131,9 @@ def compare(case: Case, run: Finished, done: dict[str, Finished]) -> tuple[str |
     if case.same_as:
         if reference.losses != losses:
             step = next(i for i, (a, b) in enumerate(zip(reference.losses, losses), 1) if a != b)
-            return (f"losses differ from {name} from step {step}: {reference.losses[step - 1]} vs "
-                    f"{losses[step - 1]}"), ""
+            return (
+                f"losses differ from {name} from step {step}: {reference.losses[step - 1]} vs {losses[step - 1]}"
+            ), ""
         note = f"bitwise {name}"
         if run.grads is not None:
             problems, _ = compare_records(run.grads, reference.grads, rtol=0.0)
@@ -148,21 +149,29 @@ def compare(case: Case, run: Finished, done: dict[str, Finished]) -> tuple[str |
         problems, worst = compare_records(run.grads, reference.grads, rtol=GRAD_RTOL)
         note += f", grads {worst:.1e}"
         if problems:
-            return (f"step-{GRAD_RECORD_STEP} gradients deviate from {name} (> {GRAD_RTOL:.0e}): "
-                    f"{'; '.join(problems[:3])}" + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")), note
+            return (
+                f"step-{GRAD_RECORD_STEP} gradients deviate from {name} (> {GRAD_RTOL:.0e}): "
+                f"{'; '.join(problems[:3])}" + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
+            ), note
     return None, note
 
 
-def run_case(suite: Suite, case: Case, output_dir: str, done: dict[str, Finished],
-             script: str = os.path.join(ROOT, "train.py")) -> Result:
+def run_case(
+    suite: Suite, case: Case, output_dir: str, done: dict[str, Finished], script: str = os.path.join(ROOT, "train.py")
+) -> Result:
     """Run one case as a torchrun job of ``script`` in ``output_dir/<name>`` (log: ``<name>.log``) and
     check it (tests run scripts that inject a bug into train.py, to see the checks catch it)."""
     folder = os.path.join(output_dir, case.name)
     shutil.rmtree(folder, ignore_errors=True)  # a stale checkpoint would be resumed
     start = time.perf_counter()
     try:
-        proc = run_torchrun(case.nproc, script,
-                            *job_args(suite, case, ["--job.dump_folder", folder]), timeout=suite.timeout, check=False)
+        proc = run_torchrun(
+            case.nproc,
+            script,
+            *job_args(suite, case, ["--job.dump_folder", folder]),
+            timeout=suite.timeout,
+            check=False,
+        )
         output, code = proc.stdout + proc.stderr, proc.returncode
     except Exception as e:  # subprocess.TimeoutExpired
         output, code = str(e), "timeout"
@@ -216,8 +225,9 @@ def select(cases: list[Case], names: list[str], ngpu: int) -> tuple[list[Case], 
     return chosen, skipped
 
 
-def run_suite(suite_name: str, output_dir: str, names: list[str] = (), ngpu: int | None = None,
-              echo: bool = True) -> list[Result]:
+def run_suite(
+    suite_name: str, output_dir: str, names: list[str] = (), ngpu: int | None = None, echo: bool = True
+) -> list[Result]:
     """Run (the selected cases of) a suite; the Python API behind the command line."""
     suite = SUITES[suite_name]
     cases, skipped = select(suite.cases, list(names), ngpu if ngpu is not None else max(c.nproc for c in suite.cases))
@@ -225,12 +235,18 @@ def run_suite(suite_name: str, output_dir: str, names: list[str] = (), ngpu: int
     done: dict[str, Finished] = {}
     results = []
     for case in cases:
-        result = Result(case, skipped=skipped[case.name]) if case.name in skipped else run_case(
-            suite, case, output_dir, done)
+        result = (
+            Result(case, skipped=skipped[case.name])
+            if case.name in skipped
+            else run_case(suite, case, output_dir, done)
+        )
         results.append(result)
         if echo:
-            print(f"[{suite_name}] {case.name:34s} {result.seconds:6.1f}s  {result.status}  "
-                  f"{result.problem or ''}  {result.note}", flush=True)
+            print(
+                f"[{suite_name}] {case.name:34s} {result.seconds:6.1f}s  {result.status}  "
+                f"{result.problem or ''}  {result.note}",
+                flush=True,
+            )
     return results
 
 
@@ -275,28 +291,45 @@ def main(argv: list[str]) -> int:
             print(f"{c.name}: {c.nproc} proc, {c.config or suite.config} {' '.join(c.args)}{refs}")
         return 0
     if opts.dry_run:
-
         rows = dry_run(suite, [c for c in cases if c.name not in skipped])
         print(format_table(rows))
         failures = sum(r["status"] != "PASS" for r in rows)
-        print(f"{len(rows) - failures} passed, {failures} failed (dry run: graphs traced on the fake process "
-              f"group; eager cases have no graph, their graph twins are checked)")
+        print(
+            f"{len(rows) - failures} passed, {failures} failed (dry run: graphs traced on the fake process "
+            f"group; eager cases have no graph, their graph twins are checked)"
+        )
         return failures
     needed = max([c.nproc for c in cases if c.name not in skipped], default=0)
     if suite.gpus:
         import torch
 
         if torch.cuda.device_count() < needed:
-            parser.error(f"suite {opts.suite} needs {needed} CUDA devices, this machine has "
-                         f"{torch.cuda.device_count()} (--dry-run checks its graphs without GPUs)")
+            parser.error(
+                f"suite {opts.suite} needs {needed} CUDA devices, this machine has "
+                f"{torch.cuda.device_count()} (--dry-run checks its graphs without GPUs)"
+            )
     start = time.perf_counter()
     results = run_suite(opts.suite, opts.output_dir, names, ngpu)
     print()
-    print(format_table([{"case": r.case.name, "procs": r.case.nproc, "wall s": f"{r.seconds:.1f}",
-                         "status": r.status, "detail": r.problem or r.note} for r in results]))
+    print(
+        format_table(
+            [
+                {
+                    "case": r.case.name,
+                    "procs": r.case.nproc,
+                    "wall s": f"{r.seconds:.1f}",
+                    "status": r.status,
+                    "detail": r.problem or r.note,
+                }
+                for r in results
+            ]
+        )
+    )
     failures = sum(r.problem is not None for r in results)
-    print(f"{len(results) - failures - len(skipped)} passed, {failures} failed, {len(skipped)} skipped "
-          f"in {time.perf_counter() - start:.0f}s")
+    print(
+        f"{len(results) - failures - len(skipped)} passed, {failures} failed, {len(skipped)} skipped "
+        f"in {time.perf_counter() - start:.0f}s"
+    )
     return failures
 
 

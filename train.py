@@ -43,8 +43,15 @@ def _fail(error: OneLineError) -> int:
     if error_file:  # torchrun shows its "message" in its failure report instead of a link to its docs
         try:
             with open(error_file, "w", encoding="utf-8") as f:  # the layout torchelastic's own @record writes
-                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                                      "timestamp": str(int(time.time()))}}}, f)
+                json.dump(
+                    {
+                        "message": {
+                            "message": line,
+                            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+                        }
+                    },
+                    f,
+                )
         except OSError:
             pass
     return error.exit_code

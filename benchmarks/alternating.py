@@ -31,8 +31,12 @@ class Timings:
         return 1000 * statistics.median(self.times[name])
 
 
-def time_alternating(steps: dict[str, Callable[[torch.Tensor, torch.Tensor], float]],
-                     batches: Iterator[tuple[torch.Tensor, torch.Tensor]], warmup: int, measured: int) -> Timings:
+def time_alternating(
+    steps: dict[str, Callable[[torch.Tensor, torch.Tensor], float]],
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    warmup: int,
+    measured: int,
+) -> Timings:
     """One step of each function per batch, in the order given; ``warmup`` batches are not timed."""
     result = Timings(times={name: [] for name in steps})
     for i in range(warmup + measured):

@@ -31,8 +31,16 @@ import torch.distributed as dist
 from benchmarks.alternating import time_alternating
 
 WARMUP, MEASURED = 3, 12
-DEFAULT_ARGS = ["--job.config_file", "configs/deepseek_v3_debug.toml", "--parallelism.ep", "2",
-                "--training.local_batch_size", "4", "--training.seq_len", "128"]
+DEFAULT_ARGS = [
+    "--job.config_file",
+    "configs/deepseek_v3_debug.toml",
+    "--parallelism.ep",
+    "2",
+    "--training.local_batch_size",
+    "4",
+    "--training.seq_len",
+    "128",
+]
 
 
 def main(argv: list[str]) -> int:
@@ -48,8 +56,11 @@ def main(argv: list[str]) -> int:
     base.metrics.enable_tensorboard = False
     base.metrics.log_freq = 1000
     variants = {}
-    for name, passes, reorder in (("plain", [], True), ("chunked", ["ep_overlap"], False),
-                                  ("ep_overlap", ["ep_overlap"], True)):
+    for name, passes, reorder in (
+        ("plain", [], True),
+        ("chunked", ["ep_overlap"], False),
+        ("ep_overlap", ["ep_overlap"], True),
+    ):
         cfg = copy.deepcopy(base)
         cfg.compile.passes = ["ep_overlap", *cfg.compile.passes] if passes else list(cfg.compile.passes)
         cfg.compile.ep_overlap.reorder = reorder
@@ -71,15 +82,23 @@ def main(argv: list[str]) -> int:
     if dist.get_rank() == 0:
         t = base.training
         plain, chunked, overlap = (timings.median_ms(n) for n in ("plain", "chunked", "ep_overlap"))
-        print(f"model: {base.model.name} {base.model.flavor}, world size {world_size}, ep {base.parallelism.ep}, "
-              f"{torch.get_num_threads()} thread(s) per rank, passes besides ep_overlap: "
-              f"{','.join(base.compile.passes) or 'none'}")
-        print(f"ep_overlap: module_fqn {base.compile.ep_overlap.module_fqn!r}, chunk_dim "
-              f"{base.compile.ep_overlap.chunk_dim!r}")
-        print(f"batch: {t.local_batch_size} x {t.seq_len} tokens per rank; {MEASURED} measured steps each after "
-              f"{WARMUP} warm-up, alternating")
-        print("loss at the first measured step: " + ", ".join(
-            f"{name} {loss!r}" for name, loss in timings.first_losses.items()))
+        print(
+            f"model: {base.model.name} {base.model.flavor}, world size {world_size}, ep {base.parallelism.ep}, "
+            f"{torch.get_num_threads()} thread(s) per rank, passes besides ep_overlap: "
+            f"{','.join(base.compile.passes) or 'none'}"
+        )
+        print(
+            f"ep_overlap: module_fqn {base.compile.ep_overlap.module_fqn!r}, chunk_dim "
+            f"{base.compile.ep_overlap.chunk_dim!r}"
+        )
+        print(
+            f"batch: {t.local_batch_size} x {t.seq_len} tokens per rank; {MEASURED} measured steps each after "
+            f"{WARMUP} warm-up, alternating"
+        )
+        print(
+            "loss at the first measured step: "
+            + ", ".join(f"{name} {loss!r}" for name, loss in timings.first_losses.items())
+        )
         for name in steps:
             print(f"median step time {name}: {timings.median_ms(name):.1f} ms")
         print(f"ep_overlap/plain: {overlap / plain:.3f}")

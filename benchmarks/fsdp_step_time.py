@@ -55,8 +55,9 @@ def build_eager_fsdp2(trainer):
     with torch.device(trainer.dist.device):
         model = Transformer(trainer.model_args)
     model.init_weights(t.seed)
-    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, t.mixed_precision_param),
-                              reduce_dtype=getattr(torch, t.mixed_precision_reduce))
+    mp = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, t.mixed_precision_param), reduce_dtype=getattr(torch, t.mixed_precision_reduce)
+    )
     reshard = cfg.parallelism.fsdp_reshard_after_forward == "always"
     mesh = trainer.mesh["dp_shard"]
     for block in model.layers.values():
@@ -112,12 +113,18 @@ def main(argv: list[str]) -> int:
         first_losses = timings.first_losses
         print(f"model: {cfg.model.name} {cfg.model.flavor}")
         print(f"world size: {world_size} (fully sharded over all ranks), {torch.get_num_threads()} thread(s) per rank")
-        print(f"batch: {t.local_batch_size} x {t.seq_len} tokens per rank; "
-              f"{MEASURED} measured steps each after {WARMUP} warm-up, alternating")
-        print(f"graph_simplefsdp first step: {timings.first_step_seconds['graph_simplefsdp']:.2f} s, of which trace "
-              f"{trace_seconds:.2f} s (not in the median)")
-        print(f"loss at the first measured step (step {WARMUP + 1}): graph_simplefsdp "
-              f"{first_losses['graph_simplefsdp']:.6f}, eager_fsdp2 {first_losses['eager_fsdp2']:.6f}")
+        print(
+            f"batch: {t.local_batch_size} x {t.seq_len} tokens per rank; "
+            f"{MEASURED} measured steps each after {WARMUP} warm-up, alternating"
+        )
+        print(
+            f"graph_simplefsdp first step: {timings.first_step_seconds['graph_simplefsdp']:.2f} s, of which trace "
+            f"{trace_seconds:.2f} s (not in the median)"
+        )
+        print(
+            f"loss at the first measured step (step {WARMUP + 1}): graph_simplefsdp "
+            f"{first_losses['graph_simplefsdp']:.6f}, eager_fsdp2 {first_losses['eager_fsdp2']:.6f}"
+        )
         print(f"median step time graph_simplefsdp: {graph * 1000:.1f} ms")
         print(f"median step time eager_fsdp2: {eager * 1000:.1f} ms")
         print(f"graph_simplefsdp/eager_fsdp2: {graph / eager:.3f}")

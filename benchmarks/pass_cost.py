@@ -16,15 +16,23 @@ import dataclasses
 import sys
 import time
 
-DEFAULT_JOB = ["--model.flavor", "8B", "--training.seq_len", "8192", "--training.local_batch_size", "1",
-               "--training.mixed_precision_param", "bfloat16"]
+DEFAULT_JOB = [
+    "--model.flavor",
+    "8B",
+    "--training.seq_len",
+    "8192",
+    "--training.local_batch_size",
+    "1",
+    "--training.mixed_precision_param",
+    "bfloat16",
+]
 
 
 def _take(argv: list[str], flag: str, default: str) -> tuple[str, list[str]]:
     if flag not in argv:
         return default, argv
     i = argv.index(flag)
-    return argv[i + 1], argv[:i] + argv[i + 2:]
+    return argv[i + 1], argv[:i] + argv[i + 2 :]
 
 
 def main(argv: list[str]) -> int:
@@ -56,8 +64,10 @@ def main(argv: list[str]) -> int:
                 row[spec.name] = time.perf_counter() - start
         rows.append(row)
     names = [k for k in rows[0] if k not in ("layers", "nodes")]
-    print(f"{cfg.model.name} {cfg.model.flavor} shapes, world size {world_size}, batch "
-          f"{cfg.training.local_batch_size}x{cfg.training.seq_len}; seconds (and seconds per layer)")
+    print(
+        f"{cfg.model.name} {cfg.model.flavor} shapes, world size {world_size}, batch "
+        f"{cfg.training.local_batch_size}x{cfg.training.seq_len}; seconds (and seconds per layer)"
+    )
     print("layers  nodes  " + "  ".join(f"{n:>28s}" for n in names))
     for row in rows:
         cells = "  ".join(f"{row[n]:>17.2f} ({row[n] / row['layers']:.3f}/L)" for n in names)

@@ -33,15 +33,22 @@ def main(argv: list[str]) -> int:
         with fake_world(world_size):
             traced = trace_job(cfg, world_size)
         graph = traced.gm.graph
-        results[mode] = (collective_counts(graph), estimate_peak_memory(graph),
-                         estimate_step_memory(graph, None, cfg.training))
+        results[mode] = (
+            collective_counts(graph),
+            estimate_peak_memory(graph),
+            estimate_step_memory(graph, None, cfg.training),
+        )
     t = cfg.training
-    print(f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "
-          f"{t.local_batch_size}x{t.seq_len}, param dtype {t.mixed_precision_param}")
+    print(
+        f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "
+        f"{t.local_batch_size}x{t.seq_len}, param dtype {t.mixed_precision_param}"
+    )
     for mode, (counts, mem, step) in results.items():
         print(f"reshard_after_forward={mode:6s}: {format_counts(counts)}")
-        print(f"    graph's estimated peak {mem.peak_bytes / GIB:.2f} GiB (inputs {mem.input_bytes / GIB:.2f} GiB, "
-              f"at node {mem.peak_node})")
+        print(
+            f"    graph's estimated peak {mem.peak_bytes / GIB:.2f} GiB (inputs {mem.input_bytes / GIB:.2f} GiB, "
+            f"at node {mem.peak_node})"
+        )
         print(f"    step: {step.summary()}")
     never, always = results["never"][1].peak_bytes, results["always"][1].peak_bytes
     print(f"peak always - never: {(always - never) / GIB:+.2f} GiB; always/never: {always / never:.3f}")

@@ -52,8 +52,10 @@ def main(argv: list[str]) -> int:
         for trainer in trainers.values():
             trainer.metrics.close()
     eager, graph = (statistics.median(times[m]) for m in ("eager", "graph"))
-    print(f"model {base.model.name} {base.model.flavor}, batch {base.training.local_batch_size}x{base.training.seq_len}, "
-          f"threads {torch.get_num_threads()}, {measured} measured steps after {warmup} warm-up")
+    print(
+        f"model {base.model.name} {base.model.flavor}, batch {base.training.local_batch_size}x{base.training.seq_len}, "
+        f"threads {torch.get_num_threads()}, {measured} measured steps after {warmup} warm-up"
+    )
     print(f"trace time: {trace_seconds:.2f}s")
     print(f"median step time: eager {eager * 1000:.1f} ms, graph {graph * 1000:.1f} ms")
     print(f"graph/eager: {graph / eager:.3f}")

@@ -38,8 +38,10 @@ def main(argv: list[str]) -> int:
     peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{cfg.model.name} {cfg.model.flavor}: {n_params:,} parameters, batch {shape[0]}x{shape[1]}")
-    print(f"build on meta: {built:.2f}s, trace: {traced.trace_seconds:.2f}s, "
-          f"nodes: {len(traced.gm.graph.nodes):,}, collectives: {format_counts(collective_counts(traced.gm.graph))}")
+    print(
+        f"build on meta: {built:.2f}s, trace: {traced.trace_seconds:.2f}s, "
+        f"nodes: {len(traced.gm.graph.nodes):,}, collectives: {format_counts(collective_counts(traced.gm.graph))}"
+    )
     print(f"peak RSS: {peak_rss_gib:.2f} GiB")
     return 0
 

@@ -101,8 +101,8 @@ def run_torchtitan(gm: fx.GraphModule, plan: list[list[str]], param_fqns: list[s
         node.meta["autograd_backward"] = node.meta.get("custom", {}).get("phase") == "backward"
     with _cpu_roofline(device):
         gm = joint_transformer_block_bucketing_reordering_pass(
-            gm, None, module_bucket_plans=plan,
-            fsdp_param_module_order=get_fsdp_param_module_order(param_fqns))
+            gm, None, module_bucket_plans=plan, fsdp_param_module_order=get_fsdp_param_module_order(param_fqns)
+        )
     gm.graph.lint()
     return gm
 
@@ -138,9 +138,10 @@ def main(argv: list[str]) -> int:
         trace_s = time.perf_counter() - start
         base = traced.gm
         graphs = {"none": (base, 0.0)}
-        for label, run in (("ours", lambda gm: run_ours(gm, cfg, degrees, plan)),
-                           ("torchtitan",
-                            lambda gm: run_torchtitan(gm, plan, param_fqns, device))):
+        for label, run in (
+            ("ours", lambda gm: run_ours(gm, cfg, degrees, plan)),
+            ("torchtitan", lambda gm: run_torchtitan(gm, plan, param_fqns, device)),
+        ):
             start = time.perf_counter()
             gm = run(copy.deepcopy(base))
             graphs[label] = (gm, time.perf_counter() - start)
@@ -152,16 +153,33 @@ def main(argv: list[str]) -> int:
             rows.append(row)
 
     t = cfg.training
-    print(f"{cfg.model.name} {cfg.model.flavor}, world size {world_size} ({degrees}), per-rank batch "
-          f"{t.local_batch_size}x{t.seq_len}, param dtype {t.mixed_precision_param}, reduce dtype "
-          f"{t.mixed_precision_reduce}, reshard_after_forward {cfg.parallelism.fsdp_reshard_after_forward}; "
-          f"one trace ({trace_s:.1f} s, {len(base.graph.nodes)} nodes), simulated on {device.name} "
-          f"({ranks_per_node} ranks/node)")
-    print("ours = graph_trainer transformer_block_bucketing; torchtitan = torchtitan 0.3.0 "
-          "joint_transformer_block_bucketing_reordering_pass; none = the trace both started from")
+    print(
+        f"{cfg.model.name} {cfg.model.flavor}, world size {world_size} ({degrees}), per-rank batch "
+        f"{t.local_batch_size}x{t.seq_len}, param dtype {t.mixed_precision_param}, reduce dtype "
+        f"{t.mixed_precision_reduce}, reshard_after_forward {cfg.parallelism.fsdp_reshard_after_forward}; "
+        f"one trace ({trace_s:.1f} s, {len(base.graph.nodes)} nodes), simulated on {device.name} "
+        f"({ranks_per_node} ranks/node)"
+    )
+    print(
+        "ours = graph_trainer transformer_block_bucketing; torchtitan = torchtitan 0.3.0 "
+        "joint_transformer_block_bucketing_reordering_pass; none = the trace both started from"
+    )
     print(f"bucket plan ({len(plan)} buckets): {plan[:2]} ... {plan[-1:]}")
-    columns = ("AG", "RS", "exposed ms", "exposed %", "step ms", "AR", "A2A", "comm ms", "compute ms",
-               "peak GiB", "nodes", "pass s", "sim s")
+    columns = (
+        "AG",
+        "RS",
+        "exposed ms",
+        "exposed %",
+        "step ms",
+        "AR",
+        "A2A",
+        "comm ms",
+        "compute ms",
+        "peak GiB",
+        "nodes",
+        "pass s",
+        "sim s",
+    )
     print(format_table([{"pass": row["passes"], **{k: row[k] for k in columns}} for row in rows]))
     return 0
 

@@ -61,8 +61,7 @@ def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
     return traced, result, traced_s, time.perf_counter() - start - traced_s
 
 
-def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int,
-                memory=None) -> dict[str, object]:
+def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int, memory=None) -> dict[str, object]:
     """One table row. ``memory`` (a ``StepMemoryEstimate``): "peak GiB" is the step's peak and
     its parts follow; without it, "peak GiB" is the graph's own peak (no optimizer state)."""
     counts = {k: 0 for k, _ in _KIND_COLUMNS}
@@ -70,30 +69,48 @@ def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int,
         counts[c.kind] = counts.get(c.kind, 0) + 1
     row: dict[str, object] = {"passes": label, "nodes": nodes}
     row.update({short: counts[k] for k, short in _KIND_COLUMNS})
-    row.update({
-        "step ms": result.step_time * 1e3,
-        "compute ms": result.compute_time * 1e3,
-        "comm ms": result.comm_time * 1e3,
-        "exposed ms": result.exposed_comm_time * 1e3,
-        "exposed %": 100 * result.exposed_fraction,
-        "peak GiB": (memory.peak_bytes if memory is not None else result.peak_memory_bytes) / GIB,
-    })
+    row.update(
+        {
+            "step ms": result.step_time * 1e3,
+            "compute ms": result.compute_time * 1e3,
+            "comm ms": result.comm_time * 1e3,
+            "exposed ms": result.exposed_comm_time * 1e3,
+            "exposed %": 100 * result.exposed_fraction,
+            "peak GiB": (memory.peak_bytes if memory is not None else result.peak_memory_bytes) / GIB,
+        }
+    )
     if memory is not None:
         peak = memory.peak
-        row.update({"params GiB": peak.params / GIB, "grads GiB": peak.grads / GIB,
-                    "optim GiB": peak.optimizer / GIB, "activ GiB": peak.activations / GIB})
-    row.update({
-        "trace s": trace_s,
-        "sim s": sim_s,
-    })
+        row.update(
+            {
+                "params GiB": peak.params / GIB,
+                "grads GiB": peak.grads / GIB,
+                "optim GiB": peak.optimizer / GIB,
+                "activ GiB": peak.activations / GIB,
+            }
+        )
+    row.update(
+        {
+            "trace s": trace_s,
+            "sim s": sim_s,
+        }
+    )
     return row
 
 
 def kind_rows(label: str, result) -> list[dict[str, object]]:
-    return [{"passes": label, "kind": kind, "count": int(v["count"]), "GiB": v["bytes"] / GIB,
-             "time ms": v["time"] * 1e3, "exposed ms": v["exposed"] * 1e3,
-             "hidden %": 100 * (1 - v["exposed"] / v["time"]) if v["time"] else 100.0}
-            for kind, v in sorted(result.by_kind().items())]
+    return [
+        {
+            "passes": label,
+            "kind": kind,
+            "count": int(v["count"]),
+            "GiB": v["bytes"] / GIB,
+            "time ms": v["time"] * 1e3,
+            "exposed ms": v["exposed"] * 1e3,
+            "hidden %": 100 * (1 - v["exposed"] / v["time"]) if v["time"] else 100.0,
+        }
+        for kind, v in sorted(result.by_kind().items())
+    ]
 
 
 def _trace_path(path: str, label: str, several: bool) -> str:
@@ -123,12 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         if device_name not in DEVICES:
             raise ConfigError(f"unknown --device {device_name!r}; choose from {', '.join(DEVICES)}")
         device = DEVICES[device_name]
-        limit = (round(device_memory_gib * GIB) if device_memory_gib is not None
-                 else DEVICE_MEMORY_BYTES.get(device_name))
+        limit = (
+            round(device_memory_gib * GIB) if device_memory_gib is not None else DEVICE_MEMORY_BYTES.get(device_name)
+        )
         cfg = load_config(argv)
         pass_lists = parse_pass_lists(compare) if compare is not None else [cfg.compile.passes]
-        modes = ([m.strip() for m in ac_modes.split(",") if m.strip()] if ac_modes is not None
-                 else [cfg.activation_checkpoint.mode])
+        modes = (
+            [m.strip() for m in ac_modes.split(",") if m.strip()]
+            if ac_modes is not None
+            else [cfg.activation_checkpoint.mode]
+        )
         configs = []
         for passes in pass_lists:
             for mode in modes:
@@ -142,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     t = cfg.training
-    print(f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "
-          f"{t.local_batch_size}x{t.seq_len}, param dtype {t.mixed_precision_param}, reduce dtype "
-          f"{t.mixed_precision_reduce}, activation checkpointing {cfg.activation_checkpoint.mode}, "
-          f"loss chunks {t.loss_chunks}; simulated on {device.name} ({ranks_per_node} ranks/node)")
+    print(
+        f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "
+        f"{t.local_batch_size}x{t.seq_len}, param dtype {t.mixed_precision_param}, reduce dtype "
+        f"{t.mixed_precision_reduce}, activation checkpointing {cfg.activation_checkpoint.mode}, "
+        f"loss chunks {t.loss_chunks}; simulated on {device.name} ({ranks_per_node} ranks/node)"
+    )
     summary, kinds, memory_lines = [], [], []
     for c in configs:
         label = ",".join(c.compile.passes) or "none"

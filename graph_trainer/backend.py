@@ -180,8 +180,10 @@ class BackendReport:
     def summary(self) -> str:
         if self.backend == "none":
             return "backend none: the graph runs op by op"
-        text = (f"inductor ({self.scope}): compiled {self.regions} region(s) of {self.compiled_nodes} nodes "
-                f"in {self.seconds:.1f}s, {self.nodes_outside} nodes run outside them")
+        text = (
+            f"inductor ({self.scope}): compiled {self.regions} region(s) of {self.compiled_nodes} nodes "
+            f"in {self.seconds:.1f}s, {self.nodes_outside} nodes run outside them"
+        )
         if self.collective_order_kept is not None:
             text += f"; collective order {'kept' if self.collective_order_kept else 'CHANGED'}"
         if self.in_flight is not None:
@@ -253,8 +255,9 @@ def split_addmm(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-_SPLIT_ADDMM_VERSION = "graph_trainer.backend.split_addmm:" + hashlib.sha256(
-    inspect.getsource(split_addmm).encode()).hexdigest()[:16]
+_SPLIT_ADDMM_VERSION = (
+    "graph_trainer.backend.split_addmm:" + hashlib.sha256(inspect.getsource(split_addmm).encode()).hexdigest()[:16]
+)
 
 
 def region_post_grad_pass(deterministic: bool, count_into: BackendReport | None = None):
@@ -277,8 +280,9 @@ def compile_region(region: fx.GraphModule, example_inputs: list, fake_mode, dete
     """One region through Inductor (``post_grad_pass``: ``region_post_grad_pass``'s). With
     ``deterministic`` the value of every op depends only on its inputs: not on the run
     (deterministic algorithms), nor on the ops it is fused with (eager precision, ``split_addmm``)."""
-    return torch_compat.inductor_compile(region, example_inputs, fake_mode, post_grad_pass, deterministic,
-                                         eager_precision=deterministic)
+    return torch_compat.inductor_compile(
+        region, example_inputs, fake_mode, post_grad_pass, deterministic, eager_precision=deterministic
+    )
 
 
 def _symbols(value) -> set:
@@ -307,8 +311,11 @@ def _pass_sizes_in(gm: fx.GraphModule, calls: list[fx.Node]) -> None:
     for call in calls:
         submodule = getattr(gm, call.target)
         needed = set().union(*(_symbols(n.meta.get("val")) for n in submodule.graph.nodes))
-        given = {torch_compat.sym_expr(a.meta["val"]) for a in call.args
-                 if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.SymInt)}
+        given = {
+            torch_compat.sym_expr(a.meta["val"])
+            for a in call.args
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.SymInt)
+        }
         missing = [defining[sym] for sym in sorted(needed - given, key=str) if sym in defining]
         if not missing:
             continue
@@ -321,8 +328,9 @@ def _pass_sizes_in(gm: fx.GraphModule, calls: list[fx.Node]) -> None:
         submodule.recompile()
 
 
-def _compile_regions(gm: fx.GraphModule, names: list[str], report: BackendReport, post_grad_pass,
-                     deterministic: bool) -> fx.GraphModule:
+def _compile_regions(
+    gm: fx.GraphModule, names: list[str], report: BackendReport, post_grad_pass, deterministic: bool
+) -> fx.GraphModule:
     fake_mode = _fake_mode(gm)
     calls = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
     for name in names:
@@ -362,8 +370,14 @@ def _named_call(compiled, name: str, deterministic: bool):
     return run_region
 
 
-def apply_backend(gm: fx.GraphModule, backend: str, scope: str = "regional", cache_dir: str = "",
-                  deterministic: bool = True, verify: bool = False) -> tuple[fx.GraphModule, BackendReport]:
+def apply_backend(
+    gm: fx.GraphModule,
+    backend: str,
+    scope: str = "regional",
+    cache_dir: str = "",
+    deterministic: bool = True,
+    verify: bool = False,
+) -> tuple[fx.GraphModule, BackendReport]:
     """Compile ``gm`` (the graph after the passes) with ``backend``; returns the graph to run.
 
     ``deterministic``: compile so that every op's value depends only on its inputs, not on the
@@ -388,8 +402,9 @@ def apply_backend(gm: fx.GraphModule, backend: str, scope: str = "regional", cac
         post_grad_pass = region_post_grad_pass(deterministic, report if verify else None)
         gm = _compile_regions(gm, names, report, post_grad_pass, deterministic)
         report.collective_order_kept = collective_order(gm.graph) == before
-        report.nodes_outside = sum(1 for n in gm.graph.nodes
-                                   if n.op == "call_function" and not tags.has(n, INDUCTOR_REGION))
+        report.nodes_outside = sum(
+            1 for n in gm.graph.nodes if n.op == "call_function" and not tags.has(n, INDUCTOR_REGION)
+        )
     else:
         report.matmuls_before = matmul_count(gm.graph)
         report.compiled_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
@@ -420,6 +435,18 @@ def _whole_graph_module(compiled, traced: fx.GraphModule, deterministic: bool) -
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-__all__ = ["BACKENDS", "INDUCTOR_SCOPES", "BackendReport", "Region", "apply_backend", "compile_region", "cut_regions",
-           "find_regions", "generated_collective_order", "region_post_grad_pass", "region_unit", "split_addmm",
-           "stays_outside"]
+__all__ = [
+    "BACKENDS",
+    "INDUCTOR_SCOPES",
+    "BackendReport",
+    "Region",
+    "apply_backend",
+    "compile_region",
+    "cut_regions",
+    "find_regions",
+    "generated_collective_order",
+    "region_post_grad_pass",
+    "region_unit",
+    "split_addmm",
+    "stays_outside",
+]

@@ -63,8 +63,7 @@ def init_parameters(model: nn.Module, rules: dict, seed: int) -> None:
             param.copy_(full)
 
 
-def build_model(build_fn, args, device: torch.device, seed: int,
-                parallelize=None) -> nn.Module:
+def build_model(build_fn, args, device: torch.device, seed: int, parallelize=None) -> nn.Module:
     """Construct on meta, apply ``parallelize(model)`` (may be None), materialise on ``device``, init.
 
     ``device`` meta stops before materialising: the model is then only good for tracing on
@@ -96,21 +95,28 @@ def build_layout(cfg: JobConfig, world_size: int, device_type: str) -> JobLayout
     """The job's layout at ``world_size`` (the process group, real or fake, must exist when > 1)."""
     dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
     t = cfg.training
-    mp = MixedPrecision(param_dtype=getattr(torch, t.mixed_precision_param),
-                        reduce_dtype=getattr(torch, t.mixed_precision_reduce))
+    mp = MixedPrecision(
+        param_dtype=getattr(torch, t.mixed_precision_param), reduce_dtype=getattr(torch, t.mixed_precision_reduce)
+    )
     return JobLayout(dims, build_mesh(dims, device_type), mp)
 
 
-def build_job_model(cfg: JobConfig, layout: JobLayout, device: torch.device, args=None,
-                    param_dtype: torch.dtype | None = None) -> nn.Module:
+def build_job_model(
+    cfg: JobConfig, layout: JobLayout, device: torch.device, args=None, param_dtype: torch.dtype | None = None
+) -> nn.Module:
     """The job's model on ``layout``, ready to trace (module docstring, step 2).
 
     ``args`` overrides the flavor's (e.g. fewer layers); ``param_dtype`` casts the floating-point
     parameters after building (``cast_parameters``: analyses of pure low-precision runs)."""
     spec = MODEL_SPECS[cfg.model.name]
     args = args if args is not None else model_args(cfg.model)
-    model = build_model(spec.build, args, device, cfg.training.seed,
-                        parallelize=lambda m: spec.parallelize(m, layout.mesh, layout.dims, layout.mp))
+    model = build_model(
+        spec.build,
+        args,
+        device,
+        cfg.training.seed,
+        parallelize=lambda m: spec.parallelize(m, layout.mesh, layout.dims, layout.mp),
+    )
     if param_dtype is not None:
         cast_parameters(model, param_dtype)
     prepare_model_for_passes(model, cfg)
@@ -136,5 +142,13 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
             module._parameters[name] = cast[id(param)]
 
 
-__all__ = ["JobLayout", "build_job_model", "build_layout", "build_model", "cast_parameters", "clean_fqn",
-           "init_parameters", "pass_context"]
+__all__ = [
+    "JobLayout",
+    "build_job_model",
+    "build_layout",
+    "build_model",
+    "cast_parameters",
+    "clean_fqn",
+    "init_parameters",
+    "pass_context",
+]

@@ -77,8 +77,11 @@ def _steps_with(root: str, present: str, absent: str | None = None) -> list[int]
     steps = []
     for name in os.listdir(root):
         match = _STEP_DIR.match(name)
-        if (match and os.path.isfile(os.path.join(root, name, present))
-                and not (absent and os.path.exists(os.path.join(root, name, absent)))):
+        if (
+            match
+            and os.path.isfile(os.path.join(root, name, present))
+            and not (absent and os.path.exists(os.path.join(root, name, absent)))
+        ):
             steps.append(int(match.group(1)))
     return sorted(steps)
 
@@ -102,8 +105,7 @@ def _steps(steps: list[int]) -> str:
 class Checkpointer:
     """Saves and restores the training state of one job; see the module docstring."""
 
-    def __init__(self, cfg: JobConfig, rank: int, world_size: int, degrees: dict[str, int],
-                 device: torch.device):
+    def __init__(self, cfg: JobConfig, rank: int, world_size: int, degrees: dict[str, int], device: torch.device):
         self.cfg = cfg
         self.root = checkpoint_root(cfg)
         self.rank = rank
@@ -134,8 +136,12 @@ class Checkpointer:
             except ConfigError as e:
                 box[0] = ("config", str(e))
             except (JobError, OSError) as e:
-                box[0] = ("job", str(e) if isinstance(e, JobError) else
-                          f"checkpoint folder {self.root}: {e.strerror or e}: {e.filename}")
+                box[0] = (
+                    "job",
+                    str(e)
+                    if isinstance(e, JobError)
+                    else f"checkpoint folder {self.root}: {e.strerror or e}: {e.filename}",
+                )
             except Exception as e:  # unblock the other ranks, then fail loudly here
                 dist.broadcast_object_list([("crash", repr(e))], src=0)
                 raise
@@ -172,8 +178,9 @@ class Checkpointer:
         path = self.step_dir(step)
         unlisted = sorted(dcp_storage_files(load_dcp_metadata(metadata_path(path))) - set(files))
         if unlisted:
-            raise ConfigError(f"checkpoint {path}: DCP's index refers to {unlisted[0]}, which its manifest does "
-                              f"not list")
+            raise ConfigError(
+                f"checkpoint {path}: DCP's index refers to {unlisted[0]}, which its manifest does not list"
+            )
 
     def _verify(self, step: int) -> str | None:
         """Check ``step-<step>`` against its manifest on all ranks (each hashes a share); None when it is
@@ -184,8 +191,11 @@ class Checkpointer:
         def head():  # cheap checks first, so a wrong checkpoint fails fast
             saved, problem = manifest.read(path)
             problem = problem or manifest.check_listing(path, saved)
-            problem = problem or (manifest.check_files(path, saved, ["metadata.json"])
-                                  if "metadata.json" in saved["files"] else "metadata.json is missing")
+            problem = problem or (
+                manifest.check_files(path, saved, ["metadata.json"])
+                if "metadata.json" in saved["files"]
+                else "metadata.json is missing"
+            )
             if problem:
                 return None, problem
             check_model(path, self.cfg.model)  # metadata.json verified above: format and model are this run's
@@ -212,28 +222,42 @@ class Checkpointer:
         want = self.cfg.checkpoint.load_step
         names = _steps(others)
         if not self.cfg.checkpoint.move_aside:
-            hint = "pass --checkpoint.move_aside True to move them into " \
-                   f"{os.path.normpath(self.root)}.aside-<time>/, or use another checkpoint.folder"
+            hint = (
+                "pass --checkpoint.move_aside True to move them into "
+                f"{os.path.normpath(self.root)}.aside-<time>/, or use another checkpoint.folder"
+            )
             if want == 0:
-                raise ConfigError(f"checkpoint.load_step = 0 starts fresh, but {self.root} holds checkpoints ({names}) "
-                                  f"of an earlier run, which a later resume would mix with this one; resume them "
-                                  f"(checkpoint.load_step -1), or {hint} (losses.txt too)")
+                raise ConfigError(
+                    f"checkpoint.load_step = 0 starts fresh, but {self.root} holds checkpoints ({names}) "
+                    f"of an earlier run, which a later resume would mix with this one; resume them "
+                    f"(checkpoint.load_step -1), or {hint} (losses.txt too)"
+                )
             if want > 0:
-                raise ConfigError(f"checkpoint.load_step = {want} continues step-{want}, but {self.root} also holds "
-                                  f"later steps ({names}) of the run it abandons, which a later resume would pick "
-                                  f"up; {hint}")
-            raise ConfigError(f"{self.root} holds checkpoints without {manifest.MANIFEST_FILE} "
-                              f"({_steps(sorted(set(others) & set(unsealed)))}): saved before graph_trainer wrote "
-                              f"manifests, or not by graph_trainer, so they cannot be verified; seal one you trust "
-                              f"with `python -m graph_trainer.manifest seal <folder>`, or {hint}")
+                raise ConfigError(
+                    f"checkpoint.load_step = {want} continues step-{want}, but {self.root} also holds "
+                    f"later steps ({names}) of the run it abandons, which a later resume would pick "
+                    f"up; {hint}"
+                )
+            raise ConfigError(
+                f"{self.root} holds checkpoints without {manifest.MANIFEST_FILE} "
+                f"({_steps(sorted(set(others) & set(unsealed)))}): saved before graph_trainer wrote "
+                f"manifests, or not by graph_trainer, so they cannot be verified; seal one you trust "
+                f"with `python -m graph_trainer.manifest seal <folder>`, or {hint}"
+            )
         losses = os.path.join(self.cfg.job.dump_folder, "losses.txt")
-        aside = self._on_rank0(lambda: move_aside(self.root, [f"step-{s}" for s in others], losses,
-                                                  keep_losses=chosen is not None))
-        self._warn("checkpoint.move_aside: moved %s%s into %s", names,
-                   " and losses.txt" if chosen is None else " and a copy of losses.txt", aside)
+        aside = self._on_rank0(
+            lambda: move_aside(self.root, [f"step-{s}" for s in others], losses, keep_losses=chosen is not None)
+        )
+        self._warn(
+            "checkpoint.move_aside: moved %s%s into %s",
+            names,
+            " and losses.txt" if chosen is None else " and a copy of losses.txt",
+            aside,
+        )
 
     def _quarantine(self, failed: list[tuple[int, str]]) -> None:
         """(all ranks) Rename checkpoints that failed verification, so no later resume finds them."""
+
         def rename():
             token = uuid.uuid4().hex[:8]
             try:
@@ -260,15 +284,19 @@ class Checkpointer:
         chosen, failed = None, []
         if want > 0:
             if want not in sealed:
-                legacy = f" (step-{want} has no {manifest.MANIFEST_FILE}: saved before manifests; seal it with " \
-                         f"`python -m graph_trainer.manifest seal` if you trust it)" if want in unsealed else ""
+                legacy = (
+                    f" (step-{want} has no {manifest.MANIFEST_FILE}: saved before manifests; seal it with "
+                    f"`python -m graph_trainer.manifest seal` if you trust it)"
+                    if want in unsealed
+                    else ""
+                )
                 raise ConfigError(
                     f"checkpoint.load_step = {want}: no complete checkpoint step-{want} in {self.root}; "
-                    f"available steps: {', '.join(map(str, sealed)) or 'none'}{legacy}")
+                    f"available steps: {', '.join(map(str, sealed)) or 'none'}{legacy}"
+                )
             problem = self._verify(want)
             if problem:
-                raise ConfigError(f"checkpoint {self.step_dir(want)} fails verification: {problem}; nothing was "
-                                  f"loaded")
+                raise ConfigError(f"checkpoint {self.step_dir(want)} fails verification: {problem}; nothing was loaded")
             chosen = want
         elif want == -1:
             for step in reversed(sealed):
@@ -282,17 +310,23 @@ class Checkpointer:
                 raise ConfigError(
                     f"no checkpoint in {self.root} verifies ({'; '.join(f'step-{s}: {p}' for s, p in failed)}); "
                     f"nothing was loaded. Restore them, or start fresh with checkpoint.load_step 0 and "
-                    f"checkpoint.move_aside True")
-        others = [s for s in sorted(set(sealed) | set(unsealed))
-                  if s not in dict(failed) and (chosen is None or s > chosen)]
+                    f"checkpoint.move_aside True"
+                )
+        others = [
+            s for s in sorted(set(sealed) | set(unsealed)) if s not in dict(failed) and (chosen is None or s > chosen)
+        ]
         if others and self._writes_beside():
             self._refuse_or_move_aside(chosen, others, unsealed)
         if failed:
             self._quarantine(failed)
             self._warn("resuming from %s, the newest checkpoint that verifies", self.step_dir(chosen))
         if chosen is not None:
-            logger.info("resuming from checkpoint %s (step %d), verified in %.2fs", self.step_dir(chosen), chosen,
-                        time.perf_counter() - start)
+            logger.info(
+                "resuming from checkpoint %s (step %d), verified in %.2fs",
+                self.step_dir(chosen),
+                chosen,
+                time.perf_counter() - start,
+            )
         elif want == -1 and os.path.isdir(self.root):
             logger.info("no complete checkpoint in %s; starting from step 1", self.root)
         return chosen
@@ -308,8 +342,11 @@ class Checkpointer:
         if int(meta.get("world_size", -1)) == self.world_size:
             restore_rng(path, self.rank, self.device)
         else:
-            logger.info("checkpoint was written by %s ranks, this run has %d: RNG states not restored",
-                        meta.get("world_size"), self.world_size)
+            logger.info(
+                "checkpoint was written by %s ranks, this run has %d: RNG states not restored",
+                meta.get("world_size"),
+                self.world_size,
+            )
         if self.rank == 0:
             self._trim_losses(step)
         logger.info("loaded checkpoint %s in %.2fs", path, time.perf_counter() - start)
@@ -365,14 +402,23 @@ class Checkpointer:
             index = agree(lambda: self._write_state(tmp, step, state, model, scheduler, dataloader), what)
             written = time.perf_counter()
             # every rank's files are in tmp now (agree gathered from all): hash our own share
-            mine = agree(lambda: {n: manifest.file_entry(os.path.join(tmp, n)) for n in
-                                  manifest.save_share(manifest.folder_files(tmp), self.rank, self.world_size)}, what)
+            mine = agree(
+                lambda: {
+                    n: manifest.file_entry(os.path.join(tmp, n))
+                    for n in manifest.save_share(manifest.folder_files(tmp), self.rank, self.world_size)
+                },
+                what,
+            )
             hashed = self._gather(mine)
             agree(lambda: self._seal(tmp, final, hashed, index) if self.rank == 0 else None, what)
         except JobError as e:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # never a checkpoint; the earlier ones are untouched
             raise JobError(f"{e} (earlier checkpoints are intact)") from None
-        logger.info("saved checkpoint %s in %.2fs (manifest: %.2fs)", final, time.perf_counter() - start,
-                    time.perf_counter() - written)
+        logger.info(
+            "saved checkpoint %s in %.2fs (manifest: %.2fs)",
+            final,
+            time.perf_counter() - start,
+            time.perf_counter() - written,
+        )
         return final

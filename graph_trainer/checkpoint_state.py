@@ -94,16 +94,22 @@ def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, creat
 
 def shape_diff(saved: dict[str, list[int]], expected: dict[str, list[int]]) -> str:
     """One-line description of how two {name: shape} maps differ ('' when equal)."""
+
     def some(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
 
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
-    shapes = [f"{k} {saved[k]} vs {expected[k]}" for k in sorted(set(saved) & set(expected))
-              if list(saved[k]) != list(expected[k])]
-    parts = [f"missing {some(missing)}" if missing else "",
-             f"unexpected {some(unexpected)}" if unexpected else "",
-             f"shape (checkpoint vs model) {some(shapes)}" if shapes else ""]
+    shapes = [
+        f"{k} {saved[k]} vs {expected[k]}"
+        for k in sorted(set(saved) & set(expected))
+        if list(saved[k]) != list(expected[k])
+    ]
+    parts = [
+        f"missing {some(missing)}" if missing else "",
+        f"unexpected {some(unexpected)}" if unexpected else "",
+        f"shape (checkpoint vs model) {some(shapes)}" if shapes else "",
+    ]
     return "; ".join(p for p in parts if p)
 
 
@@ -132,6 +138,7 @@ def _single_process_ok():
 
 # ------------------------------------------------------------------------------ save
 
+
 def save_tensors(folder: str, state: dict, distributed: bool):
     """(all ranks) The DCP files of ``state`` (``tensor_state``); returns DCP's index."""
     with _single_process_ok():
@@ -151,19 +158,31 @@ def save_rng(folder: str, rank: int, device: torch.device) -> None:
 
 def write_train_state(folder: str, step: int, scheduler, dataloader) -> None:
     """(rank 0) ``train_state.json``: the step, the LR scheduler's state and the data position."""
-    _write_json(os.path.join(folder, "train_state.json"), {
-        "step": step, "scheduler": scheduler.state_dict(), "dataloader": dataloader.state_dict()})
+    _write_json(
+        os.path.join(folder, "train_state.json"),
+        {"step": step, "scheduler": scheduler.state_dict(), "dataloader": dataloader.state_dict()},
+    )
 
 
-def write_metadata(folder: str, step: int, model_cfg: Model, degrees: dict[str, int], world_size: int,
-                   model: torch.nn.Module) -> None:
+def write_metadata(
+    folder: str, step: int, model_cfg: Model, degrees: dict[str, int], world_size: int, model: torch.nn.Module
+) -> None:
     """(rank 0) ``metadata.json``: format, model name and flavor, step, layout, parameter shapes."""
-    _write_json(os.path.join(folder, "metadata.json"), {
-        "format": FORMAT_VERSION, "model": {"name": model_cfg.name, "flavor": model_cfg.flavor},
-        "step": step, "degrees": degrees, "world_size": world_size, "params": param_shapes(model)})
+    _write_json(
+        os.path.join(folder, "metadata.json"),
+        {
+            "format": FORMAT_VERSION,
+            "model": {"name": model_cfg.name, "flavor": model_cfg.flavor},
+            "step": step,
+            "degrees": degrees,
+            "world_size": world_size,
+            "params": param_shapes(model),
+        },
+    )
 
 
 # ------------------------------------------------------------------------------ load
+
 
 def read_metadata(folder: str) -> dict:
     """``metadata.json`` of a checkpoint folder (ConfigError when it cannot be read)."""
@@ -174,14 +193,16 @@ def check_model(folder: str, model_cfg: Model) -> None:
     """The checkpoint's format and model (name and flavor) are this run's, else ConfigError."""
     meta = read_metadata(folder)
     if meta.get("format") != FORMAT_VERSION:
-        raise ConfigError(f"checkpoint {folder} has format {meta.get('format')!r}; "
-                          f"this build reads format {FORMAT_VERSION}")
+        raise ConfigError(
+            f"checkpoint {folder} has format {meta.get('format')!r}; this build reads format {FORMAT_VERSION}"
+        )
     saved = (meta.get("model", {}).get("name"), meta.get("model", {}).get("flavor"))
     if saved != (model_cfg.name, model_cfg.flavor):
         raise ConfigError(
             f"checkpoint {folder} holds model {saved[0]} flavor {saved[1]} but this run "
             f"builds {model_cfg.name} flavor {model_cfg.flavor}; use checkpoint.load_step = 0 or another "
-            f"checkpoint.folder to start fresh")
+            f"checkpoint.folder to start fresh"
+        )
 
 
 def load_tensors(folder: str, meta: dict, model_cfg: Model, model, optimizer, distributed: bool) -> None:
@@ -194,13 +215,17 @@ def load_tensors(folder: str, meta: dict, model_cfg: Model, model, optimizer, di
     # metadata.json describes parameters only; DCP's own index must also hold every optimizer
     # key with the right global shape, otherwise dcp.load fails with a long planner traceback.
     saved = load_dcp_metadata(metadata_path(folder)).state_dict_metadata
-    problem = shape_diff({k: list(v.size) for k, v in saved.items() if isinstance(v, TensorStorageMetadata)},
-                         {k: list(v.shape) for k, v in state.items()})
+    problem = shape_diff(
+        {k: list(v.size) for k, v in saved.items() if isinstance(v, TensorStorageMetadata)},
+        {k: list(v.shape) for k, v in state.items()},
+    )
     if problem:
         raise ConfigError(f"checkpoint {folder} does not fit this run's model/optimizer state: {problem}")
     with _single_process_ok():
-        agree(lambda: dcp.load(state, storage_reader=safe_reader(folder), no_dist=not distributed),
-              f"cannot load checkpoint {folder}")
+        agree(
+            lambda: dcp.load(state, storage_reader=safe_reader(folder), no_dist=not distributed),
+            f"cannot load checkpoint {folder}",
+        )
 
 
 def restore_train_state(folder: str, step: int, optimizer, scheduler, dataloader) -> None:
@@ -209,8 +234,10 @@ def restore_train_state(folder: str, step: int, optimizer, scheduler, dataloader
     train_state = _read_json(os.path.join(folder, "train_state.json"))
     counts = {float(optimizer.state[p]["step"]) for p in optimizer.state}
     if train_state.get("step") != step or counts != {float(step)}:
-        raise ConfigError(f"checkpoint {folder} is inconsistent: it is step {step} but records step "
-                          f"{train_state.get('step')} and AdamW step counts {sorted(counts)}")
+        raise ConfigError(
+            f"checkpoint {folder} is inconsistent: it is step {step} but records step "
+            f"{train_state.get('step')} and AdamW step counts {sorted(counts)}"
+        )
     dataloader.load_state_dict(train_state["dataloader"])
     sched = dict(train_state["scheduler"])
     # The checkpoint gives the schedule's position; its shape (peak lr, warmup, decay over

@@ -67,8 +67,9 @@ def _gather_parameters_once(module: nn.Module, fqn: str) -> None:
 def _chunked_forward(module: nn.Module, fqn: str, dim: int, forward: Callable) -> Callable:
     def run_in_chunks(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if x.shape[dim] % NUM_CHUNKS:
-            raise ValueError(f"{fqn}: input dim {dim} of size {x.shape[dim]} cannot be split into "
-                             f"{NUM_CHUNKS} equal chunks")
+            raise ValueError(
+                f"{fqn}: input dim {dim} of size {x.shape[dim]} cannot be split into {NUM_CHUNKS} equal chunks"
+            )
         with annotate({CHUNK_REGION: fqn}), parametrize.cached():
             _gather_parameters_once(module, fqn)
             outputs = []

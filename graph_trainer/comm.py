@@ -45,8 +45,10 @@ def failure_message(e: BaseException, timeout_s: float) -> str | None:
     not such a failure)."""
     text = str(e).lower()
     if any(m in text for m in _TIMEOUT_MARKERS):
-        return (f"a collective waited more than {timeout_s:g} s (comm.timeout_seconds / comm.init_timeout_seconds) "
-                f"for another rank: one is stuck, stopped or far slower ({str(e).splitlines()[0][-120:]})")
+        return (
+            f"a collective waited more than {timeout_s:g} s (comm.timeout_seconds / comm.init_timeout_seconds) "
+            f"for another rank: one is stuck, stopped or far slower ({str(e).splitlines()[0][-120:]})"
+        )
     if any(m in text for m in _PEER_GONE_MARKERS):
         return f"another rank left during a collective ({str(e).splitlines()[0][-120:]})"
     return None

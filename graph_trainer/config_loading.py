@@ -61,9 +61,9 @@ def take_flag(argv: list[str], flag: str, default, kind=str):
         if arg == flag:
             if i + 1 >= len(argv):
                 raise ConfigError(f"{flag} needs a value")
-            rest, value = argv[:i] + argv[i + 2:], argv[i + 1]
+            rest, value = argv[:i] + argv[i + 2 :], argv[i + 1]
         elif arg.startswith(flag + "="):
-            rest, value = argv[:i] + argv[i + 1:], arg.split("=", 1)[1]
+            rest, value = argv[:i] + argv[i + 1 :], arg.split("=", 1)[1]
         else:
             continue
         try:
@@ -137,9 +137,7 @@ def config_from_toml(path: str) -> JobConfig:
     sections = {f.name: f for f in dataclasses.fields(JobConfig)}
     for section, values in data.items():
         if section not in sections:
-            raise ConfigError(
-                f"unknown section [{section}] in {path}; allowed sections: {', '.join(sections)}"
-            )
+            raise ConfigError(f"unknown section [{section}] in {path}; allowed sections: {', '.join(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"'{section}' in {path} must be a [{section}] table")
         _fill_section(getattr(cfg, section), values, section, path)
@@ -152,9 +150,7 @@ def _fill_section(obj: Any, values: dict, section: str, path: str) -> None:
     types = field_types(type(obj))
     for key, value in values.items():
         if key not in types:
-            raise ConfigError(
-                f"unknown key '{key}' in section [{section}] of {path}; allowed keys: {', '.join(types)}"
-            )
+            raise ConfigError(f"unknown key '{key}' in section [{section}] of {path}; allowed keys: {', '.join(types)}")
         if dataclasses.is_dataclass(types[key]):
             if not isinstance(value, dict):
                 raise ConfigError(f"'{section}.{key}' in {path} must be a [{section}.{key}] table")
@@ -184,8 +180,6 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
 def normalize_pass_list(passes: list[str]) -> list[str]:
     """Accept 'a,b c' style lists from TOML or the command line: split on commas, drop blanks."""
     return [p.strip() for item in passes for p in item.split(",") if p.strip()]
-
-
 
 
 _BOOLS = ("True", "False")

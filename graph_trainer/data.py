@@ -67,8 +67,9 @@ class _HFDocuments:
     def __init__(self, ds, text_field: str, tokenizer: Tokenizer, name: str, strip_newlines: bool):
         columns = list(ds.column_names)
         if text_field not in columns:
-            raise ConfigError(f"training.text_field {text_field!r} is not a column of dataset {name!r}; "
-                              f"its columns are {columns}")
+            raise ConfigError(
+                f"training.text_field {text_field!r} is not a column of dataset {name!r}; its columns are {columns}"
+            )
         self.num_docs = len(ds)
         if self.num_docs == 0:
             raise ConfigError(f"dataset {name!r} has no rows")
@@ -90,8 +91,10 @@ class _HFDocuments:
         if text is None:
             return []
         if not isinstance(text, str):
-            raise ConfigError(f"training.text_field {self._field!r} of dataset {self._name!r} holds "
-                              f"{type(text).__name__} values (row {row}); it must hold strings")
+            raise ConfigError(
+                f"training.text_field {self._field!r} of dataset {self._name!r} holds "
+                f"{type(text).__name__} values (row {row}); it must hold strings"
+            )
         if self._strip:
             text = text.strip("\n")
         if not text:
@@ -103,8 +106,7 @@ def _is_local_path(dataset: str) -> bool:
     """Whether ``dataset`` names a local file/folder rather than a hub dataset such as "org/name"."""
     if os.path.exists(os.path.expanduser(dataset)):
         return True
-    return (os.path.isabs(dataset) or dataset.startswith((".", "~"))
-            or os.path.splitext(dataset)[1].lower() in _BUILDERS)
+    return os.path.isabs(dataset) or dataset.startswith((".", "~")) or os.path.splitext(dataset)[1].lower() in _BUILDERS
 
 
 def _local_data_files(dataset: str) -> tuple[str, list[str]]:
@@ -112,14 +114,19 @@ def _local_data_files(dataset: str) -> tuple[str, list[str]]:
     path = os.path.expanduser(dataset)
     allowed = ", ".join(sorted(_BUILDERS))
     if not os.path.exists(path):
-        raise ConfigError(f"training.dataset path {dataset!r} does not exist; give 'synthetic', an existing "
-                          f"{allowed} file or folder of them, or a Hugging Face hub dataset name")
+        raise ConfigError(
+            f"training.dataset path {dataset!r} does not exist; give 'synthetic', an existing "
+            f"{allowed} file or folder of them, or a Hugging Face hub dataset name"
+        )
     if os.path.isdir(path):
         files = []
         for root, dirs, names in os.walk(path):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # skip .cache and the like
-            files += [os.path.join(root, n) for n in names
-                      if not n.startswith(".") and os.path.splitext(n)[1].lower() in _BUILDERS]
+            files += [
+                os.path.join(root, n)
+                for n in names
+                if not n.startswith(".") and os.path.splitext(n)[1].lower() in _BUILDERS
+            ]
         files.sort()
         if not files:
             raise ConfigError(f"training.dataset folder {dataset!r} holds no {allowed} files")
@@ -129,8 +136,10 @@ def _local_data_files(dataset: str) -> tuple[str, list[str]]:
     if None in builders:
         raise ConfigError(f"training.dataset file {dataset!r} has an unsupported extension; allowed: {allowed}")
     if len(builders) > 1:
-        raise ConfigError(f"training.dataset folder {dataset!r} mixes file types ({sorted(builders)}); "
-                          f"keep one of {allowed} per folder")
+        raise ConfigError(
+            f"training.dataset folder {dataset!r} mixes file types ({sorted(builders)}); "
+            f"keep one of {allowed} per folder"
+        )
     return builders.pop(), files
 
 
@@ -218,8 +227,16 @@ class TokenBatchLoader:
 
     _STATE_VERSION = 1
 
-    def __init__(self, stream: _PackedStream, *, stream_id: str, seq_len: int, local_batch_size: int,
-                 dp_rank: int, dp_degree: int):
+    def __init__(
+        self,
+        stream: _PackedStream,
+        *,
+        stream_id: str,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+    ):
         self._stream = stream
         self._stream_id = stream_id
         self.seq_len = seq_len
@@ -247,8 +264,13 @@ class TokenBatchLoader:
 
     def state_dict(self) -> dict:
         """Small picklable state to resume exactly after the last batch produced (same on every rank)."""
-        return {"version": self._STATE_VERSION, "stream": self._stream_id, "step": self._step,
-                "doc": self._stream.doc, "offset": self._stream.offset}
+        return {
+            "version": self._STATE_VERSION,
+            "stream": self._stream_id,
+            "step": self._step,
+            "doc": self._stream.doc,
+            "offset": self._stream.offset,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (from :meth:`state_dict`): the next batch is the one that followed it."""
@@ -256,18 +278,31 @@ class TokenBatchLoader:
         if missing:
             raise ConfigError(f"data loader state lacks {missing}; it must come from TokenBatchLoader.state_dict()")
         if state["version"] != self._STATE_VERSION:
-            raise ConfigError(f"data loader state has version {state['version']}; this build reads version "
-                              f"{self._STATE_VERSION}")
+            raise ConfigError(
+                f"data loader state has version {state['version']}; this build reads version {self._STATE_VERSION}"
+            )
         if state["stream"] != self._stream_id:
-            raise ConfigError(f"data loader state was saved for {state['stream']!r} but this run reads "
-                              f"{self._stream_id!r}; resume with the same dataset, seed and tokenizer")
+            raise ConfigError(
+                f"data loader state was saved for {state['stream']!r} but this run reads "
+                f"{self._stream_id!r}; resume with the same dataset, seed and tokenizer"
+            )
         self._step = int(state["step"])
         self._stream.seek(int(state["doc"]), int(state["offset"]))
 
 
-def build_dataloader(*, dataset: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-                     dp_rank: int, dp_degree: int, seed: int, vocab_size: int,
-                     dataset_split: str = "train", text_field: str = "text") -> TokenBatchLoader:
+def build_dataloader(
+    *,
+    dataset: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    seed: int,
+    vocab_size: int,
+    dataset_split: str = "train",
+    text_field: str = "text",
+) -> TokenBatchLoader:
     """Build the loader for ``training.dataset``.
 
     ``dataset`` is ``"synthetic"`` (the built-in corpus, a pure function of ``seed``), a local
@@ -278,25 +313,40 @@ def build_dataloader(*, dataset: str, tokenizer: Tokenizer, seq_len: int, local_
     ``dp_rank`` of ``dp_degree`` gets its share of each step by the rule in the module docstring.
     Token ids are checked to fit the model's ``vocab_size``.
     """
-    for name, value, low in (("training.seq_len", seq_len, 1), ("training.local_batch_size", local_batch_size, 1),
-                             ("dp_degree", dp_degree, 1)):
+    for name, value, low in (
+        ("training.seq_len", seq_len, 1),
+        ("training.local_batch_size", local_batch_size, 1),
+        ("dp_degree", dp_degree, 1),
+    ):
         if not isinstance(value, int) or value < low:
             raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
     if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_degree:
         raise ConfigError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank!r}")
     if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} ids but model.flavor vocab_size is {vocab_size}; "
-                          f"choose a flavor with vocab_size >= {tokenizer.vocab_size} or a smaller tokenizer")
+        raise ConfigError(
+            f"tokenizer has {tokenizer.vocab_size} ids but model.flavor vocab_size is {vocab_size}; "
+            f"choose a flavor with vocab_size >= {tokenizer.vocab_size} or a smaller tokenizer"
+        )
     if not dataset:
-        raise ConfigError("training.dataset is empty; give 'synthetic', a local .json/.jsonl/.parquet/.txt file "
-                          "or folder, or a Hugging Face hub dataset name")
+        raise ConfigError(
+            "training.dataset is empty; give 'synthetic', a local .json/.jsonl/.parquet/.txt file "
+            "or folder, or a Hugging Face hub dataset name"
+        )
     # Not repr(tokenizer): a user tokenizer's default repr holds a memory address.
-    tok_id = f"{type(tokenizer).__name__}(vocab_size={tokenizer.vocab_size}, bos={tokenizer.bos_id}, eos={tokenizer.eos_id})"
+    tok_id = (
+        f"{type(tokenizer).__name__}(vocab_size={tokenizer.vocab_size}, bos={tokenizer.bos_id}, eos={tokenizer.eos_id})"
+    )
     if dataset == "synthetic":
         documents = SyntheticDocuments(seed, tokenizer)
         stream_id = f"synthetic seed={seed} tokenizer={tok_id}"
     else:
         documents = _load_hf_documents(dataset, dataset_split, text_field, tokenizer)
         stream_id = f"{dataset} split={dataset_split} field={text_field} tokenizer={tok_id}"
-    return TokenBatchLoader(_PackedStream(documents, dataset), stream_id=stream_id, seq_len=seq_len,
-                            local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree)
+    return TokenBatchLoader(
+        _PackedStream(documents, dataset),
+        stream_id=stream_id,
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+    )

@@ -80,8 +80,7 @@ class ExpertParallelDispatcher:
             # Rows arrive grouped by source rank, then expert; the experts want them grouped by
             # expert. A stable sort of each row's expert id gives that order.
             block_expert = torch.arange(self.num_local, device=counts.device).repeat(self.ep)
-            row_expert = torch.repeat_interleave(block_expert, received.flatten(),
-                                                 output_size=x_received.shape[0])
+            row_expert = torch.repeat_interleave(block_expert, received.flatten(), output_size=x_received.shape[0])
             order = torch.argsort(row_expert, stable=True)
             x_local = x_received.index_select(0, order)
             local_counts = received.sum(dim=0)

@@ -65,8 +65,7 @@ class _GpuAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _gpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False):
+def _gpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """The output of the fused GPU attention op for these inputs, or None where PyTorch would
     not pick one (masks, GQA inside the op): the caller then traces the original call."""
     if attn_mask is not None or enable_gqa:
@@ -75,14 +74,21 @@ def _gpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     # compute_log_sumexp=True: training keeps the logsumexp for the backward kernel.
     if query.dtype in (torch.bfloat16, torch.float16):
         return aten._scaled_dot_product_cudnn_attention(
-            query, key, value, None, True, dropout_p, is_causal, False, scale=scale)[0]
+            query, key, value, None, True, dropout_p, is_causal, False, scale=scale
+        )[0]
     return aten._scaled_dot_product_efficient_attention(
-        query, key, value, None, True, dropout_p, is_causal, scale=scale)[0]
+        query, key, value, None, True, dropout_p, is_causal, scale=scale
+    )[0]
 
 
-def trace_without_passes(cfg: JobConfig, world_size: int, device_type: str = "cpu",
-                         model_args=None, param_dtype: torch.dtype | None = None,
-                         gpu_attention: bool = False) -> tuple[TracedStep, PassContext]:
+def trace_without_passes(
+    cfg: JobConfig,
+    world_size: int,
+    device_type: str = "cpu",
+    model_args=None,
+    param_dtype: torch.dtype | None = None,
+    gpu_attention: bool = False,
+) -> tuple[TracedStep, PassContext]:
     """The job's training step at ``world_size`` traced on fake tensors, and the pass context
     the trainer would give its passes. ``model_args`` overrides the flavor's (e.g. fewer layers);
     ``param_dtype`` and ``gpu_attention`` are described in the module docstring."""
@@ -91,21 +97,34 @@ def trace_without_passes(cfg: JobConfig, world_size: int, device_type: str = "cp
     t = cfg.training
     batch = torch.empty(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
     with _GpuAttention() if gpu_attention else contextlib.nullcontext():
-        traced = trace_train_step(model, batch, batch, t.loss_chunks, grad_scale=1.0 / layout.dims.dp_size,
-                                  fake_device=torch.device(device_type))
+        traced = trace_train_step(
+            model,
+            batch,
+            batch,
+            t.loss_chunks,
+            grad_scale=1.0 / layout.dims.dp_size,
+            fake_device=torch.device(device_type),
+        )
     return traced, pass_context(cfg, layout, model)
 
 
-def trace_job(cfg: JobConfig, world_size: int, device_type: str = "cpu", model_args=None,
-              param_dtype: torch.dtype | None = None, gpu_attention: bool = False) -> TracedStep:
+def trace_job(
+    cfg: JobConfig,
+    world_size: int,
+    device_type: str = "cpu",
+    model_args=None,
+    param_dtype: torch.dtype | None = None,
+    gpu_attention: bool = False,
+) -> TracedStep:
     """The job's training step at ``world_size``, traced on fake tensors, after its memory policy
     and passes.
 
     Must run inside ``fake_world(world_size)`` when ``world_size > 1``. ``device_type`` is
     the device the graph is made for (fake tensors never touch it).
     """
-    traced, context = trace_without_passes(cfg, world_size, device_type, model_args,
-                                           param_dtype=param_dtype, gpu_attention=gpu_attention)
+    traced, context = trace_without_passes(
+        cfg, world_size, device_type, model_args, param_dtype=param_dtype, gpu_attention=gpu_attention
+    )
     traced.gm = transform_graph(traced.gm, context)
     return traced
 

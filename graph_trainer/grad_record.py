@@ -99,8 +99,9 @@ def compare_records(record: dict, reference: dict, rtol: float) -> tuple[list[st
     problems: list[str] = []
     worst = relative_deviation(record["norm"], reference["norm"])
     if worst > rtol:
-        problems.append(f"global gradient norm {record['norm']:.9g} vs {reference['norm']:.9g} "
-                        f"(rel {worst:.1e} > {rtol:.0e})")
+        problems.append(
+            f"global gradient norm {record['norm']:.9g} vs {reference['norm']:.9g} (rel {worst:.1e} > {rtol:.0e})"
+        )
     ours, theirs = record["params"], reference["params"]
     for name in sorted(ours.keys() ^ theirs.keys()):
         problems.append(f"{name}: only in {'this record' if name in ours else 'the reference'}")
@@ -115,7 +116,9 @@ def compare_records(record: dict, reference: dict, rtol: float) -> tuple[list[st
         sample_dev = 0.0 if diff == 0 else diff / ref_size if ref_size else math.inf
         worst = max(worst, norm_dev, sample_dev)
         if norm_dev > rtol:
-            problems.append(f"{name}: gradient norm {a['norm']:.9g} vs {b['norm']:.9g} (rel {norm_dev:.1e} > {rtol:.0e})")
+            problems.append(
+                f"{name}: gradient norm {a['norm']:.9g} vs {b['norm']:.9g} (rel {norm_dev:.1e} > {rtol:.0e})"
+            )
         elif sample_dev > rtol:
             problems.append(f"{name}: sampled gradient entries differ (rel L2 {sample_dev:.1e} > {rtol:.0e})")
     return problems, worst
@@ -133,8 +136,10 @@ def main(argv: list[str]) -> int:
         print(f"error: cannot read a gradient record: {e}", file=sys.stderr)
         return 2
     problems, worst = compare_records(record, reference, opts.rtol)
-    print(f"{len(record['params'])} parameters, global norm {record['norm']:.9g} vs {reference['norm']:.9g}, "
-          f"largest relative deviation {worst:.1e}")
+    print(
+        f"{len(record['params'])} parameters, global norm {record['norm']:.9g} vs {reference['norm']:.9g}, "
+        f"largest relative deviation {worst:.1e}"
+    )
     for p in problems:
         print(f"  {p}")
     print("DIFFER" if problems else ("bitwise equal" if worst == 0 else f"within rtol {opts.rtol:.0e}"))

@@ -62,13 +62,17 @@ def check_step(step: int, loss: float, grad_norm: float, named_params: list[tupl
     else:
         grad = first_non_finite([(name, p.grad) for name, p in named_params])
         culprit = f"; first non-finite gradient: {clean_fqn(grad)}" if grad else ""
-    raise NonFiniteError(f"step {step}: non-finite {' and '.join(bad)}{culprit}; stopped before the optimizer "
-                         f"step, no checkpoint of this state was written (lower training.lr, check the data)")
+    raise NonFiniteError(
+        f"step {step}: non-finite {' and '.join(bad)}{culprit}; stopped before the optimizer "
+        f"step, no checkpoint of this state was written (lower training.lr, check the data)"
+    )
 
 
 def check_state(step: int, tensors: dict[str, torch.Tensor]) -> None:
     """Raise ``NonFiniteError`` on every rank when any tensor of the state to save is not finite."""
     name = first_non_finite(list(tensors.items()))
     if name is not None:
-        raise NonFiniteError(f"step {step}: the state to checkpoint is not finite (first: {name}); not saved, "
-                             f"so no checkpoint holds it (lower training.lr)")
+        raise NonFiniteError(
+            f"step {step}: the state to checkpoint is not finite (first: {name}); not saved, "
+            f"so no checkpoint holds it (lower training.lr)"
+        )

@@ -51,8 +51,10 @@ class StepDiff:
         return relative_deviation(self.loss_b, self.loss_a)
 
     def line(self) -> str:
-        return (f"step {self.step:3d}  loss A {self.loss_a:.7f}  B rel dev {self.loss_dev:.2e}  "
-                f"grads max rel dev {self.grad_dev:.2e}  params L2 distance {self.param_dist:.3e}")
+        return (
+            f"step {self.step:3d}  loss A {self.loss_a:.7f}  B rel dev {self.loss_dev:.2e}  "
+            f"grads max rel dev {self.grad_dev:.2e}  params L2 distance {self.param_dist:.3e}"
+        )
 
 
 def _recording(trainer) -> dict:
@@ -105,8 +107,10 @@ def _grad_dev(grads_a: list[torch.Tensor], grads_b: list[torch.Tensor]) -> float
 
 
 def _param_dist(a, b) -> float:
-    total = sum(((local_tensor(pb).double() - local_tensor(pa).double()) ** 2).sum().item()
-                for pa, pb in zip(a.params, b.params))
+    total = sum(
+        ((local_tensor(pb).double() - local_tensor(pa).double()) ** 2).sum().item()
+        for pa, pb in zip(a.params, b.params)
+    )
     return math.sqrt(total)
 
 
@@ -178,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     worst = max(diffs, key=lambda d: d.loss_dev)
-    print(f"largest loss deviation {worst.loss_dev:.2e} (step {worst.step}); largest gradient deviation "
-          f"{max(d.grad_dev for d in diffs):.2e}; final parameter distance {diffs[-1].param_dist:.3e}")
+    print(
+        f"largest loss deviation {worst.loss_dev:.2e} (step {worst.step}); largest gradient deviation "
+        f"{max(d.grad_dev for d in diffs):.2e}; final parameter distance {diffs[-1].param_dist:.3e}"
+    )
     return 0
 
 

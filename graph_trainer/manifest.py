@@ -73,6 +73,7 @@ def writer_rank(name: str) -> int | None:
 def save_share(names: list[str], rank: int, world_size: int) -> list[str]:
     """The files this rank hashes at save time: the ones it wrote (still in its page cache); rank 0
     takes those of no known writer (``.metadata``, the JSON files)."""
+
     def owner(name: str) -> int:
         writer = writer_rank(name)
         return writer if writer is not None and writer < world_size else 0
@@ -97,8 +98,12 @@ def _self_hash(files: dict) -> str:
 
 
 def build(files: dict[str, dict]) -> dict:
-    return {"format": FORMAT, "algorithm": ALGORITHM, "files": dict(sorted(files.items())),
-            "self_sha256": _self_hash(files)}
+    return {
+        "format": FORMAT,
+        "algorithm": ALGORITHM,
+        "files": dict(sorted(files.items())),
+        "self_sha256": _self_hash(files),
+    }
 
 
 def write(folder: str, manifest: dict) -> None:
@@ -163,7 +168,9 @@ def check_files(folder: str, manifest: dict, names: list[str]) -> str | None:
         if got["size"] != want["size"]:
             return f"{name} has {got['size']} bytes, {want['size']} were saved"
         if got["sha256"] != want["sha256"]:
-            return f"{name} differs from what was saved (SHA-256 {got['sha256'][:12]}..., saved {want['sha256'][:12]}...)"
+            return (
+                f"{name} differs from what was saved (SHA-256 {got['sha256'][:12]}..., saved {want['sha256'][:12]}...)"
+            )
     return None
 
 

@@ -313,9 +313,7 @@ class MetricsLogger:
             return None
 
         elapsed = now - self._window_start
-        tokens_per_sec = (
-            self._window_tokens / elapsed / self.num_devices_per_replica if elapsed > 0 else math.nan
-        )
+        tokens_per_sec = self._window_tokens / elapsed / self.num_devices_per_replica if elapsed > 0 else math.nan
         self._window_start = now
         self._window_tokens = 0
 

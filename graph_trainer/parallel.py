@@ -135,8 +135,12 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
 
 
 def _mode_dims(mode: str | None, shard_dim: str) -> tuple[str, ...]:
-    return {"hybrid_shard": ("dp_replicate", shard_dim), "replicate": ("dp_replicate",),
-            "fully_shard": (shard_dim,), None: ()}[mode]
+    return {
+        "hybrid_shard": ("dp_replicate", shard_dim),
+        "replicate": ("dp_replicate",),
+        "fully_shard": (shard_dim,),
+        None: (),
+    }[mode]
 
 
 def dp_mesh_dims(dims: ParallelDims) -> tuple[str, ...]:

@@ -43,8 +43,9 @@ def apply_passes(gm: fx.GraphModule, runner: PassRunner, names: list[str] | None
     return runner.run(gm, user_passes(names))
 
 
-def transform_graph(gm: fx.GraphModule, context: PassContext, names: list[str] | None = None,
-                    dump_folder: str = "") -> fx.GraphModule:
+def transform_graph(
+    gm: fx.GraphModule, context: PassContext, names: list[str] | None = None, dump_folder: str = ""
+) -> fx.GraphModule:
     """Memory policy, then passes (``names`` or the job's): the graph the backend would get."""
     runner = PassRunner(context, dump_folder)
     return apply_passes(apply_memory_policy(gm, runner), runner, names)

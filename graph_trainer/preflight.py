@@ -103,7 +103,8 @@ def check_batch_fits(cfg: JobConfig) -> None:
         raise ConfigError(
             f"training.local_batch_size = {t.local_batch_size} with seq_len {t.seq_len}{chunks} needs at least "
             f"{need / GIB:,.0f} GiB per rank for the output logits alone ({rows} tokens x "
-            f"{vocab} vocab x {itemsize} bytes); {what}")
+            f"{vocab} vocab x {itemsize} bytes); {what}"
+        )
 
 
 def preflight(cfg: JobConfig) -> None:

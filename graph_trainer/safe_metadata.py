@@ -40,11 +40,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         except KeyError:
             raise UnsafeCheckpointError(
                 f"{self._path} refers to {module}.{name}, which checkpoint metadata never holds; refusing to load it "
-                f"(nothing in it was run). Only load checkpoints you or your jobs wrote") from None
+                f"(nothing in it was run). Only load checkpoints you or your jobs wrote"
+            ) from None
 
     def persistent_load(self, pid):
-        raise UnsafeCheckpointError(f"{self._path} holds a persistent reference, which checkpoint metadata never "
-                                    f"holds; refusing to load it")
+        raise UnsafeCheckpointError(
+            f"{self._path} holds a persistent reference, which checkpoint metadata never holds; refusing to load it"
+        )
 
 
 def load_dcp_metadata(path: str):

@@ -68,8 +68,15 @@ class ReplicateComputation(nn.Module):
     DTensor (expert modules index their local experts; TP modules expect DTensors).
     """
 
-    def __init__(self, param_fqn: str, dp_dims: int, inner_mesh: DeviceMesh | None,
-                 inner_placements: tuple[Placement, ...], mp: MixedPrecision, hand_local: bool = False):
+    def __init__(
+        self,
+        param_fqn: str,
+        dp_dims: int,
+        inner_mesh: DeviceMesh | None,
+        inner_placements: tuple[Placement, ...],
+        mp: MixedPrecision,
+        hand_local: bool = False,
+    ):
         super().__init__()
         self.param_fqn = param_fqn
         self.dp_dims = dp_dims
@@ -139,8 +146,15 @@ def _is_parametrization(fqn: str) -> bool:
     return fqn.startswith("parametrizations") or ".parametrizations" in fqn
 
 
-def data_parallel(model: nn.Module, dp_mesh: DeviceMesh | None, mode: str | None, mp: MixedPrecision,
-                  full_mesh: DeviceMesh | None = None, hand_local: bool = False, fqn_prefix: str = "") -> nn.Module:
+def data_parallel(
+    model: nn.Module,
+    dp_mesh: DeviceMesh | None,
+    mode: str | None,
+    mp: MixedPrecision,
+    full_mesh: DeviceMesh | None = None,
+    hand_local: bool = False,
+    fqn_prefix: str = "",
+) -> nn.Module:
     """Store every parameter of ``model`` as a data-parallel DTensor behind a gathering parametrization.
 
     ``dp_mesh`` holds the data-parallel dims (1-D, or 2-D ``(replicate, shard)`` for
@@ -180,7 +194,8 @@ def data_parallel(model: nn.Module, dp_mesh: DeviceMesh | None, mode: str | None
             module.register_parameter(name, nn.Parameter(new, requires_grad=param.requires_grad))
             param_fqn = ".".join(part for part in (fqn_prefix, module_fqn, name) if part)
             parametrize.register_parametrization(
-                module, name,
+                module,
+                name,
                 ReplicateComputation(param_fqn, dp_dims, inner_mesh, inner_placements, mp, hand_local),
                 unsafe=True,
             )

@@ -24,9 +24,29 @@ _ADJECTIVES = ("small", "red", "old", "quick", "quiet", "happy", "green", "tall"
 _NOUNS = ("cat", "dog", "bird", "fox", "robot", "farmer", "teacher", "child", "king", "horse")
 _VERBS = ("sees", "likes", "follows", "helps", "finds", "calls", "feeds", "paints", "meets", "hears")
 _OBJECTS = ("ball", "apple", "river", "house", "book", "tree", "garden", "letter", "boat", "song")
-_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-                 "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
-                 "nineteen", "twenty")
+_NUMBER_WORDS = (
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+    "twenty",
+)
 
 _MASK64 = (1 << 64) - 1
 

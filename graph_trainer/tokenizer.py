@@ -81,8 +81,9 @@ class HFTokenizer:
         try:
             self._tok = _RustTokenizer.from_file(path)
         except Exception as e:  # the Rust side raises plain Exception subclasses with long messages
-            raise ConfigError(f"training.tokenizer_path {path!r} is not a valid Hugging Face tokenizer.json: "
-                              f"{one_line(e)}") from e
+            raise ConfigError(
+                f"training.tokenizer_path {path!r} is not a valid Hugging Face tokenizer.json: {one_line(e)}"
+            ) from e
         vocab = self._tok.get_vocab(with_added_tokens=True)
         # Ids can have holes; the model must cover the largest one.
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
@@ -137,8 +138,10 @@ def build_tokenizer(tokenizer_path: str) -> Tokenizer:
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
-        raise ConfigError(f"training.tokenizer_path {tokenizer_path!r} does not exist; give '' or 'bytes' for the "
-                          f"built-in byte tokenizer, or the path of a Hugging Face tokenizer.json (or its folder)")
+        raise ConfigError(
+            f"training.tokenizer_path {tokenizer_path!r} does not exist; give '' or 'bytes' for the "
+            f"built-in byte tokenizer, or the path of a Hugging Face tokenizer.json (or its folder)"
+        )
     return HFTokenizer(path)
 
 

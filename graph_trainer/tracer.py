@@ -115,7 +115,9 @@ def unflatten_tensor(inners: list[torch.Tensor], layout: TensorLayout) -> torch.
         return inners[0]
     return layout.subclass.__tensor_unflatten__(
         {**dict(zip(layout.inner_names, inners)), **dict(layout.opaque_inners)},
-        layout.context, layout.outer_size, layout.outer_stride,
+        layout.context,
+        layout.outer_size,
+        layout.outer_stride,
     )
 
 
@@ -190,12 +192,18 @@ def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
         if forward is None or _sums_block_gradients(node, forward):
             inherited = _tags_shared_by_inputs(node, position)
         else:
-            inherited = {key: value for key, value in tags.tags(forward).items()
-                         if key in INHERITED_BY_BACKWARD or key == MODULE_FQN}
+            inherited = {
+                key: value
+                for key, value in tags.tags(forward).items()
+                if key in INHERITED_BY_BACKWARD or key == MODULE_FQN
+            }
             if tags.get(forward, FSDP_ROLE) == UNSHARD:
                 inherited.update({FSDP_ROLE: REDUCE_GRAD, FSDP_PARAM: tags.get(forward, FSDP_PARAM)})
-        tags.update(node, {MODULE_FQN: inherited.get(MODULE_FQN, "")}, **{
-            key: value for key, value in inherited.items() if key != MODULE_FQN})
+        tags.update(
+            node,
+            {MODULE_FQN: inherited.get(MODULE_FQN, "")},
+            **{key: value for key, value in inherited.items() if key != MODULE_FQN},
+        )
 
 
 def _sums_block_gradients(node: fx.Node, forward: fx.Node) -> bool:
@@ -213,8 +221,11 @@ def _tags_shared_by_inputs(node: fx.Node, position: dict[fx.Node, int]) -> dict:
     gradients flowing into a tensor used twice): the module of its latest backward input (the
     sum runs once that contribution is made, e.g. a residual's branch gradient), and each
     inherited tag on which all its backward inputs agree ({"module_fqn": "loss"} if none)."""
-    inputs = [tags.tags(i) for i in sorted(node.all_input_nodes, key=position.__getitem__, reverse=True)
-              if tags.phase(i) == BACKWARD]
+    inputs = [
+        tags.tags(i)
+        for i in sorted(node.all_input_nodes, key=position.__getitem__, reverse=True)
+        if tags.phase(i) == BACKWARD
+    ]
     if not inputs:
         return {MODULE_FQN: LOSS_MODULE}
     shared = {MODULE_FQN: inputs[0].get(MODULE_FQN, "")}
@@ -289,15 +300,17 @@ class TracedStep:
     signature: tuple
     trace_seconds: float
 
-    def flat_inputs(self, params: list[torch.Tensor], buffers: list[torch.Tensor],
-                    tokens: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def flat_inputs(
+        self, params: list[torch.Tensor], buffers: list[torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor
+    ) -> list[torch.Tensor]:
         flat: list[torch.Tensor] = []
         for t in (*params, *buffers):
             flat.extend(flatten_tensor(t)[0])
         return flat + [tokens, labels]
 
-    def __call__(self, params: list[torch.Tensor], buffers: list[torch.Tensor],
-                 tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def __call__(
+        self, params: list[torch.Tensor], buffers: list[torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if batch_signature(tokens, labels) != self.signature:
             raise RuntimeError(
                 f"batch {batch_signature(tokens, labels)} does not match the traced graph {self.signature}"
@@ -305,8 +318,10 @@ class TracedStep:
         with torch.no_grad():
             outs = self.gm(*self.flat_inputs(params, buffers, tokens, labels))
         loss, flat_grads = outs[0], list(outs[1:])
-        grads = [unflatten_tensor(inner, layout)
-                 for inner, layout in zip(_split(flat_grads, self.grad_layouts), self.grad_layouts)]
+        grads = [
+            unflatten_tensor(inner, layout)
+            for inner, layout in zip(_split(flat_grads, self.grad_layouts), self.grad_layouts)
+        ]
         return loss, grads
 
 
@@ -346,7 +361,7 @@ def trace_train_step(
         inners, layout = flatten_tensor(t)
         flat.extend(inners)
         layouts.append(layout)
-    param_layouts, buffer_layouts = layouts[: len(named_params)], layouts[len(named_params):]
+    param_layouts, buffer_layouts = layouts[: len(named_params)], layouts[len(named_params) :]
     grad_layouts: list[TensorLayout] = []
 
     def step(*flat_args: torch.Tensor) -> list[torch.Tensor]:
@@ -356,8 +371,9 @@ def trace_train_step(
         for inner, layout in zip(groups[: len(param_layouts)], param_layouts):
             p = unflatten_tensor([i.detach() for i in inner], layout)
             params.append(p.requires_grad_(True))
-        buffers = [unflatten_tensor(inner, layout)
-                   for inner, layout in zip(groups[len(param_layouts):], buffer_layouts)]
+        buffers = [
+            unflatten_tensor(inner, layout) for inner, layout in zip(groups[len(param_layouts) :], buffer_layouts)
+        ]
         tensors = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
         with tags.annotate({PHASE: FORWARD}):  # the loss head tags its own nodes "loss"
             loss = torch.func.functional_call(model, tensors, (tok,), {"head": _loss_head(lab, loss_chunks)})
@@ -412,8 +428,13 @@ class GraphStep:
     shape retraces instead of running a graph made for another shape.
     """
 
-    def __init__(self, model: nn.Module, loss_chunks: int = 1, grad_scale: float = 1.0,
-                 post_trace: Callable[[TracedStep], TracedStep] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_chunks: int = 1,
+        grad_scale: float = 1.0,
+        post_trace: Callable[[TracedStep], TracedStep] | None = None,
+    ):
         self.model = model
         self.loss_chunks = loss_chunks
         self.grad_scale = grad_scale
@@ -428,8 +449,12 @@ class GraphStep:
             logger.info("tracing the training step (forward + loss + backward) ...")
             traced = trace_train_step(self.model, tokens, labels, self.loss_chunks, grad_scale=self.grad_scale)
             counts = collective_counts(traced.gm.graph)
-            logger.info("traced in %.2fs: %d nodes, collectives: %s", traced.trace_seconds,
-                        len(traced.gm.graph.nodes), format_counts(counts))
+            logger.info(
+                "traced in %.2fs: %d nodes, collectives: %s",
+                traced.trace_seconds,
+                len(traced.gm.graph.nodes),
+                format_counts(counts),
+            )
             if self.post_trace is not None:
                 traced = self.post_trace(traced)
             self.graphs[sig] = traced
@@ -442,8 +467,9 @@ class GraphStep:
         return traced(params, buffers, tokens, labels)
 
 
-def eager_step(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
-               loss_chunks: int = 1, grad_scale: float = 1.0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def eager_step(
+    model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, loss_chunks: int = 1, grad_scale: float = 1.0
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The same step without tracing: the numerics baseline for ``GraphStep``."""
     params = [p for _, p in model.named_parameters()]
     loss = model(tokens, head=_loss_head(labels, loss_chunks))

@@ -63,8 +63,11 @@ def setup_distributed(cfg: JobConfig) -> DistInfo:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         # CPU: gloo with one worker thread per group (torch_compat.cpu_backend says why)
-        dist.init_process_group(backend="nccl" if kind == "cuda" else cpu_backend(),
-                                device_id=device if kind == "cuda" else None, timeout=comm.init_timeout(cfg))
+        dist.init_process_group(
+            backend="nccl" if kind == "cuda" else cpu_backend(),
+            device_id=device if kind == "cuda" else None,
+            timeout=comm.init_timeout(cfg),
+        )
     return DistInfo(rank, local_rank, world_size, device)
 
 
@@ -97,8 +100,9 @@ class Trainer:
         self.dims, self.mesh = self.layout.dims, self.layout.mesh
         comm.set_timeout(cfg.comm.init_timeout_seconds)  # the mesh's own groups start with torch's default
         # Decide what to resume before building anything, so a wrong checkpoint fails fast.
-        self.checkpointer = Checkpointer(cfg, self.dist.rank, self.dist.world_size, self.dims.as_dict(),
-                                         self.dist.device)
+        self.checkpointer = Checkpointer(
+            cfg, self.dist.rank, self.dist.world_size, self.dims.as_dict(), self.dist.device
+        )
         resume_step = self.checkpointer.resolve_load_step()
         # The data next, still before the model: a dataset or tokenizer that cannot be read fails fast.
         tokenizer = build_tokenizer(t.tokenizer_path)
@@ -116,8 +120,15 @@ class Trainer:
         )
         start = time.perf_counter()
         layers = f" ({cfg.model.n_layers} layers)" if cfg.model.n_layers else ""
-        logger.info("building %s %s%s on %s, parallelism %s, compute dtype %s ...", cfg.model.name,
-                    cfg.model.flavor, layers, self.dist.device, _describe(self.dims), t.mixed_precision_param)
+        logger.info(
+            "building %s %s%s on %s, parallelism %s, compute dtype %s ...",
+            cfg.model.name,
+            cfg.model.flavor,
+            layers,
+            self.dist.device,
+            _describe(self.dims),
+            t.mixed_precision_param,
+        )
         self.model = build_job_model(cfg, self.layout, self.dist.device, self.model_args)
         self.pass_context = pass_context(cfg, self.layout, self.model)
         self.params = [p for p in self.model.parameters()]
@@ -148,18 +159,18 @@ class Trainer:
             append_losses=resume_step is not None,  # losses.txt continues the resumed run's file
         )
         if cfg.compile.mode == "graph":
-            self.step_fn = GraphStep(self.model, t.loss_chunks, grad_scale=self.grad_scale,
-                                     post_trace=self._prepare_graph)
+            self.step_fn = GraphStep(
+                self.model, t.loss_chunks, grad_scale=self.grad_scale, post_trace=self._prepare_graph
+            )
         else:
             self._report_memory(None)
-            self.step_fn = lambda tokens, labels: eager_step(self.model, tokens, labels, t.loss_chunks,
-                                                             grad_scale=self.grad_scale)
+            self.step_fn = lambda tokens, labels: eager_step(
+                self.model, tokens, labels, t.loss_chunks, grad_scale=self.grad_scale
+            )
 
     def _prepare_graph(self, traced: TracedStep) -> TracedStep:
         """The stages after tracing (``graph_trainer.pipeline``): memory policy, passes, backend."""
-        self.metrics.log_event(
-            "trace", trace_seconds=traced.trace_seconds, graph_nodes=len(traced.gm.graph.nodes)
-        )
+        self.metrics.log_event("trace", trace_seconds=traced.trace_seconds, graph_nodes=len(traced.gm.graph.nodes))
         runner = PassRunner(self.pass_context, self.cfg.compile.dump_graphs)
         gm = apply_memory_policy(traced.gm, runner)
         gm = apply_passes(gm, runner)
@@ -167,8 +178,13 @@ class Trainer:
         deterministic = self.dist.device.type == "cpu" or self.cfg.debug.deterministic
         traced.gm, report = compile_graph(gm, self.cfg.compile, deterministic)
         if report.backend != "none":
-            self.metrics.log_event("compile", backend=report.backend, scope=report.scope,
-                                   compile_seconds=report.seconds, regions=report.regions)
+            self.metrics.log_event(
+                "compile",
+                backend=report.backend,
+                scope=report.scope,
+                compile_seconds=report.seconds,
+                regions=report.regions,
+            )
         return traced
 
     def _report_memory(self, graph) -> None:
@@ -238,8 +254,12 @@ class Trainer:
                 self._stepped = True
             losses.append(loss)
             self.metrics.record_step(
-                step=self.step, loss=loss, grad_norm=grad_norm, lr=lr,
-                ntokens=tokens.numel(), step_time_s=elapsed,
+                step=self.step,
+                loss=loss,
+                grad_norm=grad_norm,
+                lr=lr,
+                ntokens=tokens.numel(),
+                step_time_s=elapsed,
             )
             if self.checkpointer.should_save(self.step, t.steps):
                 self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, self.dataloader)

@@ -65,8 +65,10 @@ def check_device(requested: str) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         visible = torch.cuda.device_count()
         if local > visible:
-            raise ConfigError(f"{local} processes on this node need {local} CUDA devices, {visible} visible; "
-                              f"use --job.device cpu or fewer processes")
+            raise ConfigError(
+                f"{local} processes on this node need {local} CUDA devices, {visible} visible; "
+                f"use --job.device cpu or fewer processes"
+            )
 
 
 def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
@@ -77,12 +79,16 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     if cfg.model.flavor not in spec.flavors:
         raise not_allowed(f"model.flavor (for {cfg.model.name})", cfg.model.flavor, tuple(spec.flavors))
     flavor = spec.flavors[cfg.model.flavor]
-    _require(cfg.model.n_layers >= 0, f"model.n_layers = {cfg.model.n_layers} must be >= 0 (0: the flavor's "
-                                      f"{flavor.n_layers})")
+    _require(
+        cfg.model.n_layers >= 0,
+        f"model.n_layers = {cfg.model.n_layers} must be >= 0 (0: the flavor's {flavor.n_layers})",
+    )
     try:
         args = model_args(cfg.model)
     except ValueError as e:  # the flavor's own shape checks (e.g. DeepSeek-V3's dense layers)
-        raise ConfigError(f"model.n_layers = {cfg.model.n_layers} does not fit flavor {cfg.model.flavor}: {e}") from None
+        raise ConfigError(
+            f"model.n_layers = {cfg.model.n_layers} does not fit flavor {cfg.model.flavor}: {e}"
+        ) from None
 
     _require(t.steps >= 1, f"training.steps = {t.steps} must be >= 1")
     _require(t.local_batch_size >= 1, f"training.local_batch_size = {t.local_batch_size} must be >= 1")
@@ -90,9 +96,11 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
         1 <= t.seq_len <= args.max_seq_len,
         f"training.seq_len = {t.seq_len} must be between 1 and the flavor's max_seq_len {args.max_seq_len}",
     )
-    _require(1 <= t.loss_chunks <= t.local_batch_size * t.seq_len,
-             f"training.loss_chunks = {t.loss_chunks} must be between 1 and the tokens per batch "
-             f"({t.local_batch_size * t.seq_len})")
+    _require(
+        1 <= t.loss_chunks <= t.local_batch_size * t.seq_len,
+        f"training.loss_chunks = {t.loss_chunks} must be between 1 and the tokens per batch "
+        f"({t.local_batch_size * t.seq_len})",
+    )
     _require(t.lr > 0 and math.isfinite(t.lr), f"training.lr = {t.lr} must be a positive number")
     _require(t.weight_decay >= 0, f"training.weight_decay = {t.weight_decay} must be >= 0")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "training.beta1 and training.beta2 must be in [0, 1)")
@@ -115,28 +123,37 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
         f"compile.passes lists a pass more than once: {','.join(c.passes)}",
     )
     _require(not (c.passes and c.mode == "eager"), "compile.passes needs compile.mode = 'graph'")
-    _require(c.backend == "none" or c.mode == "graph",
-             f"compile.backend = {c.backend!r} needs compile.mode = 'graph' (it compiles the traced graph)")
-    _require(c.inductor_scope == "regional" or c.backend == "inductor",
-             f"compile.inductor_scope = {c.inductor_scope!r} needs compile.backend = 'inductor'")
+    _require(
+        c.backend == "none" or c.mode == "graph",
+        f"compile.backend = {c.backend!r} needs compile.mode = 'graph' (it compiles the traced graph)",
+    )
+    _require(
+        c.inductor_scope == "regional" or c.backend == "inductor",
+        f"compile.inductor_scope = {c.inductor_scope!r} needs compile.backend = 'inductor'",
+    )
     for name in c.passes:
         PASS_REGISTRY[name].check_config(cfg, degrees)
 
     ac = cfg.activation_checkpoint
-    _require(ac.mode == "none" or c.mode == "graph",
-             f"activation_checkpoint.mode = {ac.mode!r} needs compile.mode = 'graph' (the policy rewrites the "
-             f"traced graph; eager mode keeps every activation)")
+    _require(
+        ac.mode == "none" or c.mode == "graph",
+        f"activation_checkpoint.mode = {ac.mode!r} needs compile.mode = 'graph' (the policy rewrites the "
+        f"traced graph; eager mode keeps every activation)",
+    )
     unknown = [op for op in ac.selective_ops if not hasattr(torch.ops.aten, op)]
-    _require(not unknown, f"activation_checkpoint.selective_ops: {', '.join(unknown)} is not an aten op name "
-                          f"(e.g. mm, addmm, bmm)")
+    _require(
+        not unknown,
+        f"activation_checkpoint.selective_ops: {', '.join(unknown)} is not an aten op name (e.g. mm, addmm, bmm)",
+    )
     _require(cfg.metrics.log_freq >= 1, f"metrics.log_freq = {cfg.metrics.log_freq} must be >= 1")
     _require(cfg.metrics.peak_tflops >= 0, f"metrics.peak_tflops = {cfg.metrics.peak_tflops} must be >= 0")
     _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval = {cfg.checkpoint.interval} must be >= 0")
     _require(cfg.checkpoint.load_step >= -1, f"checkpoint.load_step = {cfg.checkpoint.load_step} must be >= -1")
     for name in ("init_timeout_seconds", "timeout_seconds"):
         _require(getattr(cfg.comm, name) > 0, f"comm.{name} = {getattr(cfg.comm, name)} must be > 0")
-    _require(cfg.debug.grad_record_step >= 0,
-             f"debug.grad_record_step = {cfg.debug.grad_record_step} must be >= 0 (0: off)")
+    _require(
+        cfg.debug.grad_record_step >= 0, f"debug.grad_record_step = {cfg.debug.grad_record_step} must be >= 0 (0: off)"
+    )
     _require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")
 
 

@@ -127,8 +127,13 @@ def stable_seed(seed: int, fqn: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def materialize_init(rule: InitRule, shape, dtype: torch.dtype, generator: torch.Generator | None,
-                     device: torch.device | str | None = None) -> torch.Tensor:
+def materialize_init(
+    rule: InitRule,
+    shape,
+    dtype: torch.dtype,
+    generator: torch.Generator | None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """A new tensor of ``shape`` filled according to ``rule``, drawing from ``generator``."""
     out = torch.empty(tuple(shape), dtype=dtype, device=device)
     with torch.no_grad():
@@ -157,5 +162,15 @@ def init_plain_parameters(model: nn.Module, rules: dict[str, InitRule], seed: in
         param.copy_(draw_parameter(rules[fqn], fqn, param.shape, seed, param.device))
 
 
-__all__ = ["FeedForward", "InitRule", "RMSNorm", "apply_rope", "block_bucket_plan", "draw_parameter",
-           "init_plain_parameters", "materialize_init", "rotary_table", "stable_seed"]
+__all__ = [
+    "FeedForward",
+    "InitRule",
+    "RMSNorm",
+    "apply_rope",
+    "block_bucket_plan",
+    "draw_parameter",
+    "init_plain_parameters",
+    "materialize_init",
+    "rotary_table",
+    "stable_seed",
+]

@@ -41,9 +41,24 @@ sys.path.insert(0, ROOT)
 from graph_trainer.config_loading import normalize_flags  # noqa: E402
 from graph_trainer.manifest import verify_folder  # noqa: E402
 
-JOB = ["--job.config_file", os.path.join(ROOT, "configs", "llama3_debug.toml"), "--job.device", "cpu",
-       "--compile.mode", "eager", "--training.seq_len", "64", "--training.local_batch_size", "2",
-       "--metrics.enable_tensorboard", "False", "--metrics.log_freq", "1", "--checkpoint.interval", "1"]
+JOB = [
+    "--job.config_file",
+    os.path.join(ROOT, "configs", "llama3_debug.toml"),
+    "--job.device",
+    "cpu",
+    "--compile.mode",
+    "eager",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "False",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.interval",
+    "1",
+]
 """The debug LLaMA-3 in eager mode (no trace: starts fast), saving every step (74 MB per save)."""
 
 
@@ -169,16 +184,31 @@ def main(argv: list[str]) -> int:
     os.makedirs(opts.out, exist_ok=False)
 
     reference_dir = os.path.join(opts.out, "reference")
-    ref = run_job(command(opts.nproc, reference_dir, opts.steps), os.path.join(opts.out, "reference.log"),
-                  os.path.join(reference_dir, "checkpoint"), False, rng, opts.timeout)
+    ref = run_job(
+        command(opts.nproc, reference_dir, opts.steps),
+        os.path.join(opts.out, "reference.log"),
+        os.path.join(reference_dir, "checkpoint"),
+        False,
+        rng,
+        opts.timeout,
+    )
     reference = read_losses(reference_dir)
     if ref["code"] != 0 or sorted(reference) != list(range(1, opts.steps + 1)):
         raise SystemExit(f"the reference job failed: see {opts.out}/reference.log")
 
     job = os.path.join(opts.out, "job")
     root = os.path.join(job, "checkpoint")
-    figures = {"runs": 0, "kills": 0, "kills during a save": 0, "corruptions": 0, "detected at resume": 0,
-               "leftovers cleaned": 0, "lost complete checkpoints": 0, "corrupt loads": 0, "loss mismatches": 0}
+    figures = {
+        "runs": 0,
+        "kills": 0,
+        "kills during a save": 0,
+        "corruptions": 0,
+        "detected at resume": 0,
+        "leftovers cleaned": 0,
+        "lost complete checkpoints": 0,
+        "corrupt loads": 0,
+        "loss mismatches": 0,
+    }
     damaged: dict[int, str] = {}  # step -> what was done, while its step-N folder exists
     events = []
     finished = False
@@ -220,20 +250,28 @@ def main(argv: list[str]) -> int:
         # A save that replaced a damaged step (after a fallback) healed it.
         for step in [s for s in damaged if s in after]:
             del damaged[step]
-        events.append(f"run {run}: exit {result['code']}{' (killed during a save)' if result['during_save'] else ' (killed)' if result['killed'] else ''}, "
-                      f"resumed from {resumed[0] if resumed else 'scratch'}, detected {sorted(detected) or 'none'}, "
-                      f"checkpoints {sorted(after)}" + (f", LOST {lost}" if lost else "") + (f", WRONG LOSSES at {wrong}" if wrong else ""))
+        events.append(
+            f"run {run}: exit {result['code']}{' (killed during a save)' if result['during_save'] else ' (killed)' if result['killed'] else ''}, "
+            f"resumed from {resumed[0] if resumed else 'scratch'}, detected {sorted(detected) or 'none'}, "
+            f"checkpoints {sorted(after)}"
+            + (f", LOST {lost}" if lost else "")
+            + (f", WRONG LOSSES at {wrong}" if wrong else "")
+        )
         if last:
             finished = result["code"] == 0 and sorted(losses) == list(range(1, opts.steps + 1)) and not wrong
 
     still_damaged = {s: verify_folder(p) for s, p in step_dirs(root).items() if s in damaged}
-    figures["corruptions never loaded, still refused by verification"] = sum(p is not None for p in still_damaged.values())
+    figures["corruptions never loaded, still refused by verification"] = sum(
+        p is not None for p in still_damaged.values()
+    )
     figures["last run finished with the reference losses"] = finished
     figures["wall time s"] = round(time.monotonic() - began)
     print(f"seed {opts.seed}, {opts.runs} runs of {opts.steps} steps, {opts.nproc} process(es) each")
     print("\n".join(events))
     print(json.dumps(figures, indent=1))
-    failed = figures["lost complete checkpoints"] or figures["corrupt loads"] or figures["loss mismatches"] or not finished
+    failed = (
+        figures["lost complete checkpoints"] or figures["corrupt loads"] or figures["loss mismatches"] or not finished
+    )
     return 1 if failed else 0
 
 

@@ -35,20 +35,25 @@ class PrivateModulesOnlyThrough(Contract):
 
     def check(self, graph: grimp.ImportGraph, verbose: bool) -> ContractCheck:
         removal = contract_utils.remove_ignored_imports_and_report(
-            graph=graph, ignore_imports=self.ignore_imports,
-            unmatched_alerting=contract_utils.AlertLevel.ERROR)
+            graph=graph, ignore_imports=self.ignore_imports, unmatched_alerting=contract_utils.AlertLevel.ERROR
+        )
         package = str(self.package)
         importers = {m.name for m in helpers.module_expressions_to_modules(graph, self.importers, as_packages=True)}
-        allowed = {m.name for m in helpers.module_expressions_to_modules(graph, self.allowed_importers,
-                                                                         as_packages=True)}
+        allowed = {
+            m.name for m in helpers.module_expressions_to_modules(graph, self.allowed_importers, as_packages=True)
+        }
         illegal = []
         for importer in sorted(importers - allowed):
             for imported in sorted(graph.find_modules_directly_imported_by(importer)):
                 if (imported == package or imported.startswith(package + ".")) and is_private(imported):
                     lines = [d["line_number"] for d in graph.get_import_details(importer=importer, imported=imported)]
                     illegal.append((importer, imported, lines))
-        return ContractCheck(kept=not illegal, warnings=list(removal.warnings),
-                             ignored_import_count=removal.ignored_import_count, metadata={"illegal": illegal})
+        return ContractCheck(
+            kept=not illegal,
+            warnings=list(removal.warnings),
+            ignored_import_count=removal.ignored_import_count,
+            metadata={"illegal": illegal},
+        )
 
     def render_broken_contract(self, check: ContractCheck) -> None:
         output.print_error(f"Private modules of {self.package} imported outside {self.allowed_importers}:", bold=False)

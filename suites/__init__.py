@@ -26,8 +26,20 @@ from suites.h100 import H100_CASES
 SUITES = {
     "cpu": Suite(
         config="configs/llama3_debug.toml",
-        overrides=["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "5",
-                   "--metrics.enable_tensorboard", "False", "--checkpoint.interval", "0", "--job.device", "cpu"],
+        overrides=[
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--metrics.log_freq",
+            "5",
+            "--metrics.enable_tensorboard",
+            "False",
+            "--checkpoint.interval",
+            "0",
+            "--job.device",
+            "cpu",
+        ],
         steps=10,
         record_grads=True,
         cases=CPU_CASES,
@@ -35,8 +47,16 @@ SUITES = {
     "h100": Suite(
         config="configs/llama3_8b.toml",
         # bitwise comparisons on CUDA need deterministic kernels (attention backward)
-        overrides=["--metrics.log_freq", "5", "--checkpoint.interval", "0", "--job.device", "cuda",
-                   "--debug.deterministic", "True"],
+        overrides=[
+            "--metrics.log_freq",
+            "5",
+            "--checkpoint.interval",
+            "0",
+            "--job.device",
+            "cuda",
+            "--debug.deterministic",
+            "True",
+        ],
         steps=20,
         cases=H100_CASES,
         gpus=True,
@@ -44,8 +64,16 @@ SUITES = {
     ),
     "gpu": Suite(
         config="configs/llama3_debug.toml",
-        overrides=["--metrics.log_freq", "5", "--checkpoint.interval", "0", "--job.device", "cuda",
-                   "--metrics.enable_tensorboard", "False"],
+        overrides=[
+            "--metrics.log_freq",
+            "5",
+            "--checkpoint.interval",
+            "0",
+            "--job.device",
+            "cuda",
+            "--metrics.enable_tensorboard",
+            "False",
+        ],
         steps=10,
         cases=GPU_CASES,
         gpus=True,
@@ -54,5 +82,16 @@ SUITES = {
     ),
 }
 
-__all__ = ["BUCKETING", "CLOSE_RTOL", "EP_OVERLAP", "GRAD_RECORD_STEP", "GRAD_RTOL", "INDUCTOR_RTOL", "ROOT", "SUITES",
-           "Case", "Suite", "job_args"]
+__all__ = [
+    "BUCKETING",
+    "CLOSE_RTOL",
+    "EP_OVERLAP",
+    "GRAD_RECORD_STEP",
+    "GRAD_RTOL",
+    "INDUCTOR_RTOL",
+    "ROOT",
+    "SUITES",
+    "Case",
+    "Suite",
+    "job_args",
+]

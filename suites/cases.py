@@ -79,8 +79,15 @@ def layout_cases(layouts: dict[str, tuple[int, list[str], str]], config: str = "
         cases.append(Case(f"{name}_graph", nproc, args, close_to=reference, config=config))
         # Eager mode keeps every activation (it rejects a checkpointing mode a config may set); the
         # policy changes no value, so the graph case is still bitwise its eager twin.
-        cases.append(Case(f"{name}_eager", nproc, [*args, "--compile.mode", "eager", "--activation_checkpoint.mode",
-                                                   "none"], same_as=f"{name}_graph", config=config))
+        cases.append(
+            Case(
+                f"{name}_eager",
+                nproc,
+                [*args, "--compile.mode", "eager", "--activation_checkpoint.mode", "none"],
+                same_as=f"{name}_graph",
+                config=config,
+            )
+        )
     return cases
 
 
@@ -92,12 +99,24 @@ BUCKETING = {
 }
 
 
-def pass_cases(layouts: dict[str, tuple[int, list[str], str]], names: list[str], config: str = "",
-                passes: dict[str, str] = BUCKETING) -> list[Case]:
+def pass_cases(
+    layouts: dict[str, tuple[int, list[str], str]],
+    names: list[str],
+    config: str = "",
+    passes: dict[str, str] = BUCKETING,
+) -> list[Case]:
     """For each named layout and pass list, a graph case bitwise the layout's graph without passes."""
-    return [Case(f"{name}_{suffix}", layouts[name][0], [*layouts[name][1], "--compile.passes", pass_list],
-                 same_as=f"{name}_graph", config=config)
-            for name in names for suffix, pass_list in passes.items()]
+    return [
+        Case(
+            f"{name}_{suffix}",
+            layouts[name][0],
+            [*layouts[name][1], "--compile.passes", pass_list],
+            same_as=f"{name}_graph",
+            config=config,
+        )
+        for name in names
+        for suffix, pass_list in passes.items()
+    ]
 
 
 def batch(n: int) -> list[str]:
@@ -121,8 +140,9 @@ EP_OVERLAP = {
 }
 
 
-def ep_overlap_cases(layouts: dict[str, tuple[int, list[str], str]], plan: list[tuple[str, str, str]],
-                      config: str) -> list[Case]:
+def ep_overlap_cases(
+    layouts: dict[str, tuple[int, list[str], str]], plan: list[tuple[str, str, str]], config: str
+) -> list[Case]:
     """Per (layout, selection, FSDP passes): the chunked reference and the scheduled case bitwise equal to it."""
     cases = []
     for layout, selection, fsdp_passes in plan:
@@ -130,11 +150,23 @@ def ep_overlap_cases(layouts: dict[str, tuple[int, list[str], str]], plan: list[
         passes = ",".join(p for p in ("ep_overlap", fsdp_passes) if p)
         short = {v: k for k, v in BUCKETING.items()}
         name = f"{layout}_ep_overlap_{selection}" + (f"_{short[fsdp_passes]}" if fsdp_passes else "")
-        chunked = Case(f"{name}_chunked", nproc, [*args, *EP_OVERLAP[selection], "--compile.passes", passes,
-                                                  "--compile.ep_overlap.reorder", "False"],
-                       close_to=reference, config=config)
-        cases += [chunked, Case(name, nproc, [*args, *EP_OVERLAP[selection], "--compile.passes", passes],
-                                same_as=chunked.name, config=config)]
+        chunked = Case(
+            f"{name}_chunked",
+            nproc,
+            [*args, *EP_OVERLAP[selection], "--compile.passes", passes, "--compile.ep_overlap.reorder", "False"],
+            close_to=reference,
+            config=config,
+        )
+        cases += [
+            chunked,
+            Case(
+                name,
+                nproc,
+                [*args, *EP_OVERLAP[selection], "--compile.passes", passes],
+                same_as=chunked.name,
+                config=config,
+            ),
+        ]
     return cases
 
 
@@ -145,5 +177,13 @@ def ac_flags(mode: str) -> list[str]:
 def job_args(suite: Suite, case: Case, extra: list[str] = ()) -> list[str]:
     """train.py flags of a case: its config, the suite's overrides, ``extra``, its own args."""
     record = ["--debug.grad_record_step", str(GRAD_RECORD_STEP)] if suite.record_grads else []
-    return ["--job.config_file", os.path.join(ROOT, case.config or suite.config), *suite.overrides,
-            "--training.steps", str(suite.steps), *record, *extra, *case.args]
+    return [
+        "--job.config_file",
+        os.path.join(ROOT, case.config or suite.config),
+        *suite.overrides,
+        "--training.steps",
+        str(suite.steps),
+        *record,
+        *extra,
+        *case.args,
+    ]

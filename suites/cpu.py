@@ -34,8 +34,9 @@ _CPU_LAYOUTS = {
 }
 # Keeping the gathered parameters for backward (no re-gather) is bitwise re-gathering them.
 # (Eager mode has no graph to reshard, so this has no eager twin.)
-_CPU_KEEP_PARAMS = [Case("fsdp2_keep_params", 2, ["--parallelism.fsdp_reshard_after_forward", "never"],
-                         same_as="fsdp2_graph")]
+_CPU_KEEP_PARAMS = [
+    Case("fsdp2_keep_params", 2, ["--parallelism.fsdp_reshard_after_forward", "never"], same_as="fsdp2_graph")
+]
 _CPU_DEEPSEEK_REFERENCES = [Case("deepseek_single_b4", 1, batch(4), config=DEEPSEEK_DEBUG)]
 _CPU_DEEPSEEK_LAYOUTS = {
     "deepseek_fsdp2": (2, [], "deepseek_single_b4"),
@@ -43,31 +44,57 @@ _CPU_DEEPSEEK_LAYOUTS = {
     "deepseek_fsdp2xep2": (4, ["--parallelism.ep", "2", *batch(1)], "deepseek_single_b4"),
 }
 
-CPU_EP_OVERLAP_CASES: list[Case] = ep_overlap_cases(_CPU_DEEPSEEK_LAYOUTS, [
-    ("deepseek_ep2", "blocks", "transformer_block_bucketing,auto_bucketing"),
-    ("deepseek_ep2", "moe_batch", ""),
-    ("deepseek_fsdp2xep2", "moe_seq", "transformer_block_bucketing"),
-], DEEPSEEK_DEBUG)
+CPU_EP_OVERLAP_CASES: list[Case] = ep_overlap_cases(
+    _CPU_DEEPSEEK_LAYOUTS,
+    [
+        ("deepseek_ep2", "blocks", "transformer_block_bucketing,auto_bucketing"),
+        ("deepseek_ep2", "moe_batch", ""),
+        ("deepseek_fsdp2xep2", "moe_seq", "transformer_block_bucketing"),
+    ],
+    DEEPSEEK_DEBUG,
+)
 
 # ---- the memory policy (activation checkpointing) and the chunked loss: bitwise the same
 # graph without them, with the passes they must compose with.
 _CHUNKED_LOSS = ["--training.loss_chunks", "4"]
 CPU_MEMORY_POLICY_CASES = [
-    *[Case(f"fsdp2_ac_{mode}_tbb", 2, [*ac_flags(mode), "--compile.passes", BUCKETING["tbb"]], same_as="fsdp2_graph")
-      for mode in ("selective", "full")],
-    *[Case(f"fsdp2xtp2_ac_{mode}", 4, [*_CPU_LAYOUTS["fsdp2xtp2"][1], *ac_flags(mode)], same_as="fsdp2xtp2_graph")
-      for mode in ("selective", "full")],
+    *[
+        Case(f"fsdp2_ac_{mode}_tbb", 2, [*ac_flags(mode), "--compile.passes", BUCKETING["tbb"]], same_as="fsdp2_graph")
+        for mode in ("selective", "full")
+    ],
+    *[
+        Case(f"fsdp2xtp2_ac_{mode}", 4, [*_CPU_LAYOUTS["fsdp2xtp2"][1], *ac_flags(mode)], same_as="fsdp2xtp2_graph")
+        for mode in ("selective", "full")
+    ],
     # the chunked loss is within rounding of one process (it sums the output weight's gradient per chunk)
     Case("fsdp2_loss_chunks4", 2, _CHUNKED_LOSS, close_to="single_b4"),
     Case("fsdp2_loss_chunks4_eager", 2, [*_CHUNKED_LOSS, "--compile.mode", "eager"], same_as="fsdp2_loss_chunks4"),
     Case("fsdp2_loss_chunks4_ac_selective", 2, [*_CHUNKED_LOSS, *ac_flags("selective")], same_as="fsdp2_loss_chunks4"),
 ]
 CPU_DEEPSEEK_MEMORY_POLICY_CASES = [
-    *[Case(f"deepseek_ep2_ac_{mode}", 2, [*_CPU_DEEPSEEK_LAYOUTS["deepseek_ep2"][1], *ac_flags(mode)],
-           same_as="deepseek_ep2_graph", config=DEEPSEEK_DEBUG) for mode in ("selective", "full")],
-    Case("deepseek_ep2_ep_overlap_moe_batch_ac_full", 2,
-         [*_CPU_DEEPSEEK_LAYOUTS["deepseek_ep2"][1], *EP_OVERLAP["moe_batch"], "--compile.passes", "ep_overlap",
-          *ac_flags("full")], same_as="deepseek_ep2_ep_overlap_moe_batch_chunked", config=DEEPSEEK_DEBUG),
+    *[
+        Case(
+            f"deepseek_ep2_ac_{mode}",
+            2,
+            [*_CPU_DEEPSEEK_LAYOUTS["deepseek_ep2"][1], *ac_flags(mode)],
+            same_as="deepseek_ep2_graph",
+            config=DEEPSEEK_DEBUG,
+        )
+        for mode in ("selective", "full")
+    ],
+    Case(
+        "deepseek_ep2_ep_overlap_moe_batch_ac_full",
+        2,
+        [
+            *_CPU_DEEPSEEK_LAYOUTS["deepseek_ep2"][1],
+            *EP_OVERLAP["moe_batch"],
+            "--compile.passes",
+            "ep_overlap",
+            *ac_flags("full"),
+        ],
+        same_as="deepseek_ep2_ep_overlap_moe_batch_chunked",
+        config=DEEPSEEK_DEBUG,
+    ),
 ]
 
 # ---- the Inductor backend: within INDUCTOR_RTOL of the op-by-op graph. Under the regional scope
@@ -81,23 +108,52 @@ _EP2 = _CPU_DEEPSEEK_LAYOUTS["deepseek_ep2"][1]
 _MOE_BATCH_OVERLAP = [*_EP2, *EP_OVERLAP["moe_batch"], "--compile.passes", "ep_overlap"]
 CPU_INDUCTOR_CASES = [
     Case("fsdp2_inductor", 2, INDUCTOR_FLAGS, close_to="fsdp2_graph", rtol=INDUCTOR_RTOL),
-    *[Case(f"fsdp2_inductor_{suffix}", 2, [*INDUCTOR_FLAGS, "--compile.passes", BUCKETING[suffix]], same_as="fsdp2_inductor")
-      for suffix in ("tbb", "auto")],
+    *[
+        Case(
+            f"fsdp2_inductor_{suffix}",
+            2,
+            [*INDUCTOR_FLAGS, "--compile.passes", BUCKETING[suffix]],
+            same_as="fsdp2_inductor",
+        )
+        for suffix in ("tbb", "auto")
+    ],
     Case("fsdp2_inductor_full", 2, INDUCTOR_FULL_FLAGS, close_to="fsdp2_graph", rtol=INDUCTOR_RTOL),
-    Case("deepseek_ep2_inductor_full", 2, [*_EP2, *INDUCTOR_FULL_FLAGS], close_to="deepseek_ep2_graph",
-         rtol=INDUCTOR_RTOL, config=DEEPSEEK_DEBUG),
+    Case(
+        "deepseek_ep2_inductor_full",
+        2,
+        [*_EP2, *INDUCTOR_FULL_FLAGS],
+        close_to="deepseek_ep2_graph",
+        rtol=INDUCTOR_RTOL,
+        config=DEEPSEEK_DEBUG,
+    ),
     # DeepSeek-V3 regional: the chunked twin compiled (unchunked it repeats this check: 70 s of CI)
-    Case("deepseek_ep2_ep_overlap_moe_batch_chunked_inductor", 2,
-         [*_MOE_BATCH_OVERLAP, "--compile.ep_overlap.reorder", "False", *INDUCTOR_FLAGS],
-         close_to="deepseek_ep2_ep_overlap_moe_batch_chunked", rtol=INDUCTOR_RTOL, config=DEEPSEEK_DEBUG),
-    Case("deepseek_ep2_ep_overlap_moe_batch_inductor", 2, [*_MOE_BATCH_OVERLAP, *INDUCTOR_FLAGS],
-         same_as="deepseek_ep2_ep_overlap_moe_batch_chunked_inductor", config=DEEPSEEK_DEBUG),
+    Case(
+        "deepseek_ep2_ep_overlap_moe_batch_chunked_inductor",
+        2,
+        [*_MOE_BATCH_OVERLAP, "--compile.ep_overlap.reorder", "False", *INDUCTOR_FLAGS],
+        close_to="deepseek_ep2_ep_overlap_moe_batch_chunked",
+        rtol=INDUCTOR_RTOL,
+        config=DEEPSEEK_DEBUG,
+    ),
+    Case(
+        "deepseek_ep2_ep_overlap_moe_batch_inductor",
+        2,
+        [*_MOE_BATCH_OVERLAP, *INDUCTOR_FLAGS],
+        same_as="deepseek_ep2_ep_overlap_moe_batch_chunked_inductor",
+        config=DEEPSEEK_DEBUG,
+    ),
 ]
 
 CPU_CASES = (
-    _CPU_REFERENCES + layout_cases(_CPU_LAYOUTS) + _CPU_KEEP_PARAMS
+    _CPU_REFERENCES
+    + layout_cases(_CPU_LAYOUTS)
+    + _CPU_KEEP_PARAMS
     + pass_cases(_CPU_LAYOUTS, ["fsdp2", "hsdp2x2", "fsdp2xtp2"])
-    + _CPU_DEEPSEEK_REFERENCES + layout_cases(_CPU_DEEPSEEK_LAYOUTS, DEEPSEEK_DEBUG)
+    + _CPU_DEEPSEEK_REFERENCES
+    + layout_cases(_CPU_DEEPSEEK_LAYOUTS, DEEPSEEK_DEBUG)
     + pass_cases(_CPU_DEEPSEEK_LAYOUTS, ["deepseek_ep2", "deepseek_fsdp2xep2"], DEEPSEEK_DEBUG)
-    + CPU_EP_OVERLAP_CASES + CPU_MEMORY_POLICY_CASES + CPU_DEEPSEEK_MEMORY_POLICY_CASES + CPU_INDUCTOR_CASES
+    + CPU_EP_OVERLAP_CASES
+    + CPU_MEMORY_POLICY_CASES
+    + CPU_DEEPSEEK_MEMORY_POLICY_CASES
+    + CPU_INDUCTOR_CASES
 )

@@ -33,19 +33,28 @@ _16B_LAYOUTS = {
     "deepseek16b_fsdp8xep8": (8, [], ""),
     "deepseek16b_fsdp8_ep2": (8, ["--parallelism.ep", "2"], ""),
 }
-H100_EP_OVERLAP_CASES: list[Case] = (
-    ep_overlap_cases(_DEEPSEEK_DEBUG_LAYOUTS, [("deepseek_debug_fsdp4xep2", "blocks", "transformer_block_bucketing"),
-                                                ("deepseek_debug_fsdp4xep2", "moe_seq", "")], DEEPSEEK_DEBUG)
-    + ep_overlap_cases(_16B_LAYOUTS, [("deepseek16b_fsdp8_ep2", "blocks", "transformer_block_bucketing")],
-                        "configs/deepseek_v3_16b.toml")
+H100_EP_OVERLAP_CASES: list[Case] = ep_overlap_cases(
+    _DEEPSEEK_DEBUG_LAYOUTS,
+    [
+        ("deepseek_debug_fsdp4xep2", "blocks", "transformer_block_bucketing"),
+        ("deepseek_debug_fsdp4xep2", "moe_seq", ""),
+    ],
+    DEEPSEEK_DEBUG,
+) + ep_overlap_cases(
+    _16B_LAYOUTS, [("deepseek16b_fsdp8_ep2", "blocks", "transformer_block_bucketing")], "configs/deepseek_v3_16b.toml"
 )
 # The 8B and 16B configs document selective (8B) and full (16B) checkpointing with 8 loss chunks:
 # every other mode is bitwise those.
 H100_MEMORY_POLICY_CASES = [
     Case("fsdp8_ac_none", 8, ac_flags("none"), same_as="fsdp8_graph"),
     Case("fsdp8_ac_full_tbb", 8, [*ac_flags("full"), "--compile.passes", BUCKETING["tbb"]], same_as="fsdp8_graph"),
-    Case("deepseek16b_fsdp8xep8_ac_selective", 8, ac_flags("selective"), same_as="deepseek16b_fsdp8xep8_graph",
-         config="configs/deepseek_v3_16b.toml"),
+    Case(
+        "deepseek16b_fsdp8xep8_ac_selective",
+        8,
+        ac_flags("selective"),
+        same_as="deepseek16b_fsdp8xep8_graph",
+        config="configs/deepseek_v3_16b.toml",
+    ),
 ]
 # Inductor on 8 GPUs: the regional cut keeps the passes' schedule (checked by the dry run), and a
 # bucketing pass stays bitwise under it; no op-by-op reference (bf16 fusion rounds differently).
@@ -56,11 +65,15 @@ H100_INDUCTOR_CASES = [
     Case("deepseek16b_fsdp8xep8_inductor", 8, INDUCTOR_FLAGS, config="configs/deepseek_v3_16b.toml"),
 ]
 H100_CASES = (
-    layout_cases(_8B_LAYOUTS) + pass_cases(_8B_LAYOUTS, ["fsdp8", "fsdp4xtp2"])
+    layout_cases(_8B_LAYOUTS)
+    + pass_cases(_8B_LAYOUTS, ["fsdp8", "fsdp4xtp2"])
     + layout_cases(_DEEPSEEK_DEBUG_LAYOUTS, DEEPSEEK_DEBUG)
     + pass_cases(_DEEPSEEK_DEBUG_LAYOUTS, ["deepseek_debug_fsdp4xep2"], DEEPSEEK_DEBUG)
     + layout_cases(_16B_LAYOUTS, "configs/deepseek_v3_16b.toml")
-    + pass_cases(_16B_LAYOUTS, ["deepseek16b_fsdp8_ep2"], "configs/deepseek_v3_16b.toml",
-                  passes={"tbb": BUCKETING["tbb"]})
-    + H100_EP_OVERLAP_CASES + H100_MEMORY_POLICY_CASES + H100_INDUCTOR_CASES
+    + pass_cases(
+        _16B_LAYOUTS, ["deepseek16b_fsdp8_ep2"], "configs/deepseek_v3_16b.toml", passes={"tbb": BUCKETING["tbb"]}
+    )
+    + H100_EP_OVERLAP_CASES
+    + H100_MEMORY_POLICY_CASES
+    + H100_INDUCTOR_CASES
 )

@@ -22,7 +22,8 @@ def _needs_torch_2_13():
     return pytest.mark.skipif(
         _torch_version() < (2, 13),
         reason="the user passes (transformer_block_bucketing, auto_bucketing, ep_overlap) need torch 2.13 and "
-               "refuse older ones (graph_trainer.torch_compat.pass_needs_torch_2_13)")
+        "refuse older ones (graph_trainer.torch_compat.pass_needs_torch_2_13)",
+    )
 
 
 NEEDS_TORCH_2_13 = _needs_torch_2_13()

@@ -16,19 +16,26 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 FAST_ARGS = [
-    "--job.config_file", os.path.join(ROOT, "configs", "llama3_debug.toml"),
-    "--job.device", "cpu",
-    "--training.seq_len", "64",
-    "--training.local_batch_size", "2",
-    "--metrics.enable_tensorboard", "False",
-    "--metrics.log_freq", "5",
+    "--job.config_file",
+    os.path.join(ROOT, "configs", "llama3_debug.toml"),
+    "--job.device",
+    "cpu",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "False",
+    "--metrics.log_freq",
+    "5",
 ]
 """Debug LLaMA-3 on 2x64-token batches, on CPU (gloo) whatever GPUs the machine has: a step takes
 well under a second."""
 
 
-def run_torchrun(nproc: int, script: str, *args: str, timeout: float = 600,
-                 check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_torchrun(
+    nproc: int, script: str, *args: str, timeout: float = 600, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node nproc script args`` with one CPU thread per process.
 
     ``env`` adds to (or overrides) the environment. The job runs once: one that fails is a
@@ -37,8 +44,7 @@ def run_torchrun(nproc: int, script: str, *args: str, timeout: float = 600,
     jobs with ``os._exit(0)`` once every rank has left the process group.
     """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           script, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script, *args]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(
@@ -47,11 +53,20 @@ def run_torchrun(nproc: int, script: str, *args: str, timeout: float = 600,
     return result
 
 
-def run_train(nproc: int, dump_folder: Path, *args: str, timeout: float = 600,
-              check: bool = True) -> subprocess.CompletedProcess:
+def run_train(
+    nproc: int, dump_folder: Path, *args: str, timeout: float = 600, check: bool = True
+) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node nproc train.py FAST_ARGS --job.dump_folder dump_folder args``."""
-    return run_torchrun(nproc, os.path.join(ROOT, "train.py"), *FAST_ARGS, "--job.dump_folder", str(dump_folder),
-                        *args, timeout=timeout, check=check)
+    return run_torchrun(
+        nproc,
+        os.path.join(ROOT, "train.py"),
+        *FAST_ARGS,
+        "--job.dump_folder",
+        str(dump_folder),
+        *args,
+        timeout=timeout,
+        check=check,
+    )
 
 
 def read_losses(dump_folder: Path) -> list[tuple[int, float]]:

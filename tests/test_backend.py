@@ -27,9 +27,22 @@ LLAMA = os.path.join(ROOT, "configs", "llama3_debug.toml")
 
 
 def _config(config: str, *flags: str, dump_folder: str = ""):
-    cfg = load_config(["--job.config_file", config, "--job.device", "cpu", "--training.seq_len", "64",
-                       "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "False",
-                       *(["--job.dump_folder", dump_folder] if dump_folder else []), *flags])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            config,
+            "--job.device",
+            "cpu",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--metrics.enable_tensorboard",
+            "False",
+            *(["--job.dump_folder", dump_folder] if dump_folder else []),
+            *flags,
+        ]
+    )
     return cfg
 
 
@@ -42,17 +55,23 @@ def _traced(world_size: int, *flags: str, config: str = LLAMA):
 
 def _outside_order(gm) -> list[str]:
     """The nodes left outside the regions (collectives, waits, size reads ...), in graph order."""
-    return [n.name for n in gm.graph.nodes if n.op == "call_function" and not n.name.startswith("inductor_region_")
-            and n.op != "call_module"]
+    return [
+        n.name
+        for n in gm.graph.nodes
+        if n.op == "call_function" and not n.name.startswith("inductor_region_") and n.op != "call_module"
+    ]
 
 
-@pytest.mark.parametrize("flags, world_size", [
-    ([], 2),
-    (["--parallelism.tp", "2"], 4),
-    pytest.param(["--compile.passes", "transformer_block_bucketing"], 2, marks=NEEDS_TORCH_2_13),
-    pytest.param(["--compile.passes", "auto_bucketing"], 2, marks=NEEDS_TORCH_2_13),
-    (["--activation_checkpoint.mode", "full"], 2),
-])
+@pytest.mark.parametrize(
+    "flags, world_size",
+    [
+        ([], 2),
+        (["--parallelism.tp", "2"], 4),
+        pytest.param(["--compile.passes", "transformer_block_bucketing"], 2, marks=NEEDS_TORCH_2_13),
+        pytest.param(["--compile.passes", "auto_bucketing"], 2, marks=NEEDS_TORCH_2_13),
+        (["--activation_checkpoint.mode", "full"], 2),
+    ],
+)
 def test_regions_hold_no_collective_and_the_schedule_survives_the_cut(flags, world_size):
     gm = _traced(world_size, *flags)
     order = collective_order(gm.graph)
@@ -93,8 +112,11 @@ def _region(fn, *inputs: torch.Tensor, deterministic: bool):
     return compile_region(gm, fake, fake_mode_of(fake[0]), deterministic, region_post_grad_pass(deterministic))
 
 
-@pytest.mark.parametrize("dtype, first_op", [(torch.float32, torch.mm), (torch.bfloat16, torch.mul)],
-                         ids=["fp32_mm_then_add", "bf16_pointwise"])
+@pytest.mark.parametrize(
+    "dtype, first_op",
+    [(torch.float32, torch.mm), (torch.bfloat16, torch.mul)],
+    ids=["fp32_mm_then_add", "bf16_pointwise"],
+)
 def test_with_deterministic_an_op_computes_the_same_wherever_the_region_boundaries_fall(dtype, first_op):
     """``(first_op(a, w) + c) * d`` compiled as one region, or cut after ``first_op`` into two (as
     a pass that moves compute across a collective cuts it), gives the same bits when deterministic;
@@ -102,7 +124,9 @@ def test_with_deterministic_an_op_computes_the_same_wherever_the_region_boundari
     ``addmm`` only when both are in one graph, and ``addmm`` rounds differently; bf16: a fused
     kernel keeps ``a * w`` in fp32, the cut stores it in bf16."""
     torch.manual_seed(0)
-    inner = 1024 if first_op is torch.mm else 128  # K large enough that BLAS accumulates in blocks (K = 256 did not, on AVX-512 MKL)
+    inner = (
+        1024 if first_op is torch.mm else 128
+    )  # K large enough that BLAS accumulates in blocks (K = 256 did not, on AVX-512 MKL)
     a = torch.randn(64, inner, dtype=dtype)
     w = torch.randn((inner, 128) if first_op is torch.mm else (64, 128), dtype=dtype)
     c, d = torch.randn(64, 128, dtype=dtype), torch.randn(64, 128, dtype=dtype)

@@ -27,6 +27,7 @@ from tests.launch import FAST_ARGS, read_losses, run_train
 
 # ------------------------------------------------------------------ multi-process jobs (graph mode)
 
+
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
     """FSDP=2, 10 steps, saving at steps 5 and 10: the reference, and the step-5 checkpoint."""
@@ -80,17 +81,35 @@ def test_manifest_lists_every_ranks_files(straight_run):
     # Rank 0 writes the manifest after every rank's files are in: both ranks' shards and RNG states.
     step = straight_run / "checkpoint" / "step-5"
     files = json.loads((step / "manifest.json").read_text())["files"]
-    assert set(files) == {".metadata", "__0_0.distcp", "__1_0.distcp", "rng-rank0.pt", "rng-rank1.pt",
-                          "metadata.json", "train_state.json"}
+    assert set(files) == {
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "rng-rank0.pt",
+        "rng-rank1.pt",
+        "metadata.json",
+        "train_state.json",
+    }
     assert manifest.verify_folder(str(step)) is None
 
 
 def test_fsdp2_checkpoint_resumes_at_fsdp4(tmp_path, straight, first_half):
     # Same global batch: 2 ranks x 2 sequences -> 4 ranks x 1 sequence.
     assert FAST_ARGS[FAST_ARGS.index("--training.local_batch_size") + 1] == "2"
-    result = run_train(4, tmp_path, "--training.steps", "10", "--training.local_batch_size", "1",
-                       "--checkpoint.folder", str(first_half / "checkpoint"),
-                       "--checkpoint.load_step", "5", "--checkpoint.interval", "0")
+    result = run_train(
+        4,
+        tmp_path,
+        "--training.steps",
+        "10",
+        "--training.local_batch_size",
+        "1",
+        "--checkpoint.folder",
+        str(first_half / "checkpoint"),
+        "--checkpoint.load_step",
+        "5",
+        "--checkpoint.interval",
+        "0",
+    )
     assert "written by 2 ranks, this run has 4: RNG states not restored" in result.stderr
     losses = read_losses(tmp_path)
     assert [s for s, _ in losses] == list(range(6, 11))
@@ -105,8 +124,9 @@ def test_missing_step_is_one_line_error_under_torchrun(tmp_path, first_half):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     available = ", ".join(map(str, complete_steps(str(root))))  # 5, or 5, 10 after the resume test
-    assert errors == [f"error: checkpoint.load_step = 7: no complete checkpoint step-7 in {root}; "
-                      f"available steps: {available}"], result.stderr
+    assert errors == [
+        f"error: checkpoint.load_step = 7: no complete checkpoint step-7 in {root}; available steps: {available}"
+    ], result.stderr
     # Root cause: rank 0 exited with train.py's code 2. Rank 1 exits 2 too unless torchrun's
     # teardown after rank 0's exit reaches it first (SIGTERM, -15): both orders occur.
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr)
@@ -128,18 +148,35 @@ def test_checkpoint_of_another_flavor_is_one_line_error(tmp_path, first_half):
     with pytest.raises(ConfigError):  # the cheap check that must run before anything is built
         Checkpointer(cfg, 0, 1, {}, torch.device("cpu")).resolve_load_step()
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"), *FAST_ARGS, "--job.dump_folder", str(tmp_path),
-         "--model.flavor", "8B", "--checkpoint.folder", str(root)],
-        capture_output=True, text=True, cwd=ROOT, timeout=120, preexec_fn=_limit_memory,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+        [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            *FAST_ARGS,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--model.flavor",
+            "8B",
+            "--checkpoint.folder",
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        preexec_fn=_limit_memory,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert lines == [f"error: checkpoint {latest} holds model llama3 flavor "
-                     f"debugmodel but this run builds llama3 flavor 8B; use checkpoint.load_step = 0 or "
-                     f"another checkpoint.folder to start fresh"], result.stderr
+    assert lines == [
+        f"error: checkpoint {latest} holds model llama3 flavor "
+        f"debugmodel but this run builds llama3 flavor 8B; use checkpoint.load_step = 0 or "
+        f"another checkpoint.folder to start fresh"
+    ], result.stderr
 
 
 # ------------------------------------------------------------------ one process, in-process (eager mode)
+
 
 def _trainer(folder, *args) -> Trainer:
     cfg = load_config([*FAST_ARGS, "--job.dump_folder", str(folder), "--compile.mode", "eager", *args])
@@ -156,8 +193,17 @@ def test_eager_resume_bitwise_restores_adamw_steps_lr_and_trims_losses(tmp_path)
 
     # Rewinding to step 2 abandons step-4: it is moved aside (refused without move_aside, see
     # tests/reliability/test_fresh_starts.py), so the folder never holds two runs.
-    resumed = _trainer(tmp_path, "--training.steps", "4", "--checkpoint.interval", "2",
-                       "--checkpoint.load_step", "2", "--checkpoint.move_aside", "True")
+    resumed = _trainer(
+        tmp_path,
+        "--training.steps",
+        "4",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.load_step",
+        "2",
+        "--checkpoint.move_aside",
+        "True",
+    )
     assert resumed.step == 2
     # AdamW state existed before any step here, with the restored counts (bias correction).
     assert {float(s["step"]) for s in resumed.optimizer.state.values()} == {2.0}
@@ -170,7 +216,7 @@ def test_eager_resume_bitwise_restores_adamw_steps_lr_and_trims_losses(tmp_path)
     assert (tmp_path / "losses.txt").read_text() == reference
     assert complete_steps(str(tmp_path / "checkpoint")) == [2, 4]  # step-4 saved again by this run
     assert not [p for p in os.listdir(tmp_path / "checkpoint") if not p.startswith("step-") or "." in p]
-    aside, = [p for p in os.listdir(tmp_path) if p.startswith("checkpoint.aside-")]
+    (aside,) = [p for p in os.listdir(tmp_path) if p.startswith("checkpoint.aside-")]
     assert sorted(os.listdir(tmp_path / aside)) == ["losses.txt", "step-4"]  # the abandoned step, kept
     assert (tmp_path / aside / "losses.txt").read_text() == reference
     for (n, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
@@ -222,8 +268,17 @@ def test_weights_only_checkpoint_names_the_missing_optimizer_state(tmp_path, one
 
 def test_load_step_zero_starts_fresh_and_interval_rule(tmp_path, one_step_checkpoint):
     shutil.copytree(one_step_checkpoint, tmp_path / "checkpoint")
-    trainer = _trainer(tmp_path, "--training.steps", "3", "--checkpoint.load_step", "0",
-                       "--checkpoint.interval", "2", "--checkpoint.move_aside", "True")
+    trainer = _trainer(
+        tmp_path,
+        "--training.steps",
+        "3",
+        "--checkpoint.load_step",
+        "0",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.move_aside",
+        "True",
+    )
     assert trainer.step == 0 and not trainer.optimizer.state
     assert complete_steps(str(tmp_path / "checkpoint")) == []  # the earlier run's step-1 was moved aside
     assert [s for s in range(1, 4) if trainer.checkpointer.should_save(s, 3)] == [2, 3]

@@ -99,7 +99,10 @@ def test_reshard_mode_is_checked():
 def _run_train(*args):
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "train.py"), *args],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
 
 
@@ -110,10 +113,14 @@ def _run_train(*args):
         (["--job.config_file", "configs/does_not_exist.toml"], "does not exist"),
         (["--training.steps", "-1"], "training.steps = -1 must be >= 1"),
         (["--compile.backend", "tvm"], "compile.backend = 'tvm' is not allowed"),
-        (["--compile.backend", "inductor", "--compile.inductor_scope", "partial"],
-         "compile.inductor_scope = 'partial' is not allowed"),
-        (["--compile.backend", "inductor", "--compile.mode", "eager"],
-         "compile.backend = 'inductor' needs compile.mode = 'graph'"),
+        (
+            ["--compile.backend", "inductor", "--compile.inductor_scope", "partial"],
+            "compile.inductor_scope = 'partial' is not allowed",
+        ),
+        (
+            ["--compile.backend", "inductor", "--compile.mode", "eager"],
+            "compile.backend = 'inductor' needs compile.mode = 'graph'",
+        ),
         (["--compile.inductor_scope", "full"], "compile.inductor_scope = 'full' needs compile.backend = 'inductor'"),
     ],
 )
@@ -144,8 +151,9 @@ def test_more_local_processes_than_gpus_is_one_line_error(monkeypatch):
     for device in ("cuda", "auto"):  # auto picks cuda when it is there
         with pytest.raises(ConfigError) as info:
             check_device(device)
-        assert str(info.value) == ("2 processes on this node need 2 CUDA devices, 1 visible; use --job.device cpu "
-                                   "or fewer processes")
+        assert str(info.value) == (
+            "2 processes on this node need 2 CUDA devices, 1 visible; use --job.device cpu or fewer processes"
+        )
     check_device("cpu")  # gloo: any number of processes
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     check_device("cuda")
@@ -181,8 +189,11 @@ def test_train_py_unknown_toml_key(tmp_path):
 
 
 CONFIG_WORLD_SIZES = {
-    "llama3_debug.toml": 1, "llama3_8b.toml": 8,
-    "deepseek_v3_debug.toml": 1, "deepseek_v3_16b.toml": 8, "deepseek_v3_671b.toml": 256,
+    "llama3_debug.toml": 1,
+    "llama3_8b.toml": 8,
+    "deepseek_v3_debug.toml": 1,
+    "deepseek_v3_16b.toml": 8,
+    "deepseek_v3_671b.toml": 256,
 }
 """Every shipped job config and the world size it is meant for."""
 
@@ -211,10 +222,14 @@ def test_take_flag_takes_either_spelling_and_refuses_a_missing_or_bad_value():
         (["--training.steps", "abc"], "training.steps = 'abc' is not a whole number"),
         (["--training.lr", "fast"], "training.lr = 'fast' is not a number"),
         (["--training.stepz", "3"], "unknown flag --training.stepz; python train.py --help lists every flag"),
-        (["--compile.ep_overlap.reorder", "no"], "compile.ep_overlap.reorder = 'no' is not allowed; choose one of: "
-                                                 "True, False"),
-        (["--training.decay_type=cosin"], "training.decay_type = 'cosin' is not allowed; choose one of: linear, "
-                                          "cosine, constant"),
+        (
+            ["--compile.ep_overlap.reorder", "no"],
+            "compile.ep_overlap.reorder = 'no' is not allowed; choose one of: True, False",
+        ),
+        (
+            ["--training.decay_type=cosin"],
+            "training.decay_type = 'cosin' is not allowed; choose one of: linear, cosine, constant",
+        ),
         (["--training.seed"], "--training.seed needs a value"),
     ],
 )
@@ -227,13 +242,17 @@ def test_command_line_values_are_checked_against_their_field_types(args, message
 def test_toml_choice_fields_are_checked_and_configs_built_in_code_too(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text('[compile]\nbackend = "tvm"\n')
-    with pytest.raises(ConfigError, match=r"\[compile\] backend in .* = 'tvm' is not allowed; choose one of: none, "
-                                          "inductor"):
+    with pytest.raises(
+        ConfigError,
+        match=r"\[compile\] backend in .* = 'tvm' is not allowed; choose one of: none, "
+        "inductor",
+    ):
         load_config(["--job.config_file", str(path)])
     cfg = JobConfig()
     cfg.activation_checkpoint.mode = "some"  # not through a parser: validation checks every Literal field
-    with pytest.raises(ConfigError, match="activation_checkpoint.mode = 'some' is not allowed; choose one of: none, "
-                                          "selective, full"):
+    with pytest.raises(
+        ConfigError, match="activation_checkpoint.mode = 'some' is not allowed; choose one of: none, selective, full"
+    ):
         validate_config(cfg)
 
 
@@ -249,8 +268,13 @@ def test_model_names_are_the_registry_and_help_lists_choices():
     assert "{none,inductor}" in result.stdout and "{graph,eager}" in result.stdout, result.stdout[:2000]
 
 
-@pytest.mark.parametrize("args, message", [(["--training.steps", "abc"], "training.steps = 'abc' is not a whole number"),
-                                           (["--trainng.steps", "3"], "unknown flag --trainng.steps")])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.steps", "abc"], "training.steps = 'abc' is not a whole number"),
+        (["--trainng.steps", "3"], "unknown flag --trainng.steps"),
+    ],
+)
 def test_train_py_bad_flag_is_one_line_exit_2(args, message):
     result = _run_train(*args)
     assert result.returncode == 2, result.stderr

@@ -23,8 +23,16 @@ BYTES = ByteTokenizer()
 
 def make_loader(**overrides):
     """A small synthetic loader; keyword arguments override the defaults."""
-    args = dict(dataset="synthetic", tokenizer=BYTES, seq_len=32, local_batch_size=4, dp_rank=0, dp_degree=1,
-                seed=0, vocab_size=258)
+    args = dict(
+        dataset="synthetic",
+        tokenizer=BYTES,
+        seq_len=32,
+        local_batch_size=4,
+        dp_rank=0,
+        dp_degree=1,
+        seed=0,
+        vocab_size=258,
+    )
     args.update(overrides)
     return build_dataloader(**args)
 
@@ -146,8 +154,9 @@ def test_synthetic_corpus_has_learnable_structure():
 def _assert_dp_union(degree, steps, **kwargs):
     batch = 3
     single = take(make_loader(local_batch_size=batch * degree, **kwargs), steps)
-    ranks = [take(make_loader(local_batch_size=batch, dp_rank=r, dp_degree=degree, **kwargs), steps)
-             for r in range(degree)]
+    ranks = [
+        take(make_loader(local_batch_size=batch, dp_rank=r, dp_degree=degree, **kwargs), steps) for r in range(degree)
+    ]
     for step in range(steps):
         for part in (0, 1):  # tokens, labels
             union = torch.cat([ranks[r][step][part] for r in range(degree)])
@@ -191,8 +200,9 @@ def test_resume_file_exactly_across_epoch_boundary(hf_cache):
     epoch_tokens = len(byte_stream(DOCS))
     per_batch = 2 * 9
     total = 2 * epoch_tokens // per_batch + 2  # more than two epochs
-    _assert_resumes_exactly(lambda: make_loader(dataset=data, seq_len=8, local_batch_size=2),
-                            stops=range(total), total=total)
+    _assert_resumes_exactly(
+        lambda: make_loader(dataset=data, seq_len=8, local_batch_size=2), stops=range(total), total=total
+    )
 
 
 def test_state_of_another_stream_is_rejected():
@@ -271,8 +281,10 @@ def test_vocab_too_small_for_tokenizer():
         make_loader(vocab_size=200)
 
 
-@pytest.mark.parametrize("bad", [dict(seq_len=0), dict(local_batch_size=0), dict(dp_rank=2, dp_degree=2),
-                                 dict(dp_degree=0), dict(dataset="")])
+@pytest.mark.parametrize(
+    "bad",
+    [dict(seq_len=0), dict(local_batch_size=0), dict(dp_rank=2, dp_degree=2), dict(dp_degree=0), dict(dataset="")],
+)
 def test_bad_shapes_and_ranks(bad):
     with pytest.raises(ConfigError):
         make_loader(**bad)

@@ -44,7 +44,8 @@ def test_parameter_counts_on_meta(name):
     assert num_params(args, exclude_embedding=True) == counted - embedding
     idle_experts = args.n_moe_layers * (args.n_routed_experts - args.n_activated_experts)
     assert num_params(args, exclude_embedding=True, active_only=True) == (
-        counted - embedding - idle_experts * 3 * args.dim * args.moe_inter_dim)
+        counted - embedding - idle_experts * 3 * args.dim * args.moe_inter_dim
+    )
 
 
 def test_flops_per_token_counts_active_experts():
@@ -62,18 +63,30 @@ def test_parameter_names_buffers_and_init_rules():
         v3 = DeepSeekV3(TINY_V3)
     names = {name for name, _ in model.named_parameters()}
     attention = {f"layers.{i}.attention.{p}.weight" for i in (0, 1) for p in ("wq", "wkv_a", "kv_norm", "wkv_b", "wo")}
-    dense = {f"layers.0.{p}.weight" for p in ("attention_norm", "ffn_norm", "feed_forward.w1", "feed_forward.w2",
-                                              "feed_forward.w3")}
-    moe = {"layers.1.attention_norm.weight", "layers.1.ffn_norm.weight", "layers.1.moe.router.gate.weight",
-           "layers.1.moe.experts.w1", "layers.1.moe.experts.w2", "layers.1.moe.experts.w3",
-           "layers.1.moe.shared_experts.w1.weight", "layers.1.moe.shared_experts.w2.weight",
-           "layers.1.moe.shared_experts.w3.weight"}
+    dense = {
+        f"layers.0.{p}.weight"
+        for p in ("attention_norm", "ffn_norm", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+    }
+    moe = {
+        "layers.1.attention_norm.weight",
+        "layers.1.ffn_norm.weight",
+        "layers.1.moe.router.gate.weight",
+        "layers.1.moe.experts.w1",
+        "layers.1.moe.experts.w2",
+        "layers.1.moe.experts.w3",
+        "layers.1.moe.shared_experts.w1.weight",
+        "layers.1.moe.shared_experts.w2.weight",
+        "layers.1.moe.shared_experts.w3.weight",
+    }
     assert names == attention | dense | moe | {"tok_embeddings.weight", "norm.weight", "output.weight"}
     assert dict(model.named_parameters())["layers.1.moe.experts.w2"].shape == (4, 64, 32)
     assert dict(model.named_parameters())["layers.1.moe.experts.w1"].shape == (4, 32, 64)
     v3_names = {name for name, _ in v3.named_parameters()}
-    assert {"layers.2.attention.wq_a.weight", "layers.2.attention.q_norm.weight",
-            "layers.2.attention.wq_b.weight"} <= v3_names
+    assert {
+        "layers.2.attention.wq_a.weight",
+        "layers.2.attention.q_norm.weight",
+        "layers.2.attention.wq_b.weight",
+    } <= v3_names
     assert not any(".wq." in n or "shared_experts" in n for n in v3_names)
 
     buffers = dict(model.named_buffers())
@@ -141,8 +154,8 @@ def test_yarn_frequencies_and_softmax_scale():
     ratio = yarn / plain
     assert (ratio[1:] <= ratio[:-1] + 1e-12).all()
     m = 0.1 * 0.70 * math.log(40.0) + 1.0
-    assert args.softmax_scale == pytest.approx(192 ** -0.5 * m * m)
-    assert dataclasses.replace(args, rope_factor=1.0).softmax_scale == pytest.approx(192 ** -0.5)
+    assert args.softmax_scale == pytest.approx(192**-0.5 * m * m)
+    assert dataclasses.replace(args, rope_factor=1.0).softmax_scale == pytest.approx(192**-0.5)
 
 
 @pytest.mark.parametrize("args", [TINY, TINY_V3], ids=["softmax", "sigmoid_grouped_qlora"])
@@ -191,12 +204,13 @@ def test_graph_matches_eager_bitwise_on_new_routings(args):
     n_moe = args.n_moe_layers
     assert sum(n.target == torch.ops.aten._local_scalar_dense.default for n in nodes) == n_moe * args.n_routed_experts
     expert_nodes = [n for n in nodes if tags.get(n, "ep_role") == "expert_compute"]
-    assert expert_nodes and {tags.get(n, "module_fqn") for n in expert_nodes if
-                             tags.get(n, "phase") == "forward"} == {f"layers.{i}.moe.experts" for i in
-                                                                         range(args.n_dense_layers, args.n_layers)}
+    assert expert_nodes and {tags.get(n, "module_fqn") for n in expert_nodes if tags.get(n, "phase") == "forward"} == {
+        f"layers.{i}.moe.experts" for i in range(args.n_dense_layers, args.n_layers)
+    }
     adds = [n for n in nodes if n.target == torch.ops.aten.add_.Tensor]
     assert {tags.get(a.args[0], "input_fqn") for a in adds} == {
-        f"layers.{i}.moe.tokens_per_expert" for i in range(args.n_dense_layers, args.n_layers)}
+        f"layers.{i}.moe.tokens_per_expert" for i in range(args.n_dense_layers, args.n_layers)
+    }
 
 
 def test_trace_16b_shapes_on_meta():
@@ -255,8 +269,11 @@ def test_registry_entry():
     args, seq = FLAVORS["debugmodel"], 128
     with torch.device("meta"):
         debug = spec.build(args)
-    idle = [p.numel() * (args.n_routed_experts - args.n_activated_experts) // args.n_routed_experts
-            for name, p in debug.named_parameters() if ".moe.experts." in name]
+    idle = [
+        p.numel() * (args.n_routed_experts - args.n_activated_experts) // args.n_routed_experts
+        for name, p in debug.named_parameters()
+        if ".moe.experts." in name
+    ]
     active = sum(p.numel() for p in debug.parameters()) - debug.tok_embeddings.weight.numel() - sum(idle)
     head_dims = args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
     assert spec.flops_per_token(args, seq) == 6 * active + 6 * args.n_layers * args.n_heads * head_dims * seq

@@ -16,16 +16,25 @@ from graph_trainer.graph.tags import COMBINE, COUNT_EXCHANGE, DISPATCH
 from graph_trainer.graph import tags
 from tests.conftest import ROOT
 
-DEEPSEEK = ["--job.config_file", f"{ROOT}/configs/deepseek_v3_debug.toml", "--training.seq_len", "32",
-            "--training.local_batch_size", "2"]
+DEEPSEEK = [
+    "--job.config_file",
+    f"{ROOT}/configs/deepseek_v3_debug.toml",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+]
 
 
 def test_every_all_to_all_is_tagged_per_moe_layer():
     cfg = load_config([*DEEPSEEK, "--parallelism.ep", "2"])
     with fake_world(4):
         gm = trace_job(cfg, 4).gm
-    a2a = [n for n in gm.graph.nodes if n.target.__class__.__name__ == "OpOverload"
-           and n.target.name() == "_c10d_functional::all_to_all_single"]
+    a2a = [
+        n
+        for n in gm.graph.nodes
+        if n.target.__class__.__name__ == "OpOverload" and n.target.name() == "_c10d_functional::all_to_all_single"
+    ]
     launches = [tags.tags(n) for n in a2a]
     assert all(t.get("ep_role") in (COUNT_EXCHANGE, DISPATCH, COMBINE) and t.get("moe_fqn") for t in launches)
     moe_layers = sorted({t["moe_fqn"] for t in launches})
@@ -49,8 +58,11 @@ def test_every_all_to_all_is_tagged_per_moe_layer():
     "args, world_size, message",
     [
         (["--parallelism.ep", "3"], 3, "parallelism.ep = 3 does not divide the model's n_routed_experts (8)"),
-        (["--parallelism.ep", "2", "--parallelism.dp_replicate", "2"], 2, "parallelism.ep = 2 must divide "
-         "parallelism.dp_shard = 1"),
+        (
+            ["--parallelism.ep", "2", "--parallelism.dp_replicate", "2"],
+            2,
+            "parallelism.ep = 2 must divide parallelism.dp_shard = 1",
+        ),
     ],
 )
 def test_bad_expert_parallel_degrees(args, world_size, message):

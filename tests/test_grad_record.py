@@ -24,9 +24,10 @@ def _record(scale: float = 1.0) -> dict:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, generator=g, dtype=torch.float32)
     b = torch.randn(5, generator=g)
-    params = {name: {"shape": [t.numel()], "norm": float(t.double().norm()),
-                     "sample": t[sample_positions(t.numel())].clone()}
-              for name, t in (("w", w * scale), ("b", b * scale))}
+    params = {
+        name: {"shape": [t.numel()], "norm": float(t.double().norm()), "sample": t[sample_positions(t.numel())].clone()}
+        for name, t in (("w", w * scale), ("b", b * scale))
+    }
     norm = float(torch.cat([w, b]).double().norm()) * scale
     return {"norm": norm, "params": params}
 
@@ -77,7 +78,9 @@ def test_cli_exit_codes(tmp_path, capsys):
 # ---- real jobs: the suite's own cases, 2 steps each
 
 DOUBLED_GRADS = os.path.join(ROOT, "tests", "faults", "doubled_grads.py")
-SUITE = dataclasses.replace(suites.SUITES["cpu"], steps=2, overrides=[*suites.SUITES["cpu"].overrides, "--metrics.log_freq", "1"])
+SUITE = dataclasses.replace(
+    suites.SUITES["cpu"], steps=2, overrides=[*suites.SUITES["cpu"].overrides, "--metrics.log_freq", "1"]
+)
 CASES = {c.name: c for c in SUITE.cases}
 
 

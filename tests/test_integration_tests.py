@@ -24,8 +24,9 @@ from graph_trainer.graph import tags
 from tests.graph_compare import node_signatures
 
 
-@pytest.mark.parametrize("suite_name", [pytest.param(name, marks=NEEDS_TORCH_2_13 if name != "gpu" else ())
-                                        for name in suites.SUITES])  # the cpu and h100 suites run the user passes
+@pytest.mark.parametrize(
+    "suite_name", [pytest.param(name, marks=NEEDS_TORCH_2_13 if name != "gpu" else ()) for name in suites.SUITES]
+)  # the cpu and h100 suites run the user passes
 def test_case_table_is_consistent_and_every_case_validates(suite_name):
     suite = suites.SUITES[suite_name]
     names = [c.name for c in suite.cases]
@@ -53,15 +54,24 @@ def test_select_adds_references_and_skips_what_does_not_fit():
 GPUS = torch.cuda.device_count()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["out", "--suite", "tpu"], "invalid choice: 'tpu'"),
-    (["out", "--suite", "cpu", "--test_name", "fsdp2_graph,nope"], "unknown case(s) nope"),
-    (["out", "--suite", "cpu", "--ngpu", "0"], "--ngpu must be >= 1"),
-    pytest.param(["out", "--suite", "h100"], f"suite h100 needs 8 CUDA devices, this machine has {GPUS}",
-                 marks=pytest.mark.skipif(GPUS >= 8, reason="this machine has 8 GPUs")),
-    pytest.param(["out", "--suite", "gpu"], "suite gpu needs 1 CUDA devices, this machine has 0",
-                 marks=pytest.mark.skipif(GPUS >= 1, reason="this machine has a GPU")),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["out", "--suite", "tpu"], "invalid choice: 'tpu'"),
+        (["out", "--suite", "cpu", "--test_name", "fsdp2_graph,nope"], "unknown case(s) nope"),
+        (["out", "--suite", "cpu", "--ngpu", "0"], "--ngpu must be >= 1"),
+        pytest.param(
+            ["out", "--suite", "h100"],
+            f"suite h100 needs 8 CUDA devices, this machine has {GPUS}",
+            marks=pytest.mark.skipif(GPUS >= 8, reason="this machine has 8 GPUs"),
+        ),
+        pytest.param(
+            ["out", "--suite", "gpu"],
+            "suite gpu needs 1 CUDA devices, this machine has 0",
+            marks=pytest.mark.skipif(GPUS >= 1, reason="this machine has a GPU"),
+        ),
+    ],
+)
 def test_bad_command_lines_fail_with_one_line(args, message):
     result = subprocess.run([sys.executable, "integration_tests.py", *args], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 2
@@ -69,15 +79,22 @@ def test_bad_command_lines_fail_with_one_line(args, message):
 
 
 def test_list_names_the_cases_and_their_references():
-    result = subprocess.run([sys.executable, "integration_tests.py", "out", "--suite", "cpu", "--test_name",
-                             "deepseek_ep2_tbb", "--list"], capture_output=True, text=True, cwd=ROOT, check=True)
+    result = subprocess.run(
+        [sys.executable, "integration_tests.py", "out", "--suite", "cpu", "--test_name", "deepseek_ep2_tbb", "--list"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
     assert result.stdout.splitlines()[-1].startswith("deepseek_ep2_tbb: 2 proc")
     assert "(same_as deepseek_ep2_graph)" in result.stdout and len(result.stdout.splitlines()) == 3
 
 
 def _log(step: int, loss: float) -> str:
-    return (f"[rank0] 10:00:00 INFO step {step} | loss {loss:.6f} | grad_norm 1.0 | lr 1e-3 | tok/s/dev 1,234 | "
-            f"mfu n/a | mem 0.50 GiB (rss) | step 0.100s\n")
+    return (
+        f"[rank0] 10:00:00 INFO step {step} | loss {loss:.6f} | grad_norm 1.0 | lr 1e-3 | tok/s/dev 1,234 | "
+        f"mfu n/a | mem 0.50 GiB (rss) | step 0.100s\n"
+    )
 
 
 def test_check_job_accepts_a_good_run_and_names_each_problem():
@@ -115,8 +132,10 @@ def test_compare_is_bitwise_for_same_as_and_relative_for_close_to():
 def _grads(scale: float = 1.0, nudge: float = 0.0) -> dict:
     sample = torch.tensor([1.0, -2.0, 3.0]) * scale
     sample[0] += nudge
-    return {"norm": float(sample.norm()), "params": {"w": {"shape": [3], "norm": float(sample.double().norm()),
-                                                           "sample": sample}}}
+    return {
+        "norm": float(sample.norm()),
+        "params": {"w": {"shape": [3], "norm": float(sample.double().norm()), "sample": sample}},
+    }
 
 
 def test_compare_checks_gradient_records_bitwise_or_within_grad_rtol():
@@ -134,13 +153,24 @@ def test_compare_checks_gradient_records_bitwise_or_within_grad_rtol():
     assert problem == "only one of a and ref wrote a gradient record"
 
 
-DEEPSEEK_EP = ["--job.config_file", f"{ROOT}/configs/deepseek_v3_debug.toml", "--training.seq_len", "32",
-               "--training.local_batch_size", "2", "--parallelism.ep", "2"]
+DEEPSEEK_EP = [
+    "--job.config_file",
+    f"{ROOT}/configs/deepseek_v3_debug.toml",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--parallelism.ep",
+    "2",
+]
 TP = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--parallelism.tp", "2"]
 
 
-@pytest.mark.parametrize("layout, passes", [(TP, "transformer_block_bucketing,auto_bucketing"),
-                                            (DEEPSEEK_EP, "auto_bucketing")], ids=["fsdp2xtp2", "ep2"])
+@pytest.mark.parametrize(
+    "layout, passes",
+    [(TP, "transformer_block_bucketing,auto_bucketing"), (DEEPSEEK_EP, "auto_bucketing")],
+    ids=["fsdp2xtp2", "ep2"],
+)
 @NEEDS_TORCH_2_13
 def test_dry_run_copy_of_one_trace_gives_the_graph_of_a_fresh_trace(layout, passes):
     cfg = load_config([*layout, "--compile.passes", passes])

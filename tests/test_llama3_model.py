@@ -21,8 +21,9 @@ EXPECTED_PARAMS = {
 }
 EXPECTED_FFN_HIDDEN = {"debugmodel": 768, "8B": 14336, "70B": 28672, "405B": 53248}
 
-TINY = dataclasses.replace(FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                           vocab_size=128, max_seq_len=64)
+TINY = dataclasses.replace(
+    FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64
+)
 
 
 def _params(model):
@@ -47,11 +48,20 @@ def test_parameter_names_and_init_rules():
         model = Transformer(args)
     names = {name for name, _ in model.named_parameters()}
     assert len(names) == 2 * 9 + 3
-    for expected in ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.1.attention.wk.weight",
-                     "layers.1.attention.wv.weight", "layers.0.attention.wo.weight",
-                     "layers.1.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight",
-                     "layers.1.feed_forward.w3.weight", "layers.0.attention_norm.weight",
-                     "layers.1.ffn_norm.weight", "norm.weight", "output.weight"):
+    for expected in (
+        "tok_embeddings.weight",
+        "layers.0.attention.wq.weight",
+        "layers.1.attention.wk.weight",
+        "layers.1.attention.wv.weight",
+        "layers.0.attention.wo.weight",
+        "layers.1.feed_forward.w1.weight",
+        "layers.0.feed_forward.w2.weight",
+        "layers.1.feed_forward.w3.weight",
+        "layers.0.attention_norm.weight",
+        "layers.1.ffn_norm.weight",
+        "norm.weight",
+        "output.weight",
+    ):
         assert expected in names
     # The RoPE table is a buffer but never part of the state dict.
     assert "rope_cache" in dict(model.named_buffers())
@@ -65,7 +75,7 @@ def test_parameter_names_and_init_rules():
     assert rules["layers.0.attention.wo.weight"].std == pytest.approx(0.02 / math.sqrt(2))
     assert rules["norm.weight"].kind == "ones"
     out = rules["output.weight"]
-    assert out.std == pytest.approx(256 ** -0.5) and out.a == -3 * out.std and out.b == 3 * out.std
+    assert out.std == pytest.approx(256**-0.5) and out.a == -3 * out.std and out.b == 3 * out.std
 
 
 def _reference_freqs(head_dim, theta, scaling):
@@ -161,7 +171,7 @@ def test_init_rules_draw_what_they_say():
     assert torch.equal(materialize_init(InitRule("ones"), (3,), torch.float32, None, "cpu"), torch.ones(3))
     # Every (seed, parameter) pair draws its own stream, as a generator seed (63 bits).
     seeds = [stable_seed(s, name) for s in (0, 1) for name in ("w", "a.weight")]
-    assert len(set(seeds)) == 4 and all(0 <= s < 2 ** 63 for s in seeds)
+    assert len(set(seeds)) == 4 and all(0 <= s < 2**63 for s in seeds)
     # stable_seed is a fixed function of its inputs (sha256), not Python's salted hash():
     # the pinned value guards against silent changes that would alter every initial model.
     assert stable_seed(0, "a.weight") == 8424978472857445225

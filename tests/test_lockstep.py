@@ -11,8 +11,20 @@ from graph_trainer.trainer import Trainer
 from tests.conftest import ROOT
 
 LLAMA = os.path.join(ROOT, "configs", "llama3_debug.toml")
-JOB = ["--job.config_file", LLAMA, "--job.device", "cpu", "--training.seq_len", "64", "--training.local_batch_size",
-       "2", "--metrics.enable_tensorboard", "False", "--training.steps", "3"]
+JOB = [
+    "--job.config_file",
+    LLAMA,
+    "--job.device",
+    "cpu",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "False",
+    "--training.steps",
+    "3",
+]
 OTHER_EPS = ["--training.eps", "1e-3"]  # B differs from A only in its updates, not in a step's gradients
 
 
@@ -41,8 +53,9 @@ def test_copy_state_makes_every_tensor_of_the_state_equal(tmp_path):
         trainer.step += 1
         trainer.train_step(*next(batches))
     copy_state(a, b)
-    for (name, x), (_, y) in zip([*a.model.named_parameters(), *a.model.named_buffers()],
-                                 [*b.model.named_parameters(), *b.model.named_buffers()]):
+    for (name, x), (_, y) in zip(
+        [*a.model.named_parameters(), *a.model.named_buffers()], [*b.model.named_parameters(), *b.model.named_buffers()]
+    ):
         assert torch.equal(x, y), name
     for pa, pb in zip(a.params, b.params):
         sa, sb = a.optimizer.state[pa], b.optimizer.state[pb]
@@ -53,7 +66,9 @@ def test_copy_state_makes_every_tensor_of_the_state_equal(tmp_path):
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert main([*JOB]) == 2
     assert capsys.readouterr().err.strip() == (
-        "error: --b is required: the flags that make run B differ from run A, in one quoted string")
+        "error: --b is required: the flags that make run B differ from run A, in one quoted string"
+    )
     assert main([*JOB, "--from_same_state", "--b", "--model.n_layers 1"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "error: --from_same_state needs the same model in both runs; --b changed model.n_layers")
+        "error: --from_same_state needs the same model in both runs; --b changed model.n_layers"
+    )

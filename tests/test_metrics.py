@@ -52,8 +52,16 @@ def capture():
 
 def make(tmp_path, log, *, rank=0, log_freq=1, tb=False, peak=None, clock=None, **kw):
     return MetricsLogger(
-        dump_folder=str(tmp_path / "dump"), log_freq=log_freq, enable_tensorboard=tb, rank=rank,
-        device=CPU, flops_per_token=6_000, peak_flops=peak, logger=log, clock=clock or FakeClock(), **kw,
+        dump_folder=str(tmp_path / "dump"),
+        log_freq=log_freq,
+        enable_tensorboard=tb,
+        rank=rank,
+        device=CPU,
+        flops_per_token=6_000,
+        peak_flops=peak,
+        logger=log,
+        clock=clock or FakeClock(),
+        **kw,
     )
 
 
@@ -119,8 +127,15 @@ def test_throughput_and_mfu_arithmetic(tmp_path, capture):
     tps = 2 * ntok / (0.7 + 0.9) / ndev
     assert out["tokens_per_sec_per_device"] == pytest.approx(tps)
     assert out["mfu_percent"] == pytest.approx(100 * fpt * tps / peak)
-    assert set(out) == {"loss", "grad_norm", "lr", "tokens_per_sec_per_device", "mfu_percent",
-                        "memory_gib", "step_time_s"}
+    assert set(out) == {
+        "loss",
+        "grad_norm",
+        "lr",
+        "tokens_per_sec_per_device",
+        "mfu_percent",
+        "memory_gib",
+        "step_time_s",
+    }
     assert out["loss"] == 7.0 and out["step_time_s"] == 0.8
     assert out["memory_gib"] == pytest.approx(peak_memory_bytes(CPU) / 2**30, rel=0.1)
     m.close()
@@ -153,9 +168,10 @@ def test_tensorboard_events(tmp_path, capture):
     with make(tmp_path, log, log_freq=2, tb=True) as m:
         m.log_event("trace", trace_seconds=1.5, graph_nodes=1234, collectives={"all_reduce": 3}, mode="graph")
         for step in range(1, 5):
-            m.record_step(step=step, loss=losses.get(step, 5.0), grad_norm=1.0, lr=1e-3,
-                          ntokens=8, step_time_s=0.1)
-    assert handler.lines[0] == "trace | trace_seconds 1.5 | graph_nodes 1,234 | collectives {all_reduce: 3} | mode graph"
+            m.record_step(step=step, loss=losses.get(step, 5.0), grad_norm=1.0, lr=1e-3, ntokens=8, step_time_s=0.1)
+    assert (
+        handler.lines[0] == "trace | trace_seconds 1.5 | graph_nodes 1,234 | collectives {all_reduce: 3} | mode graph"
+    )
     tb_dir = tmp_path / "dump" / "tb"
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb_dir))
     acc = EventAccumulator(str(tb_dir))

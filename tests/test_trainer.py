@@ -13,17 +13,27 @@ from tests.conftest import ROOT
 
 
 def _run(tmp_path, mode: str, steps: int = 10, *extra: str, name: str = ""):
-    cfg = load_config([
-        "--job.config_file", os.path.join(ROOT, "configs", "llama3_debug.toml"),
-        "--job.device", "cpu",
-        "--job.dump_folder", str(tmp_path / (name or mode)),
-        "--compile.mode", mode,
-        "--training.steps", str(steps),
-        "--training.local_batch_size", "2",
-        "--training.seq_len", "64",
-        "--metrics.enable_tensorboard", "False",
-        *extra,
-    ])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            os.path.join(ROOT, "configs", "llama3_debug.toml"),
+            "--job.device",
+            "cpu",
+            "--job.dump_folder",
+            str(tmp_path / (name or mode)),
+            "--compile.mode",
+            mode,
+            "--training.steps",
+            str(steps),
+            "--training.local_batch_size",
+            "2",
+            "--training.seq_len",
+            "64",
+            "--metrics.enable_tensorboard",
+            "False",
+            *extra,
+        ]
+    )
     validate_config(cfg)
     trainer = Trainer(cfg)
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -71,13 +81,25 @@ def test_bf16_compute_where_no_data_parallel_dim_exists(world_size, layout):
     from graph_trainer.fake_trace import fake_world, trace_job
 
     def matmul_dtypes(dtype: str) -> set:
-        cfg = load_config(["--training.seq_len", "32", "--training.local_batch_size", "2", *layout,
-                           "--training.mixed_precision_param", dtype])
+        cfg = load_config(
+            [
+                "--training.seq_len",
+                "32",
+                "--training.local_batch_size",
+                "2",
+                *layout,
+                "--training.mixed_precision_param",
+                dtype,
+            ]
+        )
         validate_config(cfg, world_size)
         with fake_world(world_size) if world_size > 1 else contextlib.nullcontext():
             gm = trace_job(cfg, world_size).gm
-        inputs = {n.meta["val"].dtype for n in gm.graph.nodes if n.op == "placeholder" and "val" in n.meta
-                  and n.meta["val"].is_floating_point()}
+        inputs = {
+            n.meta["val"].dtype
+            for n in gm.graph.nodes
+            if n.op == "placeholder" and "val" in n.meta and n.meta["val"].is_floating_point()
+        }
         assert inputs == {torch.float32}, inputs  # master weights stay float32
         return {n.meta["val"].dtype for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default}
 

@@ -55,34 +55,73 @@ from graph_trainer.torch_compat import is_op_overload, resolve_process_group, sy
 aten = torch.ops.aten
 
 
-
-
 # ---------------------------------------------------------------------------------------
 # Compute
 
 
 _ZERO_COST = {
-    operator.getitem, aten._unsafe_view.default, aten.empty.memory_format, aten.empty_strided.default,
-    aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
+    operator.getitem,
+    aten._unsafe_view.default,
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.sym_size.int,
+    aten.sym_numel.default,
+    aten.sym_stride.int,
 }
 _GATHER_LIKE = {aten.embedding.default: 1, aten.index_select.default: 2, aten.gather.default: 2, aten.index.Tensor: 1}
 """Ops that read only the rows they output: position of their index argument."""
 _FILLS = {
-    aten.zeros.default, aten.ones.default, aten.full.default, aten.zeros_like.default,
-    aten.ones_like.default, aten.full_like.default, aten.new_zeros.default, aten.new_ones.default,
-    aten.new_full.default, aten.fill.Scalar, aten.fill_.Scalar, aten.zero_.default, aten.scalar_tensor.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.full.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.fill.Scalar,
+    aten.fill_.Scalar,
+    aten.zero_.default,
+    aten.scalar_tensor.default,
 }
 """Ops that write their output without reading a tensor input (at most a 0-d value)."""
 # Kernel classes by op name (overload-independent), see ``kernel_class``.
 _COMPUTE_CLASSES = {"matmul", "grouped_mm", "attention_forward", "attention_backward"}
 _SOFTMAX_FORWARD = {"_log_softmax", "_softmax", "_safe_softmax"}
 _SOFTMAX_BACKWARD = {"_log_softmax_backward_data", "_softmax_backward_data"}
-_SCATTER_ADD = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
-                "_embedding_bag_backward"}
+_SCATTER_ADD = {
+    "index_add",
+    "index_add_",
+    "scatter_add",
+    "scatter_add_",
+    "scatter_reduce",
+    "scatter_reduce_",
+    "_embedding_bag_backward",
+}
 _REDUCTIONS = {
-    "sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "norm",
-    "linalg_vector_norm", "argmax", "argmin", "any", "all", "logsumexp", "cumsum", "cumprod",
-    "topk", "sort", "histc",
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "prod",
+    "var",
+    "var_mean",
+    "std",
+    "norm",
+    "linalg_vector_norm",
+    "argmax",
+    "argmin",
+    "any",
+    "all",
+    "logsumexp",
+    "cumsum",
+    "cumprod",
+    "topk",
+    "sort",
+    "histc",
 }
 _CONCATS = {"cat", "stack"}
 _CASTS = {"_to_copy", "to", "copy", "copy_", "_to_dtype"}
@@ -132,7 +171,9 @@ def node_bytes(node: fx.Node, hints: SizeHints | None = None) -> int:
     out = hints.nbytes(value_of(node))
     if node.target in _GATHER_LIKE:  # reads only the gathered rows, plus the indices
         index = node.args[_GATHER_LIKE[node.target]]
-        return 2 * out + hints.nbytes(value_of([i for i in index if i is not None] if isinstance(index, list) else index))
+        return 2 * out + hints.nbytes(
+            value_of([i for i in index if i is not None] if isinstance(index, list) else index)
+        )
     if node.target in _FILLS:  # writes its output, reads at most a scalar
         return out
     if node.target == aten.nll_loss_forward.default:
@@ -196,7 +237,8 @@ def _changes_dtype(node: fx.Node) -> bool:
     """Whether a copy's tensor input (``_to_copy(x)``, ``copy(dst, src)``) differs in dtype from its output."""
     out = value_of(node)
     return isinstance(out, torch.Tensor) and any(
-        t.dtype != out.dtype for a in node.all_input_nodes for t in tensors_in(value_of(a)))
+        t.dtype != out.dtype for a in node.all_input_nodes for t in tensors_in(value_of(a))
+    )
 
 
 def _has_strided_operand(node: fx.Node, hints: SizeHints) -> bool:
@@ -319,6 +361,12 @@ def collective_time(
 
 
 __all__ = [
-    "GroupInfo", "collective_time",
-    "group_info", "is_free", "kernel_class", "node_bytes", "node_compute_time", "node_flops",
+    "GroupInfo",
+    "collective_time",
+    "group_info",
+    "is_free",
+    "kernel_class",
+    "node_bytes",
+    "node_compute_time",
+    "node_flops",
 ]

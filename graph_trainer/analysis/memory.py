@@ -197,9 +197,13 @@ def estimate_peak_memory(graph: fx.Graph, sizes: SizeHints | None = None) -> Mem
         for alloc in frees_at.get(i, []):
             current -= size[alloc]
     return MemoryEstimate(
-        peak_bytes=peak, input_bytes=sum(size[n] for n in placeholders), peak_node=peak_node,
-        param_bytes=sum(size[n] for n in params), grad_bytes=peak_grads,
-        total_grad_bytes=sum(size[n] for n in grads))
+        peak_bytes=peak,
+        input_bytes=sum(size[n] for n in placeholders),
+        peak_node=peak_node,
+        param_bytes=sum(size[n] for n in params),
+        grad_bytes=peak_grads,
+        total_grad_bytes=sum(size[n] for n in grads),
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -248,8 +252,9 @@ def optimizer_memory(optimizer) -> OptimizerMemory:
     states = 3 if d.get("amsgrad") else 2
     if d.get("fused"):
         return OptimizerMemory(type(optimizer).__name__, states, temporaries=0)
-    return OptimizerMemory(type(optimizer).__name__, states, temporaries=1 if d.get("foreach") else 2,
-                           all_at_once=bool(d.get("foreach")))
+    return OptimizerMemory(
+        type(optimizer).__name__, states, temporaries=1 if d.get("foreach") else 2, all_at_once=bool(d.get("foreach"))
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -300,8 +305,10 @@ class StepMemoryEstimate:
         transient = "activations" if p.phase == "graph" else "step temporaries"
         bound = "" if self.activations_estimated else "at least "
         note = "" if self.activations_estimated else "; activations not estimated (no graph)"
-        return (f"peak {bound}{_gib(p.total)} = params {_gib(p.params)} + grads {_gib(p.grads)} + "
-                f"optimizer {_gib(p.optimizer)} + {transient} {_gib(p.activations)} ({where}{note})")
+        return (
+            f"peak {bound}{_gib(p.total)} = params {_gib(p.params)} + grads {_gib(p.grads)} + "
+            f"optimizer {_gib(p.optimizer)} + {transient} {_gib(p.activations)} ({where}{note})"
+        )
 
 
 def _gib(n: int) -> str:
@@ -337,8 +344,9 @@ def _step_temporary_bytes(params: Sequence[torch.Tensor], opt: OptimizerMemory) 
     return max(clip, update)
 
 
-def estimate_step_memory(graph: fx.Graph | None, params: Iterable[torch.Tensor] | None = None,
-                         optimizer=None, sizes: SizeHints | None = None) -> StepMemoryEstimate:
+def estimate_step_memory(
+    graph: fx.Graph | None, params: Iterable[torch.Tensor] | None = None, optimizer=None, sizes: SizeHints | None = None
+) -> StepMemoryEstimate:
     """Per-rank peak memory of a training step, with its parts (module docstring).
 
     ``graph``: the traced step (after its passes), or None in eager mode (activations are
@@ -358,24 +366,46 @@ def estimate_step_memory(graph: fx.Graph | None, params: Iterable[torch.Tensor] 
         g = estimate_peak_memory(graph, sizes)
         other_inputs = g.input_bytes - g.param_bytes
         grad_bytes = g.total_grad_bytes
-        phases.append(MemoryParts("graph", param_bytes, g.grad_bytes, state_bytes,
-                                  g.peak_bytes - g.param_bytes - g.grad_bytes, g.peak_node))
-    phases.append(MemoryParts("optimizer step", param_bytes, grad_bytes, state_bytes,
-                              other_inputs + _step_temporary_bytes(local, opt)))
+        phases.append(
+            MemoryParts(
+                "graph",
+                param_bytes,
+                g.grad_bytes,
+                state_bytes,
+                g.peak_bytes - g.param_bytes - g.grad_bytes,
+                g.peak_node,
+            )
+        )
+    phases.append(
+        MemoryParts(
+            "optimizer step", param_bytes, grad_bytes, state_bytes, other_inputs + _step_temporary_bytes(local, opt)
+        )
+    )
     return StepMemoryEstimate(tuple(phases), activations_estimated=graph is not None)
 
 
-def memory_warning(estimate: StepMemoryEstimate, device_memory_bytes: int | None,
-                   device: str = "the device") -> str | None:
+def memory_warning(
+    estimate: StepMemoryEstimate, device_memory_bytes: int | None, device: str = "the device"
+) -> str | None:
     """One line if ``estimate``'s peak exceeds ``device_memory_bytes`` (None: no limit), else None."""
     if device_memory_bytes is None or estimate.peak_bytes <= device_memory_bytes:
         return None
     over = estimate.peak_bytes - device_memory_bytes
-    return (f"estimated memory per rank exceeds {device}'s {_gib(device_memory_bytes)} "
-            f"by {_gib(over)}: {estimate.summary()}")
+    return (
+        f"estimated memory per rank exceeds {device}'s {_gib(device_memory_bytes)} "
+        f"by {_gib(over)}: {estimate.summary()}"
+    )
 
 
 __all__ = [
-    "ADAMW", "DEVICE_MEMORY_BYTES", "MemoryEstimate", "MemoryParts", "OptimizerMemory", "StepMemoryEstimate",
-    "estimate_peak_memory", "estimate_step_memory", "memory_warning", "optimizer_memory",
+    "ADAMW",
+    "DEVICE_MEMORY_BYTES",
+    "MemoryEstimate",
+    "MemoryParts",
+    "OptimizerMemory",
+    "StepMemoryEstimate",
+    "estimate_peak_memory",
+    "estimate_step_memory",
+    "memory_warning",
+    "optimizer_memory",
 ]

@@ -99,24 +99,51 @@ class SimulationResult:
         sizes = {c.group: c.group_size for c in self.collectives}
         groups = sorted(sizes)
         tids = {COMPUTE_TRACK: 0, **{g: i + 1 for i, g in enumerate(groups)}}
-        events: list[dict] = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0,
-                               "args": {"name": f"simulated step on {self.device}"}}]
+        events: list[dict] = [
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": 0,
+                "tid": 0,
+                "args": {"name": f"simulated step on {self.device}"},
+            }
+        ]
         for track, tid in tids.items():
             label = track if track == COMPUTE_TRACK else f"group {track} (size {sizes[track]})"
             events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": label}})
             events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
 
         def span(name, start, dur, tid, cat, **args):
-            events.append({"ph": "X", "name": name, "cat": cat, "pid": 0, "tid": tid,
-                           "ts": start * 1e6, "dur": dur * 1e6, "args": args})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": name,
+                    "cat": cat,
+                    "pid": 0,
+                    "tid": tid,
+                    "ts": start * 1e6,
+                    "dur": dur * 1e6,
+                    "args": args,
+                }
+            )
 
         for name, start, dur, fqn in self.compute_events:
             span(name, start, dur, 0, "compute", module_fqn=fqn)
         for name, start, dur in self.wait_events:
             span(f"wait {name}", start, dur, 0, "exposed_comm")
         for c in self.collectives:
-            span(c.name, c.start, c.duration, tids[c.group], c.kind, kind=c.kind, bytes=c.bytes,
-                 group_size=c.group_size, exposed_us=c.exposed * 1e6, module_fqn=c.module_fqn)
+            span(
+                c.name,
+                c.start,
+                c.duration,
+                tids[c.group],
+                c.kind,
+                kind=c.kind,
+                bytes=c.bytes,
+                group_size=c.group_size,
+                exposed_us=c.exposed * 1e6,
+                module_fqn=c.module_fqn,
+            )
         with open(path, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
@@ -167,9 +194,16 @@ def simulate(
             end = start + collective_time(node, device, info.size, ranks_per_node, hints, info.spans_nodes)
             stream_free[group] = end
             record = CollectiveRecord(
-                name=node.name, kind=collectives.kind(node), group=group, group_size=info.size,
-                bytes=collective_bytes(node, hints), issue=now, start=start, end=end,
-                module_fqn=tags.module_fqn(node))
+                name=node.name,
+                kind=collectives.kind(node),
+                group=group,
+                group_size=info.size,
+                bytes=collective_bytes(node, hints),
+                issue=now,
+                start=start,
+                end=end,
+                module_fqn=tags.module_fqn(node),
+            )
             launches[node] = record
             records.append(record)
             ready[node] = end
@@ -187,10 +221,17 @@ def simulate(
     step = max([now, *(r.end for r in records)])
     memory = estimate_peak_memory(graph, hints)
     return SimulationResult(
-        device=device.name, step_time=step, compute_time=compute_total,
-        comm_time=sum(r.duration for r in records), exposed_comm_time=exposed_total,
-        collectives=records, memory=memory, compute_events=compute_events, wait_events=wait_events,
-        compute_by_class=by_class)
+        device=device.name,
+        step_time=step,
+        compute_time=compute_total,
+        comm_time=sum(r.duration for r in records),
+        exposed_comm_time=exposed_total,
+        collectives=records,
+        memory=memory,
+        compute_events=compute_events,
+        wait_events=wait_events,
+        compute_by_class=by_class,
+    )
 
 
 def format_table(rows: list[dict[str, object]]) -> str:
@@ -200,8 +241,9 @@ def format_table(rows: list[dict[str, object]]) -> str:
     columns = list(rows[0])
     cells = [[str(c) for c in columns]] + [[_fmt(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    lines = ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
-             for row in cells]
+    lines = [
+        "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))) for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

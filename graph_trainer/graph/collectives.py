@@ -78,8 +78,9 @@ def wait_of(launch: fx.Node) -> fx.Node:
     """The wait of ``launch``; raises ``PairingError`` unless it is the launch's only user."""
     users = list(launch.users)
     if len(users) != 1 or not is_wait(users[0]):
-        raise PairingError(f"collective {launch.name} must have exactly one user, its wait_tensor; "
-                           f"has {[u.name for u in users]}")
+        raise PairingError(
+            f"collective {launch.name} must have exactly one user, its wait_tensor; has {[u.name for u in users]}"
+        )
     return users[0]
 
 
@@ -148,8 +149,27 @@ def format_counts(counts: Counter[str]) -> str:
 
 
 __all__ = [
-    "ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "KINDS", "REDUCE_SCATTER", "WAIT", "WAIT_NAME", "PairingError",
-    "collective_bytes", "collective_counts", "collective_counts_by_group", "collective_name", "collective_order",
-    "format_counts", "group_name", "group_size_arg", "is_collective", "is_wait", "kind", "launch_of",
-    "max_in_flight", "wait_of", "waits_among_users",
+    "ALL_GATHER",
+    "ALL_REDUCE",
+    "ALL_TO_ALL",
+    "KINDS",
+    "REDUCE_SCATTER",
+    "WAIT",
+    "WAIT_NAME",
+    "PairingError",
+    "collective_bytes",
+    "collective_counts",
+    "collective_counts_by_group",
+    "collective_name",
+    "collective_order",
+    "format_counts",
+    "group_name",
+    "group_size_arg",
+    "is_collective",
+    "is_wait",
+    "kind",
+    "launch_of",
+    "max_in_flight",
+    "wait_of",
+    "waits_among_users",
 ]

@@ -22,8 +22,10 @@ DENSE_MATMULS = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1,
 GROUPED_MM = aten._grouped_mm.default
 ADDMM = aten.addmm.default
 ATTENTION_FORWARD_OP_NAMES = (
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
 )
 """Fused scaled-dot-product attention forward kernels (CPU and GPU)."""
 ATTENTION_PREFIX = "_scaled_dot_product_"
@@ -69,8 +71,11 @@ def mutated_args(node: fx.Node) -> list[fx.Node]:
     if node.op != "call_function" or not is_op_overload(node.target):
         return []
     schema = op_schema(node.target)
-    return [value for arg, value in zip(schema.arguments, node.args)
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node)]
+    return [
+        value
+        for arg, value in zip(schema.arguments, node.args)
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node)
+    ]
 
 
 def named_args(node: fx.Node) -> dict:
@@ -93,7 +98,21 @@ def matmul_count(graph: fx.Graph) -> int:
 
 
 __all__ = [
-    "ADDMM", "ATTENTION_FORWARD_OP_NAMES", "ATTENTION_PREFIX", "DENSE_MATMULS", "GROUPED_MM", "MATMUL_OP_NAMES",
-    "SCALAR_READ", "SIZE_READS", "aliases_input", "is_attention", "is_matmul", "is_mutating", "is_view",
-    "matmul_count", "mutated_args", "name_of", "named_args",
+    "ADDMM",
+    "ATTENTION_FORWARD_OP_NAMES",
+    "ATTENTION_PREFIX",
+    "DENSE_MATMULS",
+    "GROUPED_MM",
+    "MATMUL_OP_NAMES",
+    "SCALAR_READ",
+    "SIZE_READS",
+    "aliases_input",
+    "is_attention",
+    "is_matmul",
+    "is_mutating",
+    "is_view",
+    "matmul_count",
+    "mutated_args",
+    "name_of",
+    "named_args",
 ]

@@ -39,16 +39,36 @@ def memory_policy_passes(config: Any) -> list[PassSpec]:
     """The policy's passes for a job (module docstring); ``config`` None: dead code and resharding only."""
     specs = [PassSpec("remove_dead_code", remove_dead_code, "drop unused pure nodes")]
     if config is not None and (config.activation_checkpoint.mode != "none" or config.training.loss_chunks > 1):
-        specs.append(PassSpec("tag_activations", tag_activations,
-                              f"activation checkpointing ({config.activation_checkpoint.mode}, "
-                              f"{config.training.loss_chunks} loss chunks): save or recompute"))
-        specs.append(PassSpec("recompute_activations", recompute_activations,
-                              "copy recomputed activations before their first backward use"))
+        specs.append(
+            PassSpec(
+                "tag_activations",
+                tag_activations,
+                f"activation checkpointing ({config.activation_checkpoint.mode}, "
+                f"{config.training.loss_chunks} loss chunks): save or recompute",
+            )
+        )
+        specs.append(
+            PassSpec(
+                "recompute_activations",
+                recompute_activations,
+                "copy recomputed activations before their first backward use",
+            )
+        )
     if config is None or config.parallelism.fsdp_reshard_after_forward == "always":
-        specs.append(PassSpec("reshard_after_forward", reshard_after_forward,
-                              "re-gather parameters for backward instead of keeping them from forward"))
+        specs.append(
+            PassSpec(
+                "reshard_after_forward",
+                reshard_after_forward,
+                "re-gather parameters for backward instead of keeping them from forward",
+            )
+        )
     return specs
 
 
-__all__ = ["memory_policy_passes", "recompute_activations", "remove_dead_code", "reshard_after_forward",
-           "tag_activations"]
+__all__ = [
+    "memory_policy_passes",
+    "recompute_activations",
+    "remove_dead_code",
+    "reshard_after_forward",
+    "tag_activations",
+]

@@ -56,8 +56,7 @@ def with_forward_views(chain: list[fx.Node], position: dict[fx.Node, int]) -> li
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if (user not in members and is_view(user) and tags.phase(user) == FORWARD
-                    and user.args[0] is node):
+            if user not in members and is_view(user) and tags.phase(user) == FORWARD and user.args[0] is node:
                 members.add(user)
                 frontier.append(user)
     return sorted(members, key=position.__getitem__)
@@ -65,13 +64,13 @@ def with_forward_views(chain: list[fx.Node], position: dict[fx.Node, int]) -> li
 
 def _backward_readers(chain: list[fx.Node]) -> list[fx.Node]:
     members = set(chain)
-    readers = {user for node in chain for user in node.users
-               if user not in members and tags.phase(user) == BACKWARD}
+    readers = {user for node in chain for user in node.users if user not in members and tags.phase(user) == BACKWARD}
     return list(readers)
 
 
-def _recompute_for_backward(graph: fx.Graph, chain: list[fx.Node], readers: list[fx.Node],
-                            position: dict[fx.Node, int]) -> None:
+def _recompute_for_backward(
+    graph: fx.Graph, chain: list[fx.Node], readers: list[fx.Node], position: dict[fx.Node, int]
+) -> None:
     """Copy ``chain`` before the earliest of ``readers`` and point the readers at the copy."""
     first = min(readers, key=position.__getitem__)
     readers_set = set(readers)

@@ -35,5 +35,12 @@ def prepare_model_for_passes(model, config) -> None:
             spec.prepare_model(model, config)
 
 
-__all__ = ["PASS_REGISTRY", "PassContext", "PassError", "PassSpec", "prepare_model_for_passes", "register_pass",
-           "user_passes"]
+__all__ = [
+    "PASS_REGISTRY",
+    "PassContext",
+    "PassError",
+    "PassSpec",
+    "prepare_model_for_passes",
+    "register_pass",
+    "user_passes",
+]

@@ -150,8 +150,9 @@ def _neighbour_phase(node: fx.Node) -> str:
 def auto_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
     before = collective_counts(gm.graph)
     if not sum(before.values()):
-        raise PassError("auto_bucketing: the graph has no collectives; it needs a multi-process layout "
-                        "(data parallel, TP or EP)")
+        raise PassError(
+            "auto_bucketing: the graph has no collectives; it needs a multi-process layout (data parallel, TP or EP)"
+        )
     overlap = overlap_scheduling_module()
     estimator = CostModelEstimator(gm.graph)
     counters = inductor_counters()
@@ -180,9 +181,17 @@ def auto_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
         schedule_regions(gm, regions)
         logger.info("auto_bucketing: restored ep_overlap's schedule of %d chunked regions", len(regions))
     delta = {k: counters[k] - start[k] for k in keys}
-    logger.info("auto_bucketing: collectives %s -> %s, exposed %d, hidden-able %d, buckets %d, new nodes %d "
-                "(estimates: %s model)", format_counts(before), format_counts(collective_counts(gm.graph)),
-                delta[keys[0]], delta[keys[1]], delta[keys[2]], added, DEVICE.name)
+    logger.info(
+        "auto_bucketing: collectives %s -> %s, exposed %d, hidden-able %d, buckets %d, new nodes %d "
+        "(estimates: %s model)",
+        format_counts(before),
+        format_counts(collective_counts(gm.graph)),
+        delta[keys[0]],
+        delta[keys[1]],
+        delta[keys[2]],
+        added,
+        DEVICE.name,
+    )
     return gm
 
 
@@ -191,17 +200,22 @@ def check_config(cfg: Any, degrees: dict[str, int]) -> None:
     if problem:
         raise ConfigError(f"compile.passes: {problem}")
     if all(degrees.get(k, 1) <= 1 for k in ("dp_replicate", "dp_shard", "tp", "ep")):
-        raise ConfigError("compile.passes: auto_bucketing schedules and buckets collectives and needs a "
-                          "multi-process layout (parallelism.dp_shard, dp_replicate, tp or ep > 1)")
+        raise ConfigError(
+            "compile.passes: auto_bucketing schedules and buckets collectives and needs a "
+            "multi-process layout (parallelism.dp_shard, dp_replicate, tp or ep > 1)"
+        )
     passes = list(getattr(getattr(cfg, "compile", None), "passes", []) or [])
     if NAME in passes and passes[-1] != NAME:
-        raise ConfigError(f"compile.passes: auto_bucketing must be the last pass (its buckets write with out=, "
-                          f"the graph is no longer functional); got {passes}. To combine it with "
-                          "transformer_block_bucketing, list transformer_block_bucketing first")
+        raise ConfigError(
+            f"compile.passes: auto_bucketing must be the last pass (its buckets write with out=, "
+            f"the graph is no longer functional); got {passes}. To combine it with "
+            "transformer_block_bucketing, list transformer_block_bucketing first"
+        )
 
 
 AUTO_BUCKETING = PassSpec(
-    NAME, auto_bucketing,
+    NAME,
+    auto_bucketing,
     "PyTorch's overlap scheduler + overlap-preserving bucketing, on our (H100) cost model; must run last",
     check_config,
 )

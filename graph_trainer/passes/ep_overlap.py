@@ -119,8 +119,10 @@ def find_regions(graph: fx.Graph) -> list[Region]:
         if not any(region.launches.values()):
             raise PassError(f"{NAME}: region {region.name} has no all_to_all; ep_overlap needs expert parallelism")
         if region.roles(0) != region.roles(1):
-            raise PassError(f"{NAME}: the two chunks of {region.name} exchange tokens differently: "
-                            f"{region.roles(0)} vs {region.roles(1)}")
+            raise PassError(
+                f"{NAME}: the two chunks of {region.name} exchange tokens differently: "
+                f"{region.roles(0)} vs {region.roles(1)}"
+            )
     return list(regions.values())
 
 
@@ -190,8 +192,10 @@ def plan_region(region: Region) -> list[fx.Node]:
                 if missing[user] == 0:
                     push(user)
     if len(order) != len(region.nodes):
-        raise PassError(f"{NAME}: region {region.name} depends on itself through nodes outside it; "
-                        f"planned {len(order)} of {len(region.nodes)} nodes")
+        raise PassError(
+            f"{NAME}: region {region.name} depends on itself through nodes outside it; "
+            f"planned {len(order)} of {len(region.nodes)} nodes"
+        )
     return order
 
 
@@ -214,8 +218,9 @@ def _predecessors(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
     return {n: set(n.all_input_nodes) | set(extra.get(n, ())) for n in graph.nodes}
 
 
-def _inputs_to_hoist(order: list[fx.Node], position: dict[fx.Node, int],
-                     preds: dict[fx.Node, set[fx.Node]]) -> list[fx.Node]:
+def _inputs_to_hoist(
+    order: list[fx.Node], position: dict[fx.Node, int], preds: dict[fx.Node, set[fx.Node]]
+) -> list[fx.Node]:
     """Nodes outside a region, placed after its first node, that region nodes need (and their
     own such predecessors): the plan assumes every outside input is ready when the region starts."""
     members = set(order)
@@ -229,8 +234,10 @@ def _inputs_to_hoist(order: list[fx.Node], position: dict[fx.Node, int],
         hoist.add(node)
         for i in preds[node]:
             if i in members:
-                raise PassError(f"{NAME}: {node.name} outside the region both needs and feeds region nodes "
-                                f"({i.name}); cannot schedule the region as a whole")
+                raise PassError(
+                    f"{NAME}: {node.name} outside the region both needs and feeds region nodes "
+                    f"({i.name}); cannot schedule the region as a whole"
+                )
             if position[i] > start:
                 stack.append(i)
     return sorted(hoist, key=position.__getitem__)
@@ -283,7 +290,8 @@ def verify_schedule(graph: fx.Graph) -> list[str]:
             if not position[a] < position[b] < first_wait:
                 problems.append(
                     f"{region.name} stage {stage} ({tags.get(a, EP_ROLE)}): chunk {first} issued at "
-                    f"{position[a]}, chunk {second} at {position[b]}, first wait at {first_wait}")
+                    f"{position[a]}, chunk {second} at {position[b]}, first wait at {first_wait}"
+                )
     return problems
 
 
@@ -296,24 +304,31 @@ def schedule_regions(gm: fx.GraphModule, regions: list[Region]) -> None:
         raise PassError(f"{NAME}: reordering changed the set of nodes")
     problems = verify_schedule(gm.graph)
     if problems:
-        raise PassError(f"{NAME}: the intended schedule did not take effect in {len(problems)} places; first: "
-                        f"{problems[0]}")
+        raise PassError(
+            f"{NAME}: the intended schedule did not take effect in {len(problems)} places; first: {problems[0]}"
+        )
     gm.recompile()
 
 
 def ep_overlap(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
     regions = find_regions(gm.graph)
     if not regions:
-        raise PassError(f"{NAME}: the graph has no chunked regions (the model was not prepared with "
-                        "ep_overlap's chunking)")
+        raise PassError(
+            f"{NAME}: the graph has no chunked regions (the model was not prepared with ep_overlap's chunking)"
+        )
     if not reorders(context.config):
-        logger.info("%s: %d regions chunked, traced order kept (compile.ep_overlap.reorder = false)", NAME,
-                    len(regions))
+        logger.info(
+            "%s: %d regions chunked, traced order kept (compile.ep_overlap.reorder = false)", NAME, len(regions)
+        )
         return gm
     schedule_regions(gm, regions)
     stages = sum(len(r.launches[0]) for r in regions)
-    logger.info("%s: %d regions (%d token-exchange stages) scheduled: both chunks issue each all_to_all "
-                "before either waits", NAME, len(regions), stages)
+    logger.info(
+        "%s: %d regions (%d token-exchange stages) scheduled: both chunks issue each all_to_all before either waits",
+        NAME,
+        len(regions),
+        stages,
+    )
     return gm
 
 
@@ -340,16 +355,22 @@ def check_config(cfg: Any, degrees: dict[str, int]) -> None:
         raise ConfigError(f"compile.passes: {problem}")
     settings = cfg.compile.ep_overlap
     if degrees.get("ep", 1) <= 1:
-        raise ConfigError(f"compile.passes: {NAME} overlaps expert-parallel all_to_alls and needs a MoE model "
-                          f"with parallelism.ep > 1 (got ep = {degrees.get('ep', 1)}, model {cfg.model.name})")
+        raise ConfigError(
+            f"compile.passes: {NAME} overlaps expert-parallel all_to_alls and needs a MoE model "
+            f"with parallelism.ep > 1 (got ep = {degrees.get('ep', 1)}, model {cfg.model.name})"
+        )
     if settings.chunk_dim not in CHUNK_DIMS:
-        raise ConfigError(f"compile.ep_overlap.chunk_dim = {settings.chunk_dim!r} is not allowed; choose one of: "
-                          f"{', '.join(CHUNK_DIMS)}")
+        raise ConfigError(
+            f"compile.ep_overlap.chunk_dim = {settings.chunk_dim!r} is not allowed; choose one of: "
+            f"{', '.join(CHUNK_DIMS)}"
+        )
     size_name = "training.local_batch_size" if settings.chunk_dim == "batch" else "training.seq_len"
     size = cfg.training.local_batch_size if settings.chunk_dim == "batch" else cfg.training.seq_len
     if size < 2 or size % 2:
-        raise ConfigError(f"{NAME} splits the {settings.chunk_dim} dimension into 2 equal chunks: {size_name} = "
-                          f"{size} must be even and >= 2")
+        raise ConfigError(
+            f"{NAME} splits the {settings.chunk_dim} dimension into 2 equal chunks: {size_name} = "
+            f"{size} must be even and >= 2"
+        )
     if not settings.module_fqn.strip():
         raise ConfigError("compile.ep_overlap.module_fqn is empty; use 'layers.*' or 'layers.*.moe'")
 
@@ -360,25 +381,40 @@ def prepare_model(model: nn.Module, cfg: Any) -> None:
     matched = match_modules(model, settings.module_fqn)
     selected = [fqn for fqn, module in matched if _holds_ep_moe(module)]
     if not selected:
-        raise ConfigError(f"compile.ep_overlap.module_fqn = {settings.module_fqn!r} selects no module holding an "
-                          f"expert-parallel MoE (matched {len(matched)} modules); use 'layers.*' or 'layers.*.moe'")
+        raise ConfigError(
+            f"compile.ep_overlap.module_fqn = {settings.module_fqn!r} selects no module holding an "
+            f"expert-parallel MoE (matched {len(matched)} modules); use 'layers.*' or 'layers.*.moe'"
+        )
     if settings.chunk_dim == "seq":
         not_moe = [fqn for fqn, module in matched if fqn in selected and not _is_moe(module)]
         if not_moe:
-            raise ConfigError(f"compile.ep_overlap.chunk_dim = 'seq' needs MoE layers (tokens routed one by one), "
-                              f"but module_fqn = {settings.module_fqn!r} selects {not_moe[0]} (attention mixes "
-                              "positions); use module_fqn = 'layers.*.moe' or chunk_dim = 'batch'")
+            raise ConfigError(
+                f"compile.ep_overlap.chunk_dim = 'seq' needs MoE layers (tokens routed one by one), "
+                f"but module_fqn = {settings.module_fqn!r} selects {not_moe[0]} (attention mixes "
+                "positions); use module_fqn = 'layers.*.moe' or chunk_dim = 'batch'"
+            )
     install_chunking(model, selected, settings.chunk_dim)
-    logger.info("%s: %d modules run as 2 chunks along %s (%s ...)", NAME, len(selected), settings.chunk_dim,
-                selected[0])
+    logger.info(
+        "%s: %d modules run as 2 chunks along %s (%s ...)", NAME, len(selected), settings.chunk_dim, selected[0]
+    )
 
 
 EP_OVERLAP = PassSpec(
-    NAME, ep_overlap,
+    NAME,
+    ep_overlap,
     "two-chunk MoE regions; each all_to_all hidden behind the other chunk's compute",
     check_config,
     prepare_model,
 )
 
-__all__ = ["EP_OVERLAP", "Region", "ep_overlap", "find_regions", "plan_region", "reorder_graph", "reorders",
-           "schedule_regions", "verify_schedule"]
+__all__ = [
+    "EP_OVERLAP",
+    "Region",
+    "ep_overlap",
+    "find_regions",
+    "plan_region",
+    "reorder_graph",
+    "reorders",
+    "schedule_regions",
+    "verify_schedule",
+]

@@ -50,8 +50,15 @@ class PassRunner:
             raise PassError(f"pass {spec.name!r} left an invalid graph: {e}") from e
         self._dump(result, spec.name, "after")
         self.index += 1
-        logger.info("pass %s: %.2fs, nodes %d -> %d, collectives %s -> %s", spec.name, elapsed, before_nodes,
-                    len(result.graph.nodes), format_counts(before), format_counts(collective_counts(result.graph)))
+        logger.info(
+            "pass %s: %.2fs, nodes %d -> %d, collectives %s -> %s",
+            spec.name,
+            elapsed,
+            before_nodes,
+            len(result.graph.nodes),
+            format_counts(before),
+            format_counts(collective_counts(result.graph)),
+        )
         return result
 
     def _dump(self, gm: fx.GraphModule, name: str, when: str) -> None:

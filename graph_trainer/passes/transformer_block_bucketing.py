@@ -191,8 +191,12 @@ def _cast_chain(collective: fx.Node) -> list[fx.Node]:
     """The single-user ``unshard`` nodes feeding a gather (the mixed-precision cast), in order."""
     chain: list[fx.Node] = []
     node = collective.args[0]
-    while (isinstance(node, fx.Node) and tags.get(node, FSDP_ROLE) == UNSHARD and len(node.users) == 1
-           and len(node.all_input_nodes) == 1):
+    while (
+        isinstance(node, fx.Node)
+        and tags.get(node, FSDP_ROLE) == UNSHARD
+        and len(node.users) == 1
+        and len(node.all_input_nodes) == 1
+    ):
         chain.insert(0, node)
         node = node.all_input_nodes[0]
     return chain
@@ -210,8 +214,13 @@ def _common_module(members: list[fx.Node]) -> str:
 
 
 def _shared_tags(members: list[fx.Node], name: str) -> dict:
-    return {**tags.tags(members[0]), MODULE_FQN: _common_module(members), FSDP_PARAM: name,
-            FSDP_BUCKET: name, FSDP_PARAMS: tuple(tags.get(m, FSDP_PARAM) for m in members)}
+    return {
+        **tags.tags(members[0]),
+        MODULE_FQN: _common_module(members),
+        FSDP_PARAM: name,
+        FSDP_BUCKET: name,
+        FSDP_PARAMS: tuple(tags.get(m, FSDP_PARAM) for m in members),
+    }
 
 
 def _member_tags(member: fx.Node, bucket: str) -> dict:
@@ -247,8 +256,7 @@ def merge_all_gathers(graph: fx.Graph, members: list[fx.Node], bucket: int, name
     flats = []
     for m in members:
         flat = emit.flat_rows(m.args[0], 0, _member_tags(m, name))
-        flats.append(emit(aten.view.dtype, (flat, torch.uint8), _member_tags(m, name))
-                     if as_bytes else flat)
+        flats.append(emit(aten.view.dtype, (flat, torch.uint8), _member_tags(m, name)) if as_bytes else flat)
     sizes = [f.meta["val"].numel() for f in flats]
     gathered = emit(ALL_GATHER, (emit(aten.cat.default, (flats,), shared), group_size, group), shared)
     issue = casts + emit.take()
@@ -298,8 +306,10 @@ def merge_reduce_scatters(graph: fx.Graph, members: list[fx.Node], bucket: int, 
 def _fake_mode(node: fx.Node):
     mode = fake_mode_of(node.meta.get("val"))
     if mode is None:
-        raise PassError(f"transformer_block_bucketing: {node.name} has no fake meta['val']; trace with "
-                        "graph_trainer.tracer (fake mode) before running this pass")
+        raise PassError(
+            f"transformer_block_bucketing: {node.name} has no fake meta['val']; trace with "
+            "graph_trainer.tracer (fake mode) before running this pass"
+        )
     return mode
 
 
@@ -313,8 +323,10 @@ def fsdp_buckets(graph: fx.Graph, plan: list[list[str]]) -> dict[tuple, list[fx.
         param = tags.get(node, FSDP_PARAM, "")
         index = bucket_index(plan, param)
         if index is None:
-            raise PassError(f"transformer_block_bucketing: parameter {param!r} ({node.name}) is in no group "
-                            f"of the bucket plan {plan}")
+            raise PassError(
+                f"transformer_block_bucketing: parameter {param!r} ({node.name}) is in no group "
+                f"of the bucket plan {plan}"
+            )
         _only_wait(node)
         if kind == GRAD_REDUCE:
             key = (kind, index, node.args[3], node.meta["val"].dtype, node.args[1])
@@ -420,8 +432,10 @@ def transformer_block_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.
     graph = gm.graph
     buckets = fsdp_buckets(graph, plan)
     if not buckets:
-        raise PassError("transformer_block_bucketing: the graph has no FSDP all_gather/reduce_scatter "
-                        "(fsdp_role tags); it needs data-parallel sharding (parallelism.dp_shard > 1)")
+        raise PassError(
+            "transformer_block_bucketing: the graph has no FSDP all_gather/reduce_scatter "
+            "(fsdp_role tags); it needs data-parallel sharding (parallelism.dp_shard > 1)"
+        )
     starts = compute_starts(graph, plan)
     merged: dict[str, list[Merged]] = defaultdict(list)
     for (kind, index, *_), members in buckets.items():
@@ -442,15 +456,27 @@ def check_config(cfg: Any, degrees: dict[str, int]) -> None:
     if problem:
         raise ConfigError(f"compile.passes: {problem}")
     if degrees.get("dp_shard", 1) <= 1:
-        raise ConfigError("compile.passes: transformer_block_bucketing buckets FSDP all-gathers and reduce-scatters "
-                          f"and needs parallelism.dp_shard > 1 (got dp_shard = {degrees.get('dp_shard', 1)})")
+        raise ConfigError(
+            "compile.passes: transformer_block_bucketing buckets FSDP all-gathers and reduce-scatters "
+            f"and needs parallelism.dp_shard > 1 (got dp_shard = {degrees.get('dp_shard', 1)})"
+        )
 
 
 TRANSFORMER_BLOCK_BUCKETING = PassSpec(
-    "transformer_block_bucketing", transformer_block_bucketing,
+    "transformer_block_bucketing",
+    transformer_block_bucketing,
     "one FSDP all-gather / reduce-scatter per transformer block, prefetched and deferred for overlap",
     check_config,
 )
 
-__all__ = ["TRANSFORMER_BLOCK_BUCKETING", "bucket_index", "collective_kind", "compute_starts", "fsdp_buckets",
-           "merge_all_gathers", "merge_reduce_scatters", "ring_aligned_row", "transformer_block_bucketing"]
+__all__ = [
+    "TRANSFORMER_BLOCK_BUCKETING",
+    "bucket_index",
+    "collective_kind",
+    "compute_starts",
+    "fsdp_buckets",
+    "merge_all_gathers",
+    "merge_reduce_scatters",
+    "ring_aligned_row",
+    "transformer_block_bucketing",
+]

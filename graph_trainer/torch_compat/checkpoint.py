@@ -30,8 +30,14 @@ def dcp_metadata_globals() -> dict[tuple[str, str], object]:
         ("torch", "Size"): torch.Size,
         ("pathlib", "PosixPath"): pathlib.PosixPath,
     }
-    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties"):
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+    ):
         allowed[(md.__name__, name)] = getattr(md, name)
     with private_api("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING"):
         allowed[(md.__name__, "_MEM_FORMAT_ENCODING")] = md._MEM_FORMAT_ENCODING

@@ -23,9 +23,17 @@ def overlap_scheduling_module():
     return overlap_scheduling
 
 
-OVERLAP_SCHEDULER_ARGS = ("collective_bucketing", "insert_overlap_deps", "custom_runtime_estimation",
-                          "collective_estimator", "compute_estimator", "max_memory_increase_gb",
-                          "max_memory_increase_ratio", "max_in_flight_gb", "pre_bucketing_fsdp_collectives")
+OVERLAP_SCHEDULER_ARGS = (
+    "collective_bucketing",
+    "insert_overlap_deps",
+    "custom_runtime_estimation",
+    "collective_estimator",
+    "compute_estimator",
+    "max_memory_increase_gb",
+    "max_memory_increase_ratio",
+    "max_in_flight_gb",
+    "pre_bucketing_fsdp_collectives",
+)
 """The arguments of ``schedule_overlap_bucketing`` that ``auto_bucketing`` passes (torch 2.13)."""
 
 
@@ -44,8 +52,10 @@ def overlap_scheduler_problem() -> str | None:
     missing += [f"argument {name}" for name in OVERLAP_SCHEDULER_ARGS if name not in params]
     if not missing:
         return None
-    return (f"auto_bucketing needs PyTorch's overlap scheduler of torch 2.13; torch {torch.__version__}'s "
-            f"overlap_scheduling lacks {', '.join(missing)}")
+    return (
+        f"auto_bucketing needs PyTorch's overlap scheduler of torch 2.13; torch {torch.__version__}'s "
+        f"overlap_scheduling lacks {', '.join(missing)}"
+    )
 
 
 @contextlib.contextmanager
@@ -102,8 +112,14 @@ def inductor_graph_pass(fn, version: str):
     return _Pass()
 
 
-def inductor_compile(gm: fx.GraphModule, example_inputs: list, fake_mode, post_grad_pass=None,
-                     deterministic: bool = False, eager_precision: bool = False):
+def inductor_compile(
+    gm: fx.GraphModule,
+    example_inputs: list,
+    fake_mode,
+    post_grad_pass=None,
+    deterministic: bool = False,
+    eager_precision: bool = False,
+):
     """Compile an aten graph with Inductor (``torch._inductor.standalone_compile``) as part of the
     trace that made it: shapes and data-dependent sizes come from ``fake_mode``'s ShapeEnv (a
     ``TracingContext``), so the compiled code is specialised like the traced graph. No input needs

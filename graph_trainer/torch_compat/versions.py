@@ -27,8 +27,10 @@ def pass_needs_torch_2_13(name: str) -> str | None:
     not investigated yet), so they are refused there rather than run untested."""
     if TORCH_VERSION >= (2, 13):
         return None
-    return (f"{name} is supported with torch 2.13 (this is torch {torch.__version__}: its traced graphs and "
-            f"overlap scheduler differ, and the pass's checks fail there)")
+    return (
+        f"{name} is supported with torch 2.13 (this is torch {torch.__version__}: its traced graphs and "
+        f"overlap scheduler differ, and the pass's checks fail there)"
+    )
 
 
 @contextlib.contextmanager
@@ -38,5 +40,7 @@ def private_api(name: str):
     try:
         yield
     except (ImportError, AttributeError) as e:
-        raise TorchCompatError(f"PyTorch private API {name} is not available in torch {torch.__version__} ({e}); "
-                               f"graph_trainer supports torch {SUPPORTED_TORCH}") from None
+        raise TorchCompatError(
+            f"PyTorch private API {name} is not available in torch {torch.__version__} ({e}); "
+            f"graph_trainer supports torch {SUPPORTED_TORCH}"
+        ) from None

@@ -88,33 +88,51 @@ class DeepSeekV3Args:
             if not ok:
                 raise ValueError(msg)
 
-        need(min(self.dim, self.n_layers, self.n_heads, self.vocab_size) > 0,
-             "dim, n_layers, n_heads and vocab_size must be positive")
-        need(0 <= self.n_dense_layers <= self.n_layers,
-             f"n_dense_layers ({self.n_dense_layers}) must be in [0, n_layers={self.n_layers}]")
+        need(
+            min(self.dim, self.n_layers, self.n_heads, self.vocab_size) > 0,
+            "dim, n_layers, n_heads and vocab_size must be positive",
+        )
+        need(
+            0 <= self.n_dense_layers <= self.n_layers,
+            f"n_dense_layers ({self.n_dense_layers}) must be in [0, n_layers={self.n_layers}]",
+        )
         need(self.q_lora_rank >= 0, f"q_lora_rank ({self.q_lora_rank}) must be >= 0 (0 = plain wq)")
-        need(min(self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim) > 0,
-             "kv_lora_rank, qk_nope_head_dim and v_head_dim must be positive")
-        need(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
-             f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be positive and even for RoPE")
-        need(self.score_func in ("softmax", "sigmoid"),
-             f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
+        need(
+            min(self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim) > 0,
+            "kv_lora_rank, qk_nope_head_dim and v_head_dim must be positive",
+        )
+        need(
+            self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
+            f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be positive and even for RoPE",
+        )
+        need(
+            self.score_func in ("softmax", "sigmoid"),
+            f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}",
+        )
         if self.n_dense_layers < self.n_layers:  # there are MoE layers
             need(self.n_routed_experts > 0, "n_routed_experts must be > 0 when there are MoE layers")
-            need(0 < self.n_activated_experts <= self.n_routed_experts,
-                 f"n_activated_experts ({self.n_activated_experts}) must be in [1, n_routed_experts="
-                 f"{self.n_routed_experts}]")
-            need(self.moe_inter_dim > 0 and self.n_shared_experts >= 0,
-                 "moe_inter_dim must be > 0 and n_shared_experts >= 0")
-            need(self.n_expert_groups >= 1 and self.n_routed_experts % self.n_expert_groups == 0,
-                 f"n_expert_groups ({self.n_expert_groups}) must divide n_routed_experts "
-                 f"({self.n_routed_experts})")
-            need(1 <= self.n_limited_groups <= self.n_expert_groups,
-                 f"n_limited_groups ({self.n_limited_groups}) must be in [1, n_expert_groups="
-                 f"{self.n_expert_groups}]")
-            need(self.n_activated_experts <= self.n_limited_groups * self.experts_per_group,
-                 f"n_activated_experts ({self.n_activated_experts}) exceeds the experts in the "
-                 f"{self.n_limited_groups} limited groups ({self.n_limited_groups * self.experts_per_group})")
+            need(
+                0 < self.n_activated_experts <= self.n_routed_experts,
+                f"n_activated_experts ({self.n_activated_experts}) must be in [1, n_routed_experts="
+                f"{self.n_routed_experts}]",
+            )
+            need(
+                self.moe_inter_dim > 0 and self.n_shared_experts >= 0,
+                "moe_inter_dim must be > 0 and n_shared_experts >= 0",
+            )
+            need(
+                self.n_expert_groups >= 1 and self.n_routed_experts % self.n_expert_groups == 0,
+                f"n_expert_groups ({self.n_expert_groups}) must divide n_routed_experts ({self.n_routed_experts})",
+            )
+            need(
+                1 <= self.n_limited_groups <= self.n_expert_groups,
+                f"n_limited_groups ({self.n_limited_groups}) must be in [1, n_expert_groups={self.n_expert_groups}]",
+            )
+            need(
+                self.n_activated_experts <= self.n_limited_groups * self.experts_per_group,
+                f"n_activated_experts ({self.n_activated_experts}) exceeds the experts in the "
+                f"{self.n_limited_groups} limited groups ({self.n_limited_groups * self.experts_per_group})",
+            )
         if self.n_dense_layers > 0:
             need(self.inter_dim > 0, "inter_dim must be > 0 when there are dense layers")
         need(self.rope_factor >= 1.0, f"rope_factor ({self.rope_factor}) must be >= 1")
@@ -138,7 +156,7 @@ class DeepSeekV3Args:
     def softmax_scale(self) -> float:
         """``qk_head_dim ** -0.5``, times YaRN's ``mscale ** 2`` when ``rope_factor > 1``
         (DeepSeek folds the attention temperature into the scale, applied to q and k alike)."""
-        scale = self.qk_head_dim ** -0.5
+        scale = self.qk_head_dim**-0.5
         if self.rope_factor > 1.0:
             m = 0.1 * self.mscale * math.log(self.rope_factor) + 1.0
             scale *= m * m
@@ -146,28 +164,74 @@ class DeepSeekV3Args:
 
 
 # Shared by every flavor: DeepSeek's YaRN RoPE (theta 1e4, factor 40 over a 4k original context).
-_YARN = dict(rope_theta=10000.0, rope_factor=40.0, original_seq_len=4096, beta_fast=32.0, beta_slow=1.0,
-             max_seq_len=4096 * 4)
+_YARN = dict(
+    rope_theta=10000.0, rope_factor=40.0, original_seq_len=4096, beta_fast=32.0, beta_slow=1.0, max_seq_len=4096 * 4
+)
 
 FLAVORS: dict[str, DeepSeekV3Args] = {
     "debugmodel": DeepSeekV3Args(
-        dim=256, n_layers=6, n_dense_layers=1, n_heads=16, vocab_size=2048,
-        q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        inter_dim=1024, moe_inter_dim=256, n_routed_experts=8, n_shared_experts=2, n_activated_experts=3,
-        score_func="softmax", mscale=0.70, **_YARN,
+        dim=256,
+        n_layers=6,
+        n_dense_layers=1,
+        n_heads=16,
+        vocab_size=2048,
+        q_lora_rank=0,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        inter_dim=1024,
+        moe_inter_dim=256,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        n_activated_experts=3,
+        score_func="softmax",
+        mscale=0.70,
+        **_YARN,
     ),
     "16B": DeepSeekV3Args(
-        dim=2048, n_layers=27, n_dense_layers=1, n_heads=16, vocab_size=102400,
-        q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        inter_dim=10944, moe_inter_dim=1408, n_routed_experts=64, n_shared_experts=2, n_activated_experts=6,
-        score_func="softmax", mscale=0.70, **_YARN,
+        dim=2048,
+        n_layers=27,
+        n_dense_layers=1,
+        n_heads=16,
+        vocab_size=102400,
+        q_lora_rank=0,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        inter_dim=10944,
+        moe_inter_dim=1408,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        n_activated_experts=6,
+        score_func="softmax",
+        mscale=0.70,
+        **_YARN,
     ),
     "671B": DeepSeekV3Args(
-        dim=7168, n_layers=61, n_dense_layers=3, n_heads=128, vocab_size=129280,
-        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        inter_dim=18432, moe_inter_dim=2048, n_routed_experts=256, n_shared_experts=1, n_activated_experts=8,
-        score_func="sigmoid", n_expert_groups=8, n_limited_groups=4, route_scale=2.5, route_norm=True,
-        mscale=1.0, **_YARN,
+        dim=7168,
+        n_layers=61,
+        n_dense_layers=3,
+        n_heads=128,
+        vocab_size=129280,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        inter_dim=18432,
+        moe_inter_dim=2048,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        n_activated_experts=8,
+        score_func="sigmoid",
+        n_expert_groups=8,
+        n_limited_groups=4,
+        route_scale=2.5,
+        route_norm=True,
+        mscale=1.0,
+        **_YARN,
     ),
 }
 
@@ -175,12 +239,12 @@ FLAVORS: dict[str, DeepSeekV3Args] = {
 def _attention_params(a: DeepSeekV3Args) -> int:
     d, h = a.dim, a.n_heads
     if a.q_lora_rank == 0:
-        q = d * h * a.qk_head_dim                                             # wq
+        q = d * h * a.qk_head_dim  # wq
     else:
         q = d * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * h * a.qk_head_dim  # wq_a, q_norm, wq_b
-    kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank          # wkv_a, kv_norm
-    kv += a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)           # wkv_b
-    return q + kv + h * a.v_head_dim * d                                      # + wo
+    kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank  # wkv_a, kv_norm
+    kv += a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)  # wkv_b
+    return q + kv + h * a.v_head_dim * d  # + wo
 
 
 def num_params(args: DeepSeekV3Args, exclude_embedding: bool = False, active_only: bool = False) -> int:
@@ -192,13 +256,13 @@ def num_params(args: DeepSeekV3Args, exclude_embedding: bool = False, active_onl
     every expert), the shared experts and everything else in full.
     """
     a, d = args, args.dim
-    expert = 3 * d * a.moe_inter_dim                    # one SwiGLU expert: w1, w2, w3
+    expert = 3 * d * a.moe_inter_dim  # one SwiGLU expert: w1, w2, w3
     routed = a.n_activated_experts if active_only else a.n_routed_experts
     moe = d * a.n_routed_experts + routed * expert + a.n_shared_experts * expert  # gate + routed + shared
     dense = 3 * d * a.inter_dim
-    per_layer = _attention_params(a) + 2 * d          # + attention_norm, ffn_norm
+    per_layer = _attention_params(a) + 2 * d  # + attention_norm, ffn_norm
     total = a.n_layers * per_layer + a.n_dense_layers * dense + a.n_moe_layers * moe
-    total += d + a.vocab_size * d                      # final norm + output
+    total += d + a.vocab_size * d  # final norm + output
     if not exclude_embedding:
         total += a.vocab_size * d
     return total

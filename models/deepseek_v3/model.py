@@ -107,8 +107,7 @@ class Attention(nn.Module):
             self.wq_b = nn.Linear(args.q_lora_rank, q_out, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
         self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
-        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim),
-                               bias=False)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -129,8 +128,9 @@ class Attention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(batch, seq, n_heads, self.qk_rope_head_dim)], dim=-1)
 
         # SDPA wants [B, H, S, head_dim]; v's head dim may differ from q/k's.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, scale=self.softmax_scale)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale
+        )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -220,16 +220,18 @@ class GroupedExperts(nn.Module):
         """``x`` [N, dim] rows sorted by local expert, ``counts`` [E_local] rows per expert -> [N, dim]."""
         w1, w2, w3 = self.w1, self.w2, self.w3  # read once: under SimpleFSDP each read gathers
         if counts.shape[0] != w1.shape[0]:
-            raise ValueError(f"got token counts for {counts.shape[0]} experts, but this module holds "
-                             f"{w1.shape[0]} (local) experts")
+            raise ValueError(
+                f"got token counts for {counts.shape[0]} experts, but this module holds {w1.shape[0]} (local) experts"
+            )
         with annotate({EP_ROLE: EXPERT_COMPUTE}):
             if x.dtype == torch.bfloat16:  # what CUDA runs; PyTorch's CPU kernel takes bf16 too
                 return _grouped_mm_swiglu(x, counts, w1, w2, w3)
             return _looped_swiglu(x, counts, w1, w2, w3)
 
 
-def _looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                   w3: torch.Tensor) -> torch.Tensor:
+def _looped_swiglu(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
     """One SwiGLU per expert on its block of rows. ``counts.tolist()`` gives data-dependent
     block sizes: unbacked symbols under fake tracing, so the graph stays valid for any routing."""
     # unbind (not w[e]): its backward stacks the E expert grads in one op, where indexing
@@ -240,8 +242,9 @@ def _looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     return torch.cat(outs)
 
 
-def _grouped_mm_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                       w3: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_swiglu(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
     """All experts in three ``torch._grouped_mm`` calls (row blocks ending at the cumulative counts).
 
     The bf16 path on every device (what H100s run; on CPU, ``torch._grouped_mm`` takes only bf16);
@@ -267,8 +270,9 @@ class MoE(nn.Module):
         self.num_experts = args.n_routed_experts
         self.router = Router(args)
         self.experts = GroupedExperts(args.dim, args.moe_inter_dim, args.n_routed_experts)
-        self.shared_experts = (FeedForward(args.dim, args.moe_inter_dim * args.n_shared_experts)
-                               if args.n_shared_experts > 0 else None)
+        self.shared_experts = (
+            FeedForward(args.dim, args.moe_inter_dim * args.n_shared_experts) if args.n_shared_experts > 0 else None
+        )
         self.token_dispatcher = LocalTokenDispatcher()
         self.register_buffer("expert_bias", torch.zeros(args.n_routed_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts), persistent=False)
@@ -280,19 +284,20 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        tokens = x.reshape(-1, shape[-1])                                   # [T, dim]
+        tokens = x.reshape(-1, shape[-1])  # [T, dim]
         # 1. route
-        ids, weights = self.router(tokens, self.expert_bias)                # [T, k] each
+        ids, weights = self.router(tokens, self.expert_bias)  # [T, k] each
         top_k = ids.shape[1]
-        slot_expert = ids.reshape(-1)                                       # slot t*k + j of token t
+        slot_expert = ids.reshape(-1)  # slot t*k + j of token t
         # 2. sort the T*k slots by expert (stable: within an expert, token order) and count
         # them with a fixed-length op (bincount's output length would be data-dependent).
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add(
-            0, slot_expert, torch.ones_like(slot_expert))
+            0, slot_expert, torch.ones_like(slot_expert)
+        )
         with torch.no_grad():
             self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
-        order = torch.argsort(slot_expert, stable=True)                    # sorted position -> slot
-        x_sorted = tokens.index_select(0, order // top_k)                   # [T*k, dim]
+        order = torch.argsort(slot_expert, stable=True)  # sorted position -> slot
+        x_sorted = tokens.index_select(0, order // top_k)  # [T*k, dim]
         # 3. experts (through the dispatcher: the identity here, all_to_all under EP)
         y_sorted = self.experts_in_place(x_sorted, counts)
         # 4. un-sort into slot order, weight the k slots of each token and sum them
@@ -355,8 +360,7 @@ class DeepSeekV3(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope_cache", torch.empty(args.max_seq_len, args.qk_rope_head_dim),
-                             persistent=False)
+        self.register_buffer("rope_cache", torch.empty(args.max_seq_len, args.qk_rope_head_dim), persistent=False)
         self.init_buffers()
 
     def moe_layers(self) -> list[MoE]:
@@ -371,8 +375,9 @@ class DeepSeekV3(nn.Module):
         for moe in self.moe_layers():
             moe.init_buffers(device)
 
-    def forward(self, tokens: torch.Tensor, head: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, head: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """``tokens`` [B, S] int64 at positions 0..S-1 -> logits [B, S, vocab] in the output
         weight's dtype, or with ``head`` ``head(final normed hidden state, output module)``
         (see LLaMA-3). Also adds this batch's routing counts to every ``tokens_per_expert``."""
@@ -429,24 +434,41 @@ class DeepSeekV3(nn.Module):
         for name, block in self.layers.items():
             deep = InitRule("trunc_normal", std=0.02 / math.sqrt(2 * (block.layer_id + 1)))
             p = f"layers.{name}."
-            rules.update({p + "attention_norm.weight": ones, p + "ffn_norm.weight": ones,
-                          p + "attention.wkv_a.weight": base, p + "attention.kv_norm.weight": ones,
-                          p + "attention.wkv_b.weight": base, p + "attention.wo.weight": deep})
+            rules.update(
+                {
+                    p + "attention_norm.weight": ones,
+                    p + "ffn_norm.weight": ones,
+                    p + "attention.wkv_a.weight": base,
+                    p + "attention.kv_norm.weight": ones,
+                    p + "attention.wkv_b.weight": base,
+                    p + "attention.wo.weight": deep,
+                }
+            )
             if self.args.q_lora_rank == 0:
                 rules[p + "attention.wq.weight"] = base
             else:
-                rules.update({p + "attention.wq_a.weight": base, p + "attention.q_norm.weight": ones,
-                              p + "attention.wq_b.weight": base})
+                rules.update(
+                    {
+                        p + "attention.wq_a.weight": base,
+                        p + "attention.q_norm.weight": ones,
+                        p + "attention.wq_b.weight": base,
+                    }
+                )
             ffns = ["moe.shared_experts"] if block.is_moe and block.moe.shared_experts is not None else []
             if block.is_moe:
-                rules.update({p + "moe.router.gate.weight": base, p + "moe.experts.w1": base,
-                              p + "moe.experts.w2": deep, p + "moe.experts.w3": deep})
+                rules.update(
+                    {
+                        p + "moe.router.gate.weight": base,
+                        p + "moe.experts.w1": base,
+                        p + "moe.experts.w2": deep,
+                        p + "moe.experts.w3": deep,
+                    }
+                )
             else:
                 ffns = ["feed_forward"]
             for ffn in ffns:
-                rules.update({p + ffn + ".w1.weight": base, p + ffn + ".w2.weight": deep,
-                              p + ffn + ".w3.weight": deep})
-        out_std = self.args.dim ** -0.5
+                rules.update({p + ffn + ".w1.weight": base, p + ffn + ".w2.weight": deep, p + ffn + ".w3.weight": deep})
+        out_std = self.args.dim**-0.5
         rules["norm.weight"] = ones
         rules["output.weight"] = InitRule("trunc_normal", std=out_std, a=-3 * out_std, b=3 * out_std)
         return rules
@@ -460,5 +482,14 @@ class DeepSeekV3(nn.Module):
         self.init_buffers(self.output.weight.device)
 
 
-__all__ = ["Attention", "DeepSeekV3", "GroupedExperts", "LocalTokenDispatcher", "MoE", "Router",
-           "TransformerBlock", "rope_table", "yarn_frequencies"]
+__all__ = [
+    "Attention",
+    "DeepSeekV3",
+    "GroupedExperts",
+    "LocalTokenDispatcher",
+    "MoE",
+    "Router",
+    "TransformerBlock",
+    "rope_table",
+    "yarn_frequencies",
+]

@@ -47,8 +47,9 @@ def validate_parallelism(args: DeepSeekV3Args, degrees: dict[str, int]) -> None:
     if ep > 1 and args.n_moe_layers == 0:
         raise ConfigError("parallelism.ep > 1 needs MoE layers; this deepseek_v3 flavor has none")
     if args.n_routed_experts % ep != 0:
-        raise ConfigError(f"parallelism.ep = {ep} does not divide the model's n_routed_experts "
-                          f"({args.n_routed_experts})")
+        raise ConfigError(
+            f"parallelism.ep = {ep} does not divide the model's n_routed_experts ({args.n_routed_experts})"
+        )
     if tp > 1:
         raise ConfigError(_TP_NOT_WIRED)
 
@@ -65,16 +66,25 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims
             continue
         experts = block.moe.experts
         for param_name, param in list(experts.named_parameters(recurse=False)):
-            split = distribute_tensor(torch.empty(param.shape, dtype=param.dtype, device="meta"), ep_mesh,
-                                      [Shard(0)], src_data_rank=None)
+            split = distribute_tensor(
+                torch.empty(param.shape, dtype=param.dtype, device="meta"), ep_mesh, [Shard(0)], src_data_rank=None
+            )
             experts.register_parameter(param_name, nn.Parameter(split, requires_grad=param.requires_grad))
         block.moe.token_dispatcher = ExpertParallelDispatcher(ep_mesh, block.moe.num_experts, f"layers.{name}.moe")
-        data_parallel(experts, expert_dp_mesh, dims.expert_fsdp_mode, mp, full_mesh=full_mesh, hand_local=True,
-                      fqn_prefix=f"layers.{name}.moe.experts")
+        data_parallel(
+            experts,
+            expert_dp_mesh,
+            dims.expert_fsdp_mode,
+            mp,
+            full_mesh=full_mesh,
+            hand_local=True,
+            fqn_prefix=f"layers.{name}.moe.experts",
+        )
 
 
-def parallelize_deepseek_v3(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims,
-                            mp: MixedPrecision) -> nn.Module:
+def parallelize_deepseek_v3(
+    model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims, mp: MixedPrecision
+) -> nn.Module:
     """Apply expert parallel (if ep > 1), then SimpleFSDP (if any data parallelism; otherwise
     the plain mixed-precision cast), on meta."""
     if dims.tp > 1:

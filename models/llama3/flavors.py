@@ -68,22 +68,50 @@ class Llama3Args:
 
 FLAVORS: dict[str, Llama3Args] = {
     "debugmodel": Llama3Args(
-        dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048, multiple_of=256,
-        rope_theta=500000.0, rope_scaling=True, max_seq_len=2048,
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=16,
+        vocab_size=2048,
+        multiple_of=256,
+        rope_theta=500000.0,
+        rope_scaling=True,
+        max_seq_len=2048,
     ),
     "8B": Llama3Args(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-        ffn_dim_multiplier=1.3, multiple_of=1024, rope_theta=500000.0, rope_scaling=True,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_theta=500000.0,
+        rope_scaling=True,
         max_seq_len=8192,
     ),
     "70B": Llama3Args(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
-        ffn_dim_multiplier=1.3, multiple_of=4096, rope_theta=500000.0, rope_scaling=True,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_theta=500000.0,
+        rope_scaling=True,
         max_seq_len=8192,
     ),
     "405B": Llama3Args(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
-        ffn_dim_multiplier=1.2, multiple_of=4096, rope_theta=500000.0, rope_scaling=True,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_theta=500000.0,
+        rope_scaling=True,
         max_seq_len=8192,
     ),
 }
@@ -96,11 +124,11 @@ def num_params(args: Llama3Args, exclude_embedding: bool = False) -> int:
     output projection is a real matmul and is always counted.
     """
     d, hd = args.dim, args.head_dim
-    attention = d * (args.n_heads * hd)          # wq
-    attention += 2 * d * (args.kv_heads * hd)    # wk, wv
-    attention += (args.n_heads * hd) * d         # wo
-    feed_forward = 3 * d * args.ffn_hidden_dim   # w1, w2, w3
-    norms = 2 * d                                # attention_norm, ffn_norm
+    attention = d * (args.n_heads * hd)  # wq
+    attention += 2 * d * (args.kv_heads * hd)  # wk, wv
+    attention += (args.n_heads * hd) * d  # wo
+    feed_forward = 3 * d * args.ffn_hidden_dim  # w1, w2, w3
+    norms = 2 * d  # attention_norm, ffn_norm
     per_layer = attention + feed_forward + norms
     total = args.n_layers * per_layer + d + args.vocab_size * d  # + final norm + output
     if not exclude_embedding:

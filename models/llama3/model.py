@@ -44,7 +44,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: bool) -> torch.Tensor
     in between is interpolated smoothly between the two.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-    freqs = 1.0 / (theta ** exponents)
+    freqs = 1.0 / (theta**exponents)
     if not scaling:
         return freqs
     wavelen = 2 * math.pi / freqs
@@ -56,8 +56,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: bool) -> torch.Tensor
     return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
 
 
-def rope_table(head_dim: int, max_seq_len: int, theta: float, scaling: bool,
-               device: torch.device | str | None = None) -> torch.Tensor:
+def rope_table(
+    head_dim: int, max_seq_len: int, theta: float, scaling: bool, device: torch.device | str | None = None
+) -> torch.Tensor:
     """``[max_seq_len, head_dim]`` float32 cos | sin table of the LLaMA-3 frequencies (``rotary_table``)."""
     return rotary_table(rope_frequencies(head_dim, theta, scaling), max_seq_len, device)
 
@@ -91,14 +92,19 @@ class Attention(nn.Module):
             # GQA: query head h reads kv head h // n_rep (each kv head repeated n_rep times
             # in a row), so SDPA sees equal head counts.
             n_rep = n_heads // n_kv_heads
-            k = k.unsqueeze(3).expand(batch, seq, n_kv_heads, n_rep, self.head_dim).reshape(
-                batch, seq, n_heads, self.head_dim)
-            v = v.unsqueeze(3).expand(batch, seq, n_kv_heads, n_rep, self.head_dim).reshape(
-                batch, seq, n_heads, self.head_dim)
+            k = (
+                k.unsqueeze(3)
+                .expand(batch, seq, n_kv_heads, n_rep, self.head_dim)
+                .reshape(batch, seq, n_heads, self.head_dim)
+            )
+            v = (
+                v.unsqueeze(3)
+                .expand(batch, seq, n_kv_heads, n_rep, self.head_dim)
+                .reshape(batch, seq, n_heads, self.head_dim)
+            )
 
         # SDPA wants [B, H, S, head_dim].
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         return self.wo(out)
 
@@ -153,8 +159,9 @@ class Transformer(nn.Module):
         a = self.args
         self.rope_cache = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
-    def forward(self, tokens: torch.Tensor, head: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, head: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """``tokens`` [B, S] int64 at positions 0..S-1 -> logits [B, S, vocab] in the
         output weight's dtype (callers upcast for the loss); with ``head``,
         ``head(final normed hidden state, output module)`` instead (the loss, which then
@@ -184,18 +191,20 @@ class Transformer(nn.Module):
         for name, block in self.layers.items():
             deep = InitRule("trunc_normal", std=0.02 / math.sqrt(2 * (block.layer_id + 1)))
             prefix = f"layers.{name}."
-            rules.update({
-                prefix + "attention.wq.weight": base,
-                prefix + "attention.wk.weight": base,
-                prefix + "attention.wv.weight": base,
-                prefix + "attention.wo.weight": deep,
-                prefix + "feed_forward.w1.weight": base,
-                prefix + "feed_forward.w2.weight": deep,
-                prefix + "feed_forward.w3.weight": deep,
-                prefix + "attention_norm.weight": ones,
-                prefix + "ffn_norm.weight": ones,
-            })
-        out_std = self.args.dim ** -0.5
+            rules.update(
+                {
+                    prefix + "attention.wq.weight": base,
+                    prefix + "attention.wk.weight": base,
+                    prefix + "attention.wv.weight": base,
+                    prefix + "attention.wo.weight": deep,
+                    prefix + "feed_forward.w1.weight": base,
+                    prefix + "feed_forward.w2.weight": deep,
+                    prefix + "feed_forward.w3.weight": deep,
+                    prefix + "attention_norm.weight": ones,
+                    prefix + "ffn_norm.weight": ones,
+                }
+            )
+        out_std = self.args.dim**-0.5
         rules["norm.weight"] = ones
         rules["output.weight"] = InitRule("trunc_normal", std=out_std, a=-3 * out_std, b=3 * out_std)
         return rules

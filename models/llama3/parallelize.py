@@ -34,8 +34,12 @@ def validate_parallelism(args: Llama3Args, degrees: dict[str, int]) -> None:
         raise ConfigError("parallelism.ep > 1 needs a model with experts; llama3 is dense")
     tp = degrees["tp"]
     n_kv = args.n_kv_heads or args.n_heads
-    for what, size in (("n_heads", args.n_heads), ("n_kv_heads", n_kv),
-                       ("vocab_size", args.vocab_size), ("ffn hidden dim", args.ffn_hidden_dim)):
+    for what, size in (
+        ("n_heads", args.n_heads),
+        ("n_kv_heads", n_kv),
+        ("vocab_size", args.vocab_size),
+        ("ffn hidden dim", args.ffn_hidden_dim),
+    ):
         if size % tp != 0:
             raise ConfigError(f"parallelism.tp = {tp} does not divide the model's {what} ({size})")
 
@@ -65,8 +69,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         )
 
 
-def parallelize_llama3(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims,
-                       mp: MixedPrecision) -> nn.Module:
+def parallelize_llama3(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims, mp: MixedPrecision) -> nn.Module:
     """Apply TP (if tp > 1), then SimpleFSDP (if any data parallelism; otherwise the plain
     mixed-precision cast). Model is on meta."""
     if mesh is None:

@@ -73,11 +73,15 @@ ADAMW_MS = {"l8b4": 51.921 / 2, "d16b4": 60.700 / 2}
 # exp_avg_sq). Rows of the parameter shapes listed in full in the tables, over 2 steps:
 # (copy_, pow, sum, mul_ total, tensors of that shape).
 CLIP_ROWS = {
-    "l8b4": [((6.939, 5.564, 2.760, 11.565), 2, 128256 * 4096),  # tok_embeddings, output
-             ((3.095, 2.510, 1.464, 5.224), 8, 14336 * 4096)],  # w1, w3 x 4 layers
-    "d16b4": [((6.944, 5.881, 3.050, 11.988), 6, 64 * 1408 * 2048),  # expert w1, w3 x 3 MoE layers
-              ((3.461, 2.940, 1.522, 5.985), 3, 64 * 2048 * 1408),  # expert w2
-              ((2.626, 2.224, 1.226, 4.531), 2, 102400 * 2048)],  # tok_embeddings, output
+    "l8b4": [
+        ((6.939, 5.564, 2.760, 11.565), 2, 128256 * 4096),  # tok_embeddings, output
+        ((3.095, 2.510, 1.464, 5.224), 8, 14336 * 4096),
+    ],  # w1, w3 x 4 layers
+    "d16b4": [
+        ((6.944, 5.881, 3.050, 11.988), 6, 64 * 1408 * 2048),  # expert w1, w3 x 3 MoE layers
+        ((3.461, 2.940, 1.522, 5.985), 3, 64 * 2048 * 1408),  # expert w2
+        ((2.626, 2.224, 1.226, 4.531), 2, 102400 * 2048),
+    ],  # tok_embeddings, output
 }
 PROFILED = {"l8b4": ("llama3", "8B", 4), "d16b4": ("deepseek_v3", "16B", 4)}
 
@@ -121,12 +125,23 @@ def measured_graph_ms(case: Case) -> float:
 
 
 def simulate_case(case: Case):
-    cfg = load_config(["--model.name", case.model, "--model.flavor", case.flavor,
-                       "--training.seq_len", str(case.seq), "--training.local_batch_size", str(case.batch)])
+    cfg = load_config(
+        [
+            "--model.name",
+            case.model,
+            "--model.flavor",
+            case.flavor,
+            "--training.seq_len",
+            str(case.seq),
+            "--training.local_batch_size",
+            str(case.batch),
+        ]
+    )
     args = dataclasses.replace(MODEL_SPECS[case.model].flavors[case.flavor], n_layers=case.layers)
     with fake_world(1):
-        traced, _ = trace_without_passes(cfg, 1, model_args=args, gpu_attention=True,
-                                         param_dtype=torch.bfloat16 if case.pure_bf16 else None)
+        traced, _ = trace_without_passes(
+            cfg, 1, model_args=args, gpu_attention=True, param_dtype=torch.bfloat16 if case.pure_bf16 else None
+        )
         return traced, simulate(traced.gm.graph, H100_SXM, record_events=False)
 
 
@@ -162,10 +177,14 @@ def test_simulated_graph_compute_matches_measured_step(case):
     predicted = result.compute_time * 1e3
     measured = measured_graph_ms(case)
     error = predicted / measured - 1
-    by_class = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(result.compute_by_class.items(), key=lambda kv: -kv[1]))
-    print(f"\n{case.name}: predicted {predicted:.1f} ms, measured {measured:.1f} ms "
-          f"(step {case.seq * case.batch / case.tok_s * 1e3:.1f} - optimizer {_optimizer_ms(case):.1f}), "
-          f"error {error:+.1%}\n  by class (ms): {by_class}")
+    by_class = ", ".join(
+        f"{k} {v * 1e3:.1f}" for k, v in sorted(result.compute_by_class.items(), key=lambda kv: -kv[1])
+    )
+    print(
+        f"\n{case.name}: predicted {predicted:.1f} ms, measured {measured:.1f} ms "
+        f"(step {case.seq * case.batch / case.tok_s * 1e3:.1f} - optimizer {_optimizer_ms(case):.1f}), "
+        f"error {error:+.1%}\n  by class (ms): {by_class}"
+    )
     assert abs(error) <= case.tolerance, f"{case.name}: {predicted:.1f} ms vs {measured:.1f} ms ({error:+.1%})"
     assert result.step_time == pytest.approx(result.compute_time)  # one rank: no communication
     assert sum(result.compute_by_class.values()) == pytest.approx(result.compute_time)

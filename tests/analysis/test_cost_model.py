@@ -89,8 +89,12 @@ def test_attention_flops_causal_and_backward():
     causal = _node(g, fwd, (q, k, v, 0.0, True), (_meta(b, h, s, d), _meta(b, h, s, dtype=torch.float32)))
     grad, out = _placeholder(g, "grad", _meta(b, h, s, d)), _placeholder(g, "out", _meta(b, h, s, d))
     lse = _placeholder(g, "lse", _meta(b, h, s, dtype=torch.float32))
-    bwd = _node(g, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-                (grad, q, k, v, out, lse, 0.0, True), (_meta(b, h, s, d),) * 3)
+    bwd = _node(
+        g,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        (grad, q, k, v, out, lse, 0.0, True),
+        (_meta(b, h, s, d),) * 3,
+    )
     assert node_flops(full)[0] == 4 * b * h * s * s * d
     assert node_flops(causal)[0] == 2 * b * h * s * s * d
     assert node_flops(bwd)[0] == 2.5 * 2 * b * h * s * s * d
@@ -134,7 +138,9 @@ def test_collective_time_ring_model():
     # Bytes scale linearly; group size through (n-1)/n.
     big = _collective_graph("all_gather", 4 * mb)
     assert collective_time(big, D, 8) - 15 * US == pytest.approx(4 * (collective_time(ag, D, 8) - 15 * US))
-    assert collective_time(ag, D, 2) - 15 * US == pytest.approx((1 / 2) / (7 / 8) * (collective_time(ag, D, 8) - 15 * US))
+    assert collective_time(ag, D, 2) - 15 * US == pytest.approx(
+        (1 / 2) / (7 / 8) * (collective_time(ag, D, 8) - 15 * US)
+    )
     rs = _collective_graph("reduce_scatter", mb)
     assert collective_time(rs, D, 8) == pytest.approx(collective_time(ag, D, 8))
     ar = _collective_graph("all_reduce", mb)
@@ -256,8 +262,13 @@ def test_cpu_device_keeps_global_efficiencies():
     assert cpu.kernel_efficiency is None
     for node in nodes.values():
         flops, dtype = node_flops(node)
-        expected = max(flops / (cpu.peak_flops(dtype) * cpu.flops_efficiency) if flops else 0.0,
-                       node_bytes(node) / (cpu.hbm_bandwidth * cpu.bandwidth_efficiency)) + cpu.launch_overhead
+        expected = (
+            max(
+                flops / (cpu.peak_flops(dtype) * cpu.flops_efficiency) if flops else 0.0,
+                node_bytes(node) / (cpu.hbm_bandwidth * cpu.bandwidth_efficiency),
+            )
+            + cpu.launch_overhead
+        )
         assert node_compute_time(node, cpu) == pytest.approx(expected)
 
 
@@ -279,6 +290,7 @@ def test_bytes_of_expanded_inputs_fills_and_nll_loss():
     loss = _node(g, aten.nll_loss_forward.default, (logp, target, None, 1, -100), (scalar, scalar))
     assert node_bytes(loss) == 2 * 4 + 8192 * 8 + 8192 * 4  # one logit per target, not the whole input
     grad, total = _placeholder(g, "grad", scalar), _placeholder(g, "total", scalar)
-    back = _node(g, aten.nll_loss_backward.default, (grad, logp, target, None, 1, -100, total),
-                 _meta(8192, 128256, dtype=f32))
+    back = _node(
+        g, aten.nll_loss_backward.default, (grad, logp, target, None, 1, -100, total), _meta(8192, 128256, dtype=f32)
+    )
     assert node_bytes(back) == 8192 * 128256 * 4 + 8192 * 8  # fill + scatter, never reads logp

@@ -99,8 +99,9 @@ def test_optimizer_memory_from_the_config_or_a_torch_optimizer():
 
 def _estimate(peak: int) -> StepMemoryEstimate:
     """A graph-phase estimate of ``peak`` bytes: params 1/4, optimizer 1/2, activations the rest."""
-    return StepMemoryEstimate((MemoryParts("graph", peak // 4, 0, peak // 2, peak - peak // 4 - peak // 2, "mm"),),
-                              True)
+    return StepMemoryEstimate(
+        (MemoryParts("graph", peak // 4, 0, peak // 2, peak - peak // 4 - peak // 2, "mm"),), True
+    )
 
 
 def test_warning_above_the_device_memory_only():
@@ -127,15 +128,28 @@ def _debug_step(world_size: int):
     from graph_trainer.simple_fsdp import MixedPrecision
     from models.registry import MODEL_SPECS
 
-    cfg = load_config(["--job.config_file", "configs/llama3_debug.toml", "--training.local_batch_size", "1",
-                       "--training.seq_len", "64"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            "configs/llama3_debug.toml",
+            "--training.local_batch_size",
+            "1",
+            "--training.seq_len",
+            "64",
+        ]
+    )
     spec = MODEL_SPECS[cfg.model.name]
     with fake_world(world_size):
         traced, _ = trace_without_passes(cfg, world_size)
         dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
         mesh = build_mesh(dims, "cpu")
-        model = build_model(spec.build, spec.flavors[cfg.model.flavor], torch.device("meta"), 0,
-                            parallelize=lambda m: spec.parallelize(m, mesh, dims, MixedPrecision()))
+        model = build_model(
+            spec.build,
+            spec.flavors[cfg.model.flavor],
+            torch.device("meta"),
+            0,
+            parallelize=lambda m: spec.parallelize(m, mesh, dims, MixedPrecision()),
+        )
         params = list(model.parameters())
     return traced.gm.graph, params, cfg
 
@@ -205,8 +219,7 @@ def test_dry_run_memory_cells():
 
     limit = DEVICE_MEMORY_BYTES["h100"]
     cells = memory_columns(_estimate(round(75.25 * GIB)), limit)
-    assert cells == {"peak GiB": "75.2", "params": "18.8", "grads": "0", "optim": "37.6", "activ": "18.8",
-                     "mem": "ok"}
+    assert cells == {"peak GiB": "75.2", "params": "18.8", "grads": "0", "optim": "37.6", "activ": "18.8", "mem": "ok"}
     assert memory_columns(_estimate(round(86.5 * GIB)), limit)["mem"] == "> 79.1 GiB"
     assert memory_columns(_estimate(round(86.5 * GIB)), None)["mem"] == ""  # cpu suite: no limit
     assert set(memory_columns(None, limit).values()) == {"-", ""}  # a failed case has no graph

@@ -39,8 +39,11 @@ class _Builder:
         return self.last
 
     def all_gather(self, group="g1"):
-        return self._call(c10d.all_gather_into_tensor.default, (self.shard, 8, group),
-                          torch.empty(8 << 22, dtype=torch.bfloat16, device="meta"))
+        return self._call(
+            c10d.all_gather_into_tensor.default,
+            (self.shard, 8, group),
+            torch.empty(8 << 22, dtype=torch.bfloat16, device="meta"),
+        )
 
     def wait(self, coll):
         return self._call(c10d.wait_tensor.default, (coll,), coll.meta["val"])
@@ -67,8 +70,9 @@ def test_compute_split_by_kernel_class():
     mm = b.mm()
     cast = b._call(aten._to_copy.default, (mm,), torch.empty(8192, 8192, dtype=torch.float32, device="meta"))
     r = simulate(b.done(cast), D)
-    assert r.compute_by_class == pytest.approx({"matmul": node_compute_time(mm, D),
-                                                "dtype_cast": node_compute_time(cast, D)})
+    assert r.compute_by_class == pytest.approx(
+        {"matmul": node_compute_time(mm, D), "dtype_cast": node_compute_time(cast, D)}
+    )
     assert sum(r.compute_by_class.values()) == pytest.approx(r.compute_time)
 
 
@@ -125,8 +129,9 @@ def test_chrome_trace_has_compute_and_group_tracks(tmp_path):
 
 
 def test_format_table():
-    text = format_table([{"passes": "none", "step ms": 1.23456, "AG": 3},
-                         {"passes": "auto_bucketing", "step ms": 10.0, "AG": 12}])
+    text = format_table(
+        [{"passes": "none", "step ms": 1.23456, "AG": 3}, {"passes": "auto_bucketing", "step ms": 10.0, "AG": 12}]
+    )
     lines = text.splitlines()
     assert len(lines) == 4 and lines[0].split() == ["passes", "step", "ms", "AG"]
     assert len({len(line) for line in lines}) == 1
@@ -162,8 +167,18 @@ def test_debug_llama3_world_size_4_end_to_end(tmp_path):
 def test_analyze_cli_compare(capsys):
     from graph_trainer.analyze import main
 
-    rc = main(["--world_size", "2", "--compare", "none;", "--job.config_file", "configs/llama3_debug.toml",
-               "--training.local_batch_size", "2"])
+    rc = main(
+        [
+            "--world_size",
+            "2",
+            "--compare",
+            "none;",
+            "--job.config_file",
+            "configs/llama3_debug.toml",
+            "--training.local_batch_size",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert out.count("\nnone ") >= 2 and "exposed %" in out and "reduce_scatter" in out

@@ -77,8 +77,15 @@ def test_order_and_in_flight():
         gm = _traced()
         order = collective_order(gm.graph)
         assert [name for name, _, _ in order] == [
-            "all_gather_into_tensor", "wait_tensor", "reduce_scatter_tensor", "wait_tensor",
-            "all_reduce", "wait_tensor", "all_to_all_single", "wait_tensor"]
+            "all_gather_into_tensor",
+            "wait_tensor",
+            "reduce_scatter_tensor",
+            "wait_tensor",
+            "all_reduce",
+            "wait_tensor",
+            "all_to_all_single",
+            "wait_tensor",
+        ]
         assert order[0][2][0] == 4  # scalar arguments: the group size, then the group name
     assert max_in_flight([n for n, _, _ in order]) == 1
     assert max_in_flight(["all_gather_into_tensor", "all_gather_into_tensor", "wait_tensor", "wait_tensor"]) == 2

@@ -56,8 +56,15 @@ def test_getters_are_read_only_and_writes_never_touch_a_shared_dict():
 def test_block_and_unit_come_from_module_fqn_and_loss_chunk():
     gm = _graph()
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
-    for fqn, block in [("layers.12.attention.wq", "layers.12"), ("layers.3", "layers.3"), ("layers", None),
-                       ("layersX.1", None), ("tok_embeddings", None), ("", None), ("output", None)]:
+    for fqn, block in [
+        ("layers.12.attention.wq", "layers.12"),
+        ("layers.3", "layers.3"),
+        ("layers", None),
+        ("layersX.1", None),
+        ("tok_embeddings", None),
+        ("", None),
+        ("output", None),
+    ]:
         tags.replace(node, {MODULE_FQN: fqn})
         assert tags.block_of(node) == block, fqn
         assert tags.unit_of(node) == block, fqn

@@ -39,8 +39,9 @@ def _graph(args: tuple[str, ...], world_size: int = 2):
     cfg = load_config(list(args))
     validate_config(cfg, world_size)
     flavors = MODEL_SPECS[cfg.model.name].flavors
-    model_args = dataclasses.replace(flavors[cfg.model.flavor], n_layers=LLAMA_BLOCKS if cfg.model.name == "llama3"
-                                     else 3)  # DeepSeek: layer 0 dense, layers 1-2 MoE
+    model_args = dataclasses.replace(
+        flavors[cfg.model.flavor], n_layers=LLAMA_BLOCKS if cfg.model.name == "llama3" else 3
+    )  # DeepSeek: layer 0 dense, layers 1-2 MoE
     with fake_world(world_size) if world_size > 1 else _nothing():
         return trace_job(cfg, world_size, model_args=model_args).gm
 
@@ -61,9 +62,11 @@ def _launches(gm) -> Counter:
     return Counter(str(n.target) for n in gm.graph.nodes if is_collective(n))
 
 
-@pytest.mark.parametrize("layout, world_size", [((*SMALL,), 2), ((*SMALL, "--parallelism.tp", "2"), 4),
-                                                ((*DEEPSEEK, "--parallelism.ep", "2"), 2)],
-                         ids=["fsdp2", "fsdp2xtp2", "deepseek_ep2"])
+@pytest.mark.parametrize(
+    "layout, world_size",
+    [((*SMALL,), 2), ((*SMALL, "--parallelism.tp", "2"), 4), ((*DEEPSEEK, "--parallelism.ep", "2"), 2)],
+    ids=["fsdp2", "fsdp2xtp2", "deepseek_ep2"],
+)
 def test_recomputation_per_block_and_no_collective_issued_twice(layout, world_size):
     none = _graph(layout, world_size)
     for mode in ("selective", "full"):
@@ -111,8 +114,11 @@ def test_later_passes_keep_the_recomputation_as_decided(passes):
     """Bucketing moves and merges collectives; it must neither drop nor repeat a recomputation."""
     plain = _graph((*SMALL, *_ac("full")))
     bucketed = _graph((*SMALL, *_ac("full"), "--compile.passes", passes))
-    copies = lambda gm: Counter(tags.get(n, "recompute_of") for n in gm.graph.nodes  # noqa: E731
-                                if tags.has(n, "recompute_of"))
+    copies = lambda gm: Counter(
+        tags.get(n, "recompute_of")
+        for n in gm.graph.nodes  # noqa: E731
+        if tags.has(n, "recompute_of")
+    )
     assert copies(bucketed) == copies(plain)
     assert recompute_counts(bucketed.graph) == recompute_counts(plain.graph)
 
@@ -122,8 +128,9 @@ def test_ep_overlap_schedules_the_recomputed_graph():
     from graph_trainer.passes.ep_overlap import verify_schedule
 
     overlap = ("--compile.passes", "ep_overlap", "--compile.ep_overlap.module_fqn", "layers.*.moe")
-    chunked = _graph((*DEEPSEEK, "--parallelism.ep", "2", *_ac("full"), *overlap,
-                      "--compile.ep_overlap.reorder", "False"))
+    chunked = _graph(
+        (*DEEPSEEK, "--parallelism.ep", "2", *_ac("full"), *overlap, "--compile.ep_overlap.reorder", "False")
+    )
     scheduled = _graph((*DEEPSEEK, "--parallelism.ep", "2", *_ac("full"), *overlap))
     assert verify_schedule(scheduled.graph) == []
     assert node_multiset(scheduled.graph) == node_multiset(chunked.graph)  # reordered, nothing added or lost
@@ -172,8 +179,9 @@ def test_chunked_loss_value_is_the_unchunked_one_to_an_ulp():
     from graph_trainer.tracer import eager_step
 
     spec = MODEL_SPECS["llama3"]
-    model = build_model(spec.build, dataclasses.replace(spec.flavors["debugmodel"], n_layers=1),
-                        torch.device("cpu"), seed=3)
+    model = build_model(
+        spec.build, dataclasses.replace(spec.flavors["debugmodel"], n_layers=1), torch.device("cpu"), seed=3
+    )
     g = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, 2048, (3, 40), generator=g) for _ in range(2))
     loss_1, grads_1 = eager_step(model, tokens, labels, 1)

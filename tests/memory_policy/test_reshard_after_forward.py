@@ -29,8 +29,11 @@ def test_backward_reads_only_its_own_gathers(extra):
     kept, resharded = _trace("never", 4, *extra), _trace("always", 4, *extra)
     chains = unshard_chains(kept.graph)
     position = {n: i for i, n in enumerate(kept.graph.nodes)}
-    read_in_backward = {fqn for fqn, chain in chains.items()
-                        if any(_phase(u) == "backward" for n in with_forward_views(chain, position) for u in n.users)}
+    read_in_backward = {
+        fqn
+        for fqn, chain in chains.items()
+        if any(_phase(u) == "backward" for n in with_forward_views(chain, position) for u in n.users)
+    }
     # Every weight but the embedding table is read again by its backward.
     assert "tok_embeddings.weight" not in read_in_backward
     assert len(read_in_backward) == len(chains) - 1

@@ -38,9 +38,22 @@ decay) exceed it within a few steps (both measured: docs/performance.md). A slig
 max_norm stays under it: clipping hides that, as it hides gradient scale (``graph_trainer.grad_record``)."""
 
 _COMMON = [
-    "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
-    "--training.seed", "42", "--job.device", "cpu", "--metrics.log_freq", "10",
-    "--metrics.enable_tensorboard", "False", "--checkpoint.interval", str(STEPS),
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.seed",
+    "42",
+    "--job.device",
+    "cpu",
+    "--metrics.log_freq",
+    "10",
+    "--metrics.enable_tensorboard",
+    "False",
+    "--checkpoint.interval",
+    str(STEPS),
 ]
 
 CURVES: dict[str, tuple[int, list[str]]] = {
@@ -97,8 +110,9 @@ def deviation(losses: str, stored: str) -> tuple[float, int]:
 def run_curve(name: str, dump_folder: Path) -> str:
     """Run a curve's job into ``dump_folder`` (which must not hold checkpoints); its losses.txt text."""
     nproc, args = CURVES[name]
-    run_torchrun(nproc, os.path.join(ROOT, "train.py"), *args, *_COMMON, "--job.dump_folder", str(dump_folder),
-                 env=PINNED_ENV)
+    run_torchrun(
+        nproc, os.path.join(ROOT, "train.py"), *args, *_COMMON, "--job.dump_folder", str(dump_folder), env=PINNED_ENV
+    )
     return (Path(dump_folder) / "losses.txt").read_text()
 
 

@@ -88,6 +88,7 @@ def fingerprint() -> dict:
     import os
 
     env = {**os.environ, "PYTHONPATH": ROOT, **PINNED_ENV}
-    out = subprocess.run([sys.executable, "-c", _FINGERPRINT], capture_output=True, text=True, env=env,
-                         check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", _FINGERPRINT], capture_output=True, text=True, env=env, check=True, cwd=ROOT
+    )
     return json.loads(out.stdout)

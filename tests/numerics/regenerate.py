@@ -24,7 +24,14 @@ import tempfile
 from pathlib import Path
 
 from tests.numerics.curves import (
-    ASSETS, CURVE_RTOL, CURVES, curve_path, deviation, machine_key, run_curve, set_for,
+    ASSETS,
+    CURVE_RTOL,
+    CURVES,
+    curve_path,
+    deviation,
+    machine_key,
+    run_curve,
+    set_for,
 )
 from tests.numerics.machine import fingerprint
 
@@ -61,8 +68,11 @@ def add_machine() -> int:
         if worst > CURVE_RTOL:
             too_far.append(name)
     if too_far:
-        print(f"error: {', '.join(too_far)} deviate more than {CURVE_RTOL:.0e} from the reference set: that is not "
-              f"a machine difference; nothing written", file=sys.stderr)
+        print(
+            f"error: {', '.join(too_far)} deviate more than {CURVE_RTOL:.0e} from the reference set: that is not "
+            f"a machine difference; nothing written",
+            file=sys.stderr,
+        )
         return 1
     _write(ASSETS / "machines" / machine_key(machine), machine, texts)
     return 0
@@ -76,21 +86,28 @@ def main(argv: list[str]) -> int:
     names = argv or list(CURVES)
     unknown = [n for n in names if n not in CURVES]
     if unknown:
-        print(f"error: unknown curve(s) {', '.join(unknown)}; curves: {', '.join(CURVES)} (or --add-machine alone)",
-              file=sys.stderr)
+        print(
+            f"error: unknown curve(s) {', '.join(unknown)}; curves: {', '.join(CURVES)} (or --add-machine alone)",
+            file=sys.stderr,
+        )
         return 2
     machine = fingerprint()
     reference = ASSETS / "machine.json"
     if reference.exists() and set(names) != set(CURVES) and json.loads(reference.read_text()) != machine:
-        print("error: the reference set was recorded on another machine fingerprint: regenerate every curve "
-              "(no names) so that the set stays one machine's", file=sys.stderr)
+        print(
+            "error: the reference set was recorded on another machine fingerprint: regenerate every curve "
+            "(no names) so that the set stays one machine's",
+            file=sys.stderr,
+        )
         return 2
     _write(ASSETS, machine, _run_all(names))
     stale = ASSETS / "machines"
     if stale.is_dir():
         shutil.rmtree(stale)
-        print(f"{stale}: removed (other machines' sets are stale after a regeneration; record them again with "
-              f"--add-machine on those machines)")
+        print(
+            f"{stale}: removed (other machines' sets are stale after a regeneration; record them again with "
+            f"--add-machine on those machines)"
+        )
     return 0
 
 

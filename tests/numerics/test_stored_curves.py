@@ -15,7 +15,15 @@ import warnings
 import pytest
 
 from tests.numerics.curves import (
-    ASSETS, CURVE_RTOL, CURVES, curve_path, deviation, final_state_hashes, recorded_on, run_curve, set_for,
+    ASSETS,
+    CURVE_RTOL,
+    CURVES,
+    curve_path,
+    deviation,
+    final_state_hashes,
+    recorded_on,
+    run_curve,
+    set_for,
 )
 from tests.numerics.machine import fingerprint
 
@@ -51,19 +59,25 @@ def test_losses_match_the_stored_curve(name, runs, machine):
         differs = sorted(k for k in machine if machine[k] != recorded_on(ASSETS).get(k))
         assert worst <= CURVE_RTOL, (
             f"{name}: losses deviate {worst:.1e} (> {CURVE_RTOL:.0e}) from {curve_path(name)} at step {step}; "
-            f"this machine differs from the recording one in {', '.join(differs)}, so only the bound applies")
-        warnings.warn(f"{name}: no stored curves for this machine (it differs in {', '.join(differs)}): compared "
-                      f"within {CURVE_RTOL:.0e} (largest deviation {worst:.1e}), not bitwise; to record this "
-                      f"machine's set: python -m tests.numerics.regenerate --add-machine")
+            f"this machine differs from the recording one in {', '.join(differs)}, so only the bound applies"
+        )
+        warnings.warn(
+            f"{name}: no stored curves for this machine (it differs in {', '.join(differs)}): compared "
+            f"within {CURVE_RTOL:.0e} (largest deviation {worst:.1e}), not bitwise; to record this "
+            f"machine's set: python -m tests.numerics.regenerate --add-machine"
+        )
         return
     stored = curve_path(name, curve_set).read_text()
     if losses != stored:
         first = next(a for a, b in zip(stored.splitlines() + [""], losses.splitlines() + [""]) if a != b)
-        diff = "\n".join(difflib.unified_diff(stored.splitlines(), losses.splitlines(), "stored", "this run",
-                                              lineterm="", n=0))
-        pytest.fail(f"{name}: losses differ from {curve_path(name, curve_set)} (recorded on this machine's "
-                    f"fingerprint) from step {first.split(' ')[0] or '?'} (intended numeric change? regenerate: "
-                    f"python -m tests.numerics.regenerate {name})\n{diff}")
+        diff = "\n".join(
+            difflib.unified_diff(stored.splitlines(), losses.splitlines(), "stored", "this run", lineterm="", n=0)
+        )
+        pytest.fail(
+            f"{name}: losses differ from {curve_path(name, curve_set)} (recorded on this machine's "
+            f"fingerprint) from step {first.split(' ')[0] or '?'} (intended numeric change? regenerate: "
+            f"python -m tests.numerics.regenerate {name})\n{diff}"
+        )
 
 
 @pytest.mark.parametrize("name", list(CURVES))
@@ -89,8 +103,15 @@ def test_a_machine_without_a_stored_set_is_held_to_the_bound(tmp_path, machine):
         pytest.skip("this CPU has no AVX2: ATen has no other kernel build to compare with")
     nproc, args = CURVES["llama3_debug"]
     unpinned = {"ATEN_CPU_CAPABILITY": "avx512" if machine["cpu_isa"] == "avx512f" else "avx2", "MKL_CBWR": ""}
-    run_torchrun(nproc, os.path.join(curves.ROOT, "train.py"), *args, *curves._COMMON,
-                 "--job.dump_folder", str(tmp_path), env={**curves.PINNED_ENV, **unpinned})
+    run_torchrun(
+        nproc,
+        os.path.join(curves.ROOT, "train.py"),
+        *args,
+        *curves._COMMON,
+        "--job.dump_folder",
+        str(tmp_path),
+        env={**curves.PINNED_ENV, **unpinned},
+    )
     losses, stored = (tmp_path / "losses.txt").read_text(), curve_path("llama3_debug").read_text()
     worst, step = deviation(losses, stored)
     assert losses != stored and worst > 0, "other kernels gave the same floats: this test shows nothing here"

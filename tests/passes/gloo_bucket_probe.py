@@ -11,7 +11,7 @@ import torch.distributed as dist
 from graph_trainer.passes.transformer_block_bucketing import ring_aligned_row
 from graph_trainer.torch_compat import cpu_backend
 
-BUCKETS = [[65536, 1024, 256, 147456, 512, 81920], [32768, 512, 64, 65536], [2 ** 20, 6]]
+BUCKETS = [[65536, 1024, 256, 147456, 512, 81920], [32768, 512, 64, 65536], [2**20, 6]]
 
 
 def member_equal(parts: list[torch.Tensor], alone: list[torch.Tensor], pad: int, world: int) -> bool:
@@ -28,16 +28,18 @@ def main() -> None:
     g = torch.Generator().manual_seed(11 + rank)
     for sizes in BUCKETS:
         # magnitudes over 6 decades, so that the order of the sums shows in the last bits
-        parts = [torch.randn(world, n, generator=g) * 10.0 ** torch.randint(-3, 3, (world, n), generator=g)
-                 for n in sizes]
+        parts = [
+            torch.randn(world, n, generator=g) * 10.0 ** torch.randint(-3, 3, (world, n), generator=g) for n in sizes
+        ]
         alone = []
         for p in parts:
             out = torch.empty(p.shape[1])
             dist.reduce_scatter_tensor(out, p.reshape(-1).clone())
             alone.append(out)
         pad = ring_aligned_row(sum(sizes), world, 4) - sum(sizes)
-        verdict = torch.tensor([member_equal(parts, alone, 0, world), member_equal(parts, alone, pad, world)],
-                               dtype=torch.int32)
+        verdict = torch.tensor(
+            [member_equal(parts, alone, 0, world), member_equal(parts, alone, pad, world)], dtype=torch.int32
+        )
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
         if rank == 0:
             print(f"{sizes} pad={pad} unpadded={bool(verdict[0])} padded={bool(verdict[1])}", flush=True)

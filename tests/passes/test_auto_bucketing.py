@@ -34,8 +34,10 @@ def _trace(passes: str, world_size: int = 4, extra: tuple[str, ...] = ()):
 
 def _gathers_and_reduces(gm) -> tuple[int, int]:
     counts = collective_counts(gm.graph)
-    return (counts.get("all_gather_into_tensor", 0) + counts.get("all_gather_into_tensor_out", 0),
-            counts.get("reduce_scatter_tensor", 0))
+    return (
+        counts.get("all_gather_into_tensor", 0) + counts.get("all_gather_into_tensor_out", 0),
+        counts.get("reduce_scatter_tensor", 0),
+    )
 
 
 def test_fewer_collectives_on_fake_fsdp4_and_graph_lints():
@@ -53,13 +55,22 @@ def test_rejected_at_config_validation():
         validate_config(load_config(["--compile.passes", AUTO]), world_size=1)
     assert "\n" not in str(info.value) and "multi-process layout" in str(info.value)
     with pytest.raises(ConfigError) as order:  # auto_bucketing leaves out= mutations: it must run last
-        validate_config(load_config(["--compile.passes", f"{AUTO},transformer_block_bucketing",
-                                     "--parallelism.dp_shard", "2"]), world_size=2)
+        validate_config(
+            load_config(["--compile.passes", f"{AUTO},transformer_block_bucketing", "--parallelism.dp_shard", "2"]),
+            world_size=2,
+        )
     assert "must be the last pass" in str(order.value)
-    validate_config(load_config(["--compile.passes", f"transformer_block_bucketing,{AUTO}",
-                                 "--parallelism.dp_shard", "2"]), world_size=2)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--compile.passes", AUTO],
-                            capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    validate_config(
+        load_config(["--compile.passes", f"transformer_block_bucketing,{AUTO}", "--parallelism.dp_shard", "2"]),
+        world_size=2,
+    )
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--compile.passes", AUTO],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"error: {info.value}"]
     assert AUTO in PASS_REGISTRY

@@ -27,19 +27,36 @@ from tests.graph_compare import node_multiset, node_signatures
 
 pytestmark = NEEDS_TORCH_2_13
 
-DEEPSEEK = ["--job.config_file", f"{ROOT}/configs/deepseek_v3_debug.toml", "--training.seq_len", "32",
-            "--training.local_batch_size", "2"]
+DEEPSEEK = [
+    "--job.config_file",
+    f"{ROOT}/configs/deepseek_v3_debug.toml",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+]
 SMALL = dataclasses.replace(MODEL_SPECS["deepseek_v3"].flavors["debugmodel"], n_layers=3)
 """The debug flavor cut to 3 layers for the one-process traces: layer 0 dense, layers 1-2 MoE."""
 MOE_LAYERS = ["layers.1", "layers.2"]
-SELECTIONS = {"blocks_batch": ("layers.*", "batch"), "moe_batch": ("layers.*.moe", "batch"),
-              "moe_seq": ("layers.*.moe", "seq")}
+SELECTIONS = {
+    "blocks_batch": ("layers.*", "batch"),
+    "moe_batch": ("layers.*.moe", "batch"),
+    "moe_seq": ("layers.*.moe", "seq"),
+}
 
 
 def _args(selection: str, reorder: bool = True, passes: str = "ep_overlap") -> list[str]:
     fqn, dim = SELECTIONS[selection]
-    return ["--compile.passes", passes, "--compile.ep_overlap.module_fqn", fqn,
-            "--compile.ep_overlap.chunk_dim", dim, "--compile.ep_overlap.reorder", str(reorder)]
+    return [
+        "--compile.passes",
+        passes,
+        "--compile.ep_overlap.module_fqn",
+        fqn,
+        "--compile.ep_overlap.chunk_dim",
+        dim,
+        "--compile.ep_overlap.reorder",
+        str(reorder),
+    ]
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,7 +78,8 @@ def test_schedule_on_the_debug_model(selection):
     regions = find_regions(gm.graph)
     suffix = "" if selection == "blocks_batch" else ".moe"
     assert sorted((r.fqn, r.phase) for r in regions) == sorted(
-        (f"{layer}{suffix}", phase) for layer in MOE_LAYERS for phase in ("forward", "backward"))
+        (f"{layer}{suffix}", phase) for layer in MOE_LAYERS for phase in ("forward", "backward")
+    )
     pos = _position(gm)
     for region in regions:
         waits = {chunk: [next(iter(a.users)) for a in region.launches[chunk]] for chunk in (0, 1)}
@@ -76,10 +94,13 @@ def test_schedule_on_the_debug_model(selection):
             assert pos[a] < pos[b] < min(pos[waits[0][stage]], pos[waits[1][stage]]), (region.name, stage)
         # While the first chunk's exchange is outstanding, compute of the other chunk runs.
         for stage in range(len(region.roles(0))):
-            between = [n for n in region.nodes
-                       if pos[region.launches[first][stage]] < pos[n] < pos[waits[first][stage]]]
-            assert any(tags.get(n, CHUNK_ID) == second and n.op == "call_function"
-                       and collective_name(n) is None for n in between), (region.name, stage)
+            between = [
+                n for n in region.nodes if pos[region.launches[first][stage]] < pos[n] < pos[waits[first][stage]]
+            ]
+            assert any(
+                tags.get(n, CHUNK_ID) == second and n.op == "call_function" and collective_name(n) is None
+                for n in between
+            ), (region.name, stage)
 
 
 @pytest.mark.parametrize("selection", list(SELECTIONS))
@@ -100,8 +121,14 @@ def test_chunking_keeps_fsdp_collectives_and_doubles_all_to_alls():
         assert chunked[kind] == plain[kind]  # parameters gathered once per region, not once per chunk
 
 
-@pytest.mark.parametrize("order", ["ep_overlap,transformer_block_bucketing", "transformer_block_bucketing,ep_overlap",
-                                   "ep_overlap,transformer_block_bucketing,auto_bucketing"])
+@pytest.mark.parametrize(
+    "order",
+    [
+        "ep_overlap,transformer_block_bucketing",
+        "transformer_block_bucketing,ep_overlap",
+        "ep_overlap,transformer_block_bucketing,auto_bucketing",
+    ],
+)
 def test_composes_with_fsdp_bucketing(order):
     world_size = 4  # FSDP=4 (dense), experts EP=2 x FSDP=2
     gm = _graph(tuple(_args("blocks_batch", passes=order)), world_size)
@@ -113,8 +140,9 @@ def test_composes_with_fsdp_bucketing(order):
     for kind in ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor"):
         assert counts[kind] == bucketed[kind]  # chunking changes no FSDP collective
     # EP runs on its own process group, so hardware can overlap it with FSDP traffic.
-    groups = {(collective_name(n), group_name(n)) for n in gm.graph.nodes
-              if collective_name(n) not in (None, "wait_tensor")}
+    groups = {
+        (collective_name(n), group_name(n)) for n in gm.graph.nodes if collective_name(n) not in (None, "wait_tensor")
+    }
     ep_groups = {g for kind, g in groups if kind == "all_to_all_single"}
     fsdp_groups = {g for kind, g in groups if kind != "all_to_all_single"}
     assert ep_groups and not ep_groups & fsdp_groups
@@ -124,14 +152,35 @@ def test_composes_with_fsdp_bucketing(order):
     "args, world_size, message",
     [
         (["--compile.passes", "ep_overlap"], 2, "needs a MoE model with parallelism.ep > 1 (got ep = 1"),
-        (["--parallelism.ep", "2", "--compile.passes", "ep_overlap", "--training.local_batch_size", "3"], 2,
-         "training.local_batch_size = 3 must be even and >= 2"),
-        (["--parallelism.ep", "2", "--compile.passes", "ep_overlap", "--training.local_batch_size", "1"], 2,
-         "training.local_batch_size = 1 must be even and >= 2"),
-        (["--parallelism.ep", "2", "--compile.passes", "ep_overlap", "--compile.ep_overlap.chunk_dim", "seq",
-          "--training.seq_len", "33"], 2, "training.seq_len = 33 must be even"),
-        (["--parallelism.ep", "2", "--compile.passes", "ep_overlap", "--compile.ep_overlap.chunk_dim", "hidden"], 2,
-         "chunk_dim = 'hidden' is not allowed; choose one of: batch, seq"),
+        (
+            ["--parallelism.ep", "2", "--compile.passes", "ep_overlap", "--training.local_batch_size", "3"],
+            2,
+            "training.local_batch_size = 3 must be even and >= 2",
+        ),
+        (
+            ["--parallelism.ep", "2", "--compile.passes", "ep_overlap", "--training.local_batch_size", "1"],
+            2,
+            "training.local_batch_size = 1 must be even and >= 2",
+        ),
+        (
+            [
+                "--parallelism.ep",
+                "2",
+                "--compile.passes",
+                "ep_overlap",
+                "--compile.ep_overlap.chunk_dim",
+                "seq",
+                "--training.seq_len",
+                "33",
+            ],
+            2,
+            "training.seq_len = 33 must be even",
+        ),
+        (
+            ["--parallelism.ep", "2", "--compile.passes", "ep_overlap", "--compile.ep_overlap.chunk_dim", "hidden"],
+            2,
+            "chunk_dim = 'hidden' is not allowed; choose one of: batch, seq",
+        ),
     ],
 )
 def test_rejected_at_config_validation(args, world_size, message):

@@ -23,8 +23,12 @@ def _dumped(folder) -> list[str]:
 
 def test_dump_graphs_writes_code_before_and_after_every_pass(tmp_path):
     transform_graph(_graph(), PassContext(), [], str(tmp_path))
-    assert _dumped(tmp_path) == ["00_remove_dead_code_after.py", "00_remove_dead_code_before.py",
-                                 "01_reshard_after_forward_after.py", "01_reshard_after_forward_before.py"]
+    assert _dumped(tmp_path) == [
+        "00_remove_dead_code_after.py",
+        "00_remove_dead_code_before.py",
+        "01_reshard_after_forward_after.py",
+        "01_reshard_after_forward_before.py",
+    ]
     assert "relu" in (tmp_path / "00_remove_dead_code_before.py").read_text()
 
 

@@ -49,8 +49,11 @@ def _trace(extra: tuple[str, ...], passes: str = TBB, world_size: int = 4):
 
 
 def _fsdp_collectives(gm, name: str, phase: str) -> list:
-    return [n for n in gm.graph.nodes if collective_name(n) == name and tags.get(n, "fsdp_role")
-            and tags.get(n, "phase") == phase]
+    return [
+        n
+        for n in gm.graph.nodes
+        if collective_name(n) == name and tags.get(n, "fsdp_role") and tags.get(n, "phase") == phase
+    ]
 
 
 def _compute(gm, phase: str) -> dict[int, list[int]]:
@@ -88,8 +91,11 @@ def test_one_all_gather_and_one_reduce_scatter_per_bucket(layout):
     plain = _trace(extra, passes="")
 
     def others(g):
-        return Counter((node_signature(n), tags.get(n, "phase"))
-                       for n in g.graph.nodes if is_collective(n) and not tags.get(n, "fsdp_role"))
+        return Counter(
+            (node_signature(n), tags.get(n, "phase"))
+            for n in g.graph.nodes
+            if is_collective(n) and not tags.get(n, "fsdp_role")
+        )
 
     assert others(gm) == others(plain)  # same op, process group and input node, in the same phase
     assert any("all_reduce" in sig[2] for sig, _ in others(gm)) == (layout == "fsdp2xtp2")  # TP's stay
@@ -114,8 +120,13 @@ def test_gathers_are_prefetched_and_reduce_scatters_deferred(layout):
         next_issue, _ = _issue_and_wait(gm, following)
         next_bucket = NAMES.index(tags.get(following, "fsdp_bucket"))
         # waited only when the next bucket's reduce-scatter is issued, after all its gradients
-        gradients = [i for i, n in enumerate(gm.graph.nodes) if tags.get(n, "fsdp_role") == "reduce_grad"
-                     and not tags.has(n, "fsdp_bucket") and bucket_index(PLAN, tags.get(n, "fsdp_param")) == next_bucket]
+        gradients = [
+            i
+            for i, n in enumerate(gm.graph.nodes)
+            if tags.get(n, "fsdp_role") == "reduce_grad"
+            and not tags.has(n, "fsdp_bucket")
+            and bucket_index(PLAN, tags.get(n, "fsdp_param")) == next_bucket
+        ]
         assert issue < backward_compute[next_bucket][0] and max(gradients) < wait < next_issue
 
 
@@ -133,8 +144,11 @@ def test_deepseek_expert_parallel_gets_one_collective_per_bucket_and_group():
     assert per_bucket["layers.0"] == 1 and per_bucket["layers.1"] == 2  # dense layer; dense + experts (efsdp)
 
 
-@pytest.mark.parametrize("nproc,extra", [(2, ["--training.mixed_precision_param", "bfloat16"]),
-                                         (4, ["--parallelism.dp_replicate", "2"])], ids=["fsdp2_bf16", "hsdp2x2"])
+@pytest.mark.parametrize(
+    "nproc,extra",
+    [(2, ["--training.mixed_precision_param", "bfloat16"]), (4, ["--parallelism.dp_replicate", "2"])],
+    ids=["fsdp2_bf16", "hsdp2x2"],
+)
 def test_loss_and_every_gradient_bitwise(nproc, extra, tmp_path):
     _launch(nproc, *FAST_ARGS, "--job.dump_folder", str(tmp_path), *extra)
     reports = [(tmp_path / f"bitwise_rank{r}.txt").read_text() for r in range(nproc)]
@@ -158,8 +172,13 @@ def test_rejected_at_config_validation_without_fsdp():
     assert "\n" not in str(info.value) and "parallelism.dp_shard > 1" in str(info.value)
     with pytest.raises(ConfigError):  # DDP: replicated parameters, nothing gathered
         validate_config(load_config(["--compile.passes", TBB, "--parallelism.dp_replicate", "2"]), world_size=2)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--compile.passes", TBB],
-                            capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--compile.passes", TBB],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"error: {info.value}"]
 
@@ -198,8 +217,11 @@ def _grads_worker(argv: list[str]) -> None:
         return t.detach().contiguous().view(-1).view(torch.uint8)
 
     (loss_a, grads_a), (loss_b, grads_b) = results
-    same = torch.equal(bits(loss_a), bits(loss_b)) and len(grads_a) == len(grads_b) == len(params) and all(
-        torch.equal(bits(a), bits(b)) for a, b in zip(grads_a, grads_b))
+    same = (
+        torch.equal(bits(loss_a), bits(loss_b))
+        and len(grads_a) == len(grads_b) == len(params)
+        and all(torch.equal(bits(a), bits(b)) for a, b in zip(grads_a, grads_b))
+    )
     with open(os.path.join(cfg.job.dump_folder, f"bitwise_rank{dist.get_rank()}.txt"), "w") as f:
         f.write(f"{len(params)} gradients and the loss: {'same' if same else 'DIFFER'}")
     _leave(dist)
@@ -236,8 +258,10 @@ def _mixed_dtypes_worker(folder: str) -> None:
     gm.recompile()
     got = gm(*shards)
     one = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default] == [merged.collective]
-    same = one and all(a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
-                       for a, b in zip(expected, got))
+    same = one and all(
+        a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+        for a, b in zip(expected, got)
+    )
     with open(os.path.join(folder, f"bitwise_rank{rank}.txt"), "w") as f:
         f.write(f"one all_gather of 3 dtypes: {'same' if same else 'DIFFER'}")
     _leave(dist)

@@ -40,9 +40,15 @@ def make_trainer(folder, *args) -> Trainer:
 
 def train_py(*args, preexec_fn=None, timeout=300) -> subprocess.CompletedProcess:
     """``train.py`` with ``args`` in a process of its own (for its exit code and stderr)."""
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout, preexec_fn=preexec_fn,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+        preexec_fn=preexec_fn,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
+    )
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -25,9 +25,11 @@ def test_crafted_metadata_is_refused_with_one_line_and_nothing_runs(tmp_path, th
     seal(step)  # whoever can write the folder can write a matching manifest too
     with pytest.raises(ConfigError) as info:
         make_trainer(job, "--training.steps", "4")
-    assert str(info.value) == (f"{step / '.metadata'} refers to builtins.exec, which checkpoint metadata never "
-                               f"holds; refusing to load it (nothing in it was run). Only load checkpoints you or "
-                               f"your jobs wrote")
+    assert str(info.value) == (
+        f"{step / '.metadata'} refers to builtins.exec, which checkpoint metadata never "
+        f"holds; refusing to load it (nothing in it was run). Only load checkpoints you or "
+        f"your jobs wrote"
+    )
     assert not marker.exists()
     pickle.loads((step / ".metadata").read_bytes())  # what DCP's reader does with it: the code runs
     assert marker.exists()
@@ -40,7 +42,8 @@ def test_non_tensor_entries_are_refused(tmp_path):
     from graph_trainer.safe_metadata import UnsafeCheckpointError, load_dcp_metadata
 
     with pytest.warns(UserWarning):
-        dcp.save({"w": torch.ones(2), "extra": {"a": 1}}, storage_writer=dcp.FileSystemWriter(str(tmp_path)),
-                 no_dist=True)
+        dcp.save(
+            {"w": torch.ones(2), "extra": {"a": 1}}, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True
+        )
     with pytest.raises(UnsafeCheckpointError, match="BytesStorageMetadata"):
         load_dcp_metadata(str(tmp_path / ".metadata"))

@@ -9,9 +9,14 @@ from graph_trainer.config_loading import load_config
 from tests.reliability.helpers import DEBUG_TOML
 
 
-@pytest.mark.parametrize("argv", [
-    ["--job.config-file", DEBUG_TOML], [f"--job.config-file={DEBUG_TOML}"], ["--job.config_file", DEBUG_TOML],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--job.config-file", DEBUG_TOML],
+        [f"--job.config-file={DEBUG_TOML}"],
+        ["--job.config_file", DEBUG_TOML],
+    ],
+)
 def test_config_file_flag_in_either_spelling(argv):
     cfg = load_config([*argv, "--training.local-batch-size", "3"])
     assert (cfg.training.steps, cfg.training.seq_len, cfg.training.local_batch_size) == (40, 128, 3)
@@ -20,7 +25,13 @@ def test_config_file_flag_in_either_spelling(argv):
 def test_every_entry_point_accepts_either_spelling(tmp_path, capsys):
     from graph_trainer.config_loading import normalize_flags
 
-    assert normalize_flags(["--a-b.c-d", "x-y", "--e-f=g-h", "-1", "--"]) == ["--a_b.c_d", "x-y", "--e_f=g-h", "-1", "--"]
+    assert normalize_flags(["--a-b.c-d", "x-y", "--e-f=g-h", "-1", "--"]) == [
+        "--a_b.c_d",
+        "x-y",
+        "--e_f=g-h",
+        "-1",
+        "--",
+    ]
     from graph_trainer import analyze
 
     assert analyze.main(["--device-memory-gib", "lots"]) == 2  # read as --device_memory_gib, before any tracing

@@ -28,23 +28,42 @@ def _bad_input(case: str, tmp) -> tuple[list[str], str]:
         (tmp / "job.toml").write_bytes(b"[training]\nsteps = 3 # caf\xe9\n")
         return ["--job.config_file", str(tmp / "job.toml"), *out], f"error: {tmp / 'job.toml'} is not UTF-8 text"
     if case == "dump_folder_is_a_file":
-        return [*EAGER, "--job.dump_folder", str(a_file)], f"error: job.dump_folder = '{a_file}' is a file, not a folder"
+        return [
+            *EAGER,
+            "--job.dump_folder",
+            str(a_file),
+        ], f"error: job.dump_folder = '{a_file}' is a file, not a folder"
     if case == "checkpoint_folder_is_a_file":
-        return ([*EAGER, *out, "--checkpoint.folder", str(a_file), "--checkpoint.interval", "1"],
-                f"error: checkpoint.folder = '{a_file}' is a file, not a folder")
+        return (
+            [*EAGER, *out, "--checkpoint.folder", str(a_file), "--checkpoint.interval", "1"],
+            f"error: checkpoint.folder = '{a_file}' is a file, not a folder",
+        )
     if case == "graph_dump_folder_is_a_file":
-        return ([*EAGER, *out, "--compile.dump_graphs", str(a_file)],
-                f"error: compile.dump_graphs = '{a_file}' is a file, not a folder")
+        return (
+            [*EAGER, *out, "--compile.dump_graphs", str(a_file)],
+            f"error: compile.dump_graphs = '{a_file}' is a file, not a folder",
+        )
     if case == "huge_num_threads":
         return [*EAGER, *out, "--debug.num_threads", "1000000000"], "error: debug.num_threads = 1000000000 is more than"
     if case == "huge_batch":
-        return ([*EAGER, *out, "--training.local_batch_size", "1000000000"],
-                "error: training.local_batch_size = 1000000000 with seq_len 64 needs at least")
+        return (
+            [*EAGER, *out, "--training.local_batch_size", "1000000000"],
+            "error: training.local_batch_size = 1000000000 with seq_len 64 needs at least",
+        )
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", ["non_utf8_config", "dump_folder_is_a_file", "checkpoint_folder_is_a_file",
-                                  "graph_dump_folder_is_a_file", "huge_num_threads", "huge_batch"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "non_utf8_config",
+        "dump_folder_is_a_file",
+        "checkpoint_folder_is_a_file",
+        "graph_dump_folder_is_a_file",
+        "huge_num_threads",
+        "huge_batch",
+    ],
+)
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
     import train
 
@@ -74,8 +93,9 @@ def test_read_only_checkpoint_folder_during_a_save_is_one_job_error(tmp_path):
     with immutable(root), pytest.raises(JobError) as info:
         trainer.train()
     message = str(info.value)
-    assert "\n" not in message and message.startswith(f"cannot save checkpoint {root / 'step-1'}: Operation not "
-                                                      f"permitted"), message
+    assert "\n" not in message and message.startswith(
+        f"cannot save checkpoint {root / 'step-1'}: Operation not permitted"
+    ), message
     assert message.endswith("(earlier checkpoints are intact)")
     assert os.listdir(root) == [] and [s for s, _ in read_losses(tmp_path)] == [1]
 
@@ -87,8 +107,16 @@ def _small_files():
 
 
 def test_disk_full_during_a_save_is_one_line_exit_1_and_nothing_is_lost(tmp_path):
-    result = train_py(*EAGER, "--job.dump_folder", str(tmp_path), "--training.steps", "2",
-                       "--checkpoint.interval", "1", preexec_fn=_small_files)
+    result = train_py(
+        *EAGER,
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "2",
+        "--checkpoint.interval",
+        "1",
+        preexec_fn=_small_files,
+    )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     errors = error_lines(result.stderr)
@@ -99,16 +127,34 @@ def test_disk_full_during_a_save_is_one_line_exit_1_and_nothing_is_lost(tmp_path
 
 
 def _timed_stderr(cmd) -> tuple[list[tuple[float, str]], float, int]:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
+    )
     lines = [(time.monotonic(), line.rstrip("\n")) for line in proc.stderr]
     proc.wait(timeout=120)
     return lines, time.monotonic(), proc.returncode
 
 
 def test_config_error_under_torchrun_is_the_first_line_and_the_reports_cause(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "train.py"), *EAGER, "--job.dump_folder", str(tmp_path), "--training.steps", "-1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.join(ROOT, "train.py"),
+        *EAGER,
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "-1",
+    ]
     lines, ended, code = _timed_stderr(cmd)
     text = "\n".join(line for _, line in lines)
     assert code == 1
@@ -122,8 +168,20 @@ def test_config_error_under_torchrun_is_the_first_line_and_the_reports_cause(tmp
 
 @pytest.mark.filterwarnings("ignore:.*assuming the intent")
 def test_nan_under_torchrun_stops_every_rank_with_one_line(tmp_path):
-    result = run_torchrun(2, os.path.join(ROOT, "train.py"), *EAGER, "--job.dump_folder", str(tmp_path),
-                          "--training.steps", "6", "--checkpoint.interval", "1", "--training.lr", "1e6", check=False)
+    result = run_torchrun(
+        2,
+        os.path.join(ROOT, "train.py"),
+        *EAGER,
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "6",
+        "--checkpoint.interval",
+        "1",
+        "--training.lr",
+        "1e6",
+        check=False,
+    )
     assert result.returncode == 1
     errors = error_lines(result.stderr)
     assert len(errors) == 1 and re.match(r"error: step \d+: (non-finite|the state to checkpoint)", errors[0]), errors
@@ -131,5 +189,7 @@ def test_nan_under_torchrun_stops_every_rank_with_one_line(tmp_path):
     assert result.stderr.count("Traceback") == 1 and result.stderr.index(errors[0]) < result.stderr.index("Traceback")
     root_cause = result.stderr.split("Root Cause")[-1]
     assert re.findall(r"exitcode\s*:\s*(-?\d+)", root_cause) == ["1"]
-    assert all(saved_tensors_finite(tmp_path / "checkpoint" / f"step-{s}")
-               for s in complete_steps(str(tmp_path / "checkpoint")))
+    assert all(
+        saved_tensors_finite(tmp_path / "checkpoint" / f"step-{s}")
+        for s in complete_steps(str(tmp_path / "checkpoint"))
+    )

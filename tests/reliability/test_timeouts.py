@@ -43,11 +43,31 @@ def _worker_pid(torchrun: int, rank: int) -> int | None:
 
 
 def test_stopped_rank_ends_the_job_with_one_line_within_the_timeout(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "train.py"), *EAGER, "--job.dump_folder", str(tmp_path), "--training.steps", "100000",
-           "--comm.timeout_seconds", "3"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.join(ROOT, "train.py"),
+        *EAGER,
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "100000",
+        "--comm.timeout_seconds",
+        "3",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
+    )
     try:
         deadline = time.monotonic() + 240
         while not ((tmp_path / "losses.txt").is_file() and len(read_losses(tmp_path)) >= 3):
@@ -67,8 +87,11 @@ def test_stopped_rank_ends_the_job_with_one_line_within_the_timeout(tmp_path):
         for p in [*_children(proc.pid), proc.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
-    assert line is not None and re.match(r"error: rank 0: step \d+: a collective waited more than 3 s "
-                                         r"\(comm.timeout_seconds / comm.init_timeout_seconds\) for another rank", line)
+    assert line is not None and re.match(
+        r"error: rank 0: step \d+: a collective waited more than 3 s "
+        r"\(comm.timeout_seconds / comm.init_timeout_seconds\) for another rank",
+        line,
+    )
     assert 3 <= reported - stopped < 3 + 10, reported - stopped  # the timeout, plus at most a step
     assert proc.returncode != 0
     # torchrun then SIGTERMs the stopped rank, which acts on it only when continued: torchrun

@@ -24,7 +24,7 @@ def _flip(path):
 def _edit_a_hash(path):
     text = open(path).read()
     at = text.index('"sha256": "') + len('"sha256": "')
-    open(path, "w").write(text[:at] + ("0" if text[at] != "0" else "1") + text[at + 1:])
+    open(path, "w").write(text[:at] + ("0" if text[at] != "0" else "1") + text[at + 1 :])
 
 
 CORRUPTIONS = {
@@ -45,14 +45,18 @@ def test_corrupt_checkpoint_is_named_and_the_newest_good_one_resumes_bitwise(tmp
     with pytest.raises(ConfigError) as info:  # asked for exactly that step: one line naming the file
         make_trainer(job, "--training.steps", "3", "--checkpoint.load_step", "3")
     message = str(info.value)
-    assert "\n" not in message and message.startswith(f"checkpoint {job / 'checkpoint' / 'step-3'} fails "
-                                                       f"verification: ") and name in message, message
+    assert (
+        "\n" not in message
+        and message.startswith(f"checkpoint {job / 'checkpoint' / 'step-3'} fails verification: ")
+        and name in message
+    ), message
     reference = (job / "losses.txt").read_text()
     with logged_warnings() as warned:
         trainer = make_trainer(job, "--training.steps", "3", "--checkpoint.interval", "1")
     assert trainer.step == 2
-    assert any(w.startswith(f"checkpoint {job / 'checkpoint' / 'step-3'} fails verification: ") and name in w
-               for w in warned), warned
+    assert any(
+        w.startswith(f"checkpoint {job / 'checkpoint' / 'step-3'} fails verification: ") and name in w for w in warned
+    ), warned
     assert f"resuming from {job / 'checkpoint' / 'step-2'}, the newest checkpoint that verifies" in warned
     trainer.train()
     assert (job / "losses.txt").read_text() == reference  # step 3 again, bitwise: nothing corrupt was loaded

@@ -2,7 +2,6 @@
 
 Fails loudly when a PyTorch upgrade changes a private API graph_trainer relies on."""
 
-
 import pytest
 import torch
 
@@ -28,8 +27,12 @@ def test_dcp_metadata_globals_cover_a_real_checkpoint_and_the_reader_never_pickl
     from graph_trainer.safe_metadata import load_dcp_metadata, safe_reader
     from graph_trainer.torch_compat import DCP_METADATA_FILE, dcp_metadata_globals, dcp_storage_files
 
-    state = {"model.w": torch.randn(4, 3), "model.h": torch.randn(5, dtype=torch.bfloat16),
-             "optim.w.step": torch.zeros((), dtype=torch.float32), "model.i": torch.arange(3)}
+    state = {
+        "model.w": torch.randn(4, 3),
+        "model.h": torch.randn(5, dtype=torch.bfloat16),
+        "optim.w.step": torch.zeros((), dtype=torch.float32),
+        "model.i": torch.arange(3),
+    }
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
     seen: set = set()
     with open(tmp_path / DCP_METADATA_FILE, "rb") as f:
@@ -37,8 +40,13 @@ def test_dcp_metadata_globals_cover_a_real_checkpoint_and_the_reader_never_pickl
     allowed = dcp_metadata_globals()
     assert seen <= set(allowed), seen - set(allowed)  # DCP started pickling something new: admit it knowingly
     md = "torch.distributed.checkpoint.metadata"
-    assert {(md, "Metadata"), (md, "TensorStorageMetadata"), (md, "ChunkStorageMetadata"),
-            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "bfloat16")} <= seen
+    assert {
+        (md, "Metadata"),
+        (md, "TensorStorageMetadata"),
+        (md, "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "bfloat16"),
+    } <= seen
     assert (md, "BytesStorageMetadata") not in allowed
     assert dcp_storage_files(load_dcp_metadata(str(tmp_path / DCP_METADATA_FILE))) == {"__0_0.distcp"}
 

@@ -2,7 +2,6 @@
 
 Fails loudly when a PyTorch upgrade changes a private API graph_trainer relies on."""
 
-
 import torch
 
 
@@ -63,11 +62,15 @@ def _two_rank_worker(rank: int, store: str, folder: str) -> None:
     group = dist.new_group([0, 1])  # subgroups (device mesh dims) must get the same backend
     x = torch.arange(4.0) * (rank + 1)
     dist.all_reduce(x)
-    y = torch.tensor([10.0 ** rank])
+    y = torch.tensor([10.0**rank])
     dist.all_reduce(y, group=group)
     threads = [g._get_backend(torch.device("cpu")).options._threads for g in (dist.group.WORLD, group)]
-    report = {"backends": [dist.get_backend(), dist.get_backend(group)], "threads": threads,
-              "world": x.tolist(), "group": y.tolist()}
+    report = {
+        "backends": [dist.get_backend(), dist.get_backend(group)],
+        "threads": threads,
+        "world": x.tolist(),
+        "group": y.tolist(),
+    }
     with open(os.path.join(folder, f"rank{rank}.txt"), "w") as f:
         f.write(repr(report))
     dist.barrier()
@@ -90,8 +93,12 @@ def test_cpu_backend_is_gloo_with_one_worker_thread(tmp_path):
     mp.spawn(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         report = ast.literal_eval((tmp_path / f"rank{rank}.txt").read_text())
-        assert report == {"backends": [ONE_THREAD_GLOO] * 2, "threads": [1, 1],
-                          "world": [0.0, 3.0, 6.0, 9.0], "group": [11.0]}, (rank, report)
+        assert report == {
+            "backends": [ONE_THREAD_GLOO] * 2,
+            "threads": [1, 1],
+            "world": [0.0, 3.0, 6.0, 9.0],
+            "group": [11.0],
+        }, (rank, report)
 
 
 def _timeout_worker(rank: int, store: str, folder: str) -> None:
@@ -109,11 +116,15 @@ def _timeout_worker(rank: int, store: str, folder: str) -> None:
     def timeouts():
         return sorted(g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in process_groups())
 
-    dist.init_process_group(cpu_backend(), init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=42))
+    dist.init_process_group(
+        cpu_backend(), init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=42)
+    )
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("rep", "dp"))  # groups of its own
-    report = {"groups": len(process_groups()), "mesh_in_groups": mesh.get_group("dp") in process_groups(),
-              "init": timeouts()}
+    report = {
+        "groups": len(process_groups()),
+        "mesh_in_groups": mesh.get_group("dp") in process_groups(),
+        "init": timeouts(),
+    }
     comm.set_timeout(1.5)
     report["set"] = timeouts()
     if rank == 1:

@@ -2,7 +2,6 @@
 
 Fails loudly when a PyTorch upgrade changes a private API graph_trainer relies on."""
 
-
 import pytest
 import torch
 import torch.fx.traceback as fx_traceback
@@ -30,8 +29,8 @@ def test_annotations_and_backward_seq_nr_reach_node_meta():
     with fx_traceback.preserve_node_meta(), torch.autograd.set_multithreading_enabled(False):
         gm = make_fx(step, tracing_mode="fake")(torch.randn(3))
     aten = torch.ops.aten
-    sin, = (n for n in gm.graph.nodes if n.target == aten.sin.default)
-    cos, = (n for n in gm.graph.nodes if n.target == aten.cos.default)  # d/dx sin, traced in backward
+    (sin,) = (n for n in gm.graph.nodes if n.target == aten.sin.default)
+    (cos,) = (n for n in gm.graph.nodes if n.target == aten.cos.default)  # d/dx sin, traced in backward
     muls = [n for n in gm.graph.nodes if n.target == aten.mul.Tensor]
     forward_mul = next(n for n in muls if n.args[0] is sin)  # sin(x) * 3
     backward_muls = [n for n in muls if n is not forward_mul]

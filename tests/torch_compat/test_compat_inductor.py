@@ -11,8 +11,11 @@ import torch
 TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
-NEEDS_2_13 = pytest.mark.skipif(TORCH < (2, 13), reason=f"auto_bucketing's overlap scheduler API is torch 2.13's; "
-                                                       f"this is {torch.__version__} (see overlap_scheduler_problem)")
+NEEDS_2_13 = pytest.mark.skipif(
+    TORCH < (2, 13),
+    reason=f"auto_bucketing's overlap scheduler API is torch 2.13's; "
+    f"this is {torch.__version__} (see overlap_scheduler_problem)",
+)
 
 
 def test_overlap_scheduler_problem_names_what_is_missing(monkeypatch):
@@ -23,9 +26,11 @@ def test_overlap_scheduler_problem_names_what_is_missing(monkeypatch):
     else:
         assert "lacks" in overlap_scheduler_problem()
     monkeypatch.delattr(overlap_scheduling_module(), "estimate_roofline_runtime_ms", raising=False)
-    assert overlap_scheduler_problem().startswith("auto_bucketing needs PyTorch's overlap scheduler of torch 2.13; "
-                                                  f"torch {torch.__version__}'s overlap_scheduling lacks "
-                                                  "estimate_roofline_runtime_ms")
+    assert overlap_scheduler_problem().startswith(
+        "auto_bucketing needs PyTorch's overlap scheduler of torch 2.13; "
+        f"torch {torch.__version__}'s overlap_scheduling lacks "
+        "estimate_roofline_runtime_ms"
+    )
 
 
 @NEEDS_2_13
@@ -87,15 +92,23 @@ def test_overlap_scheduler_reads_our_estimate_and_counts_collectives():
         start = {k: inductor_counters()[k] for k in keys}
         with roofline_estimate(ours):
             gm = overlap_scheduling_module().schedule_overlap_bucketing(
-                gm, collective_bucketing=False, insert_overlap_deps=False, collective_estimator="analytical",
-                compute_estimator="analytical", pre_bucketing_fsdp_collectives=False,
-                custom_runtime_estimation=lambda node, size: 1.0 if node.target == c10d.all_gather_into_tensor.default
-                else None)
+                gm,
+                collective_bucketing=False,
+                insert_overlap_deps=False,
+                collective_estimator="analytical",
+                compute_estimator="analytical",
+                pre_bucketing_fsdp_collectives=False,
+                custom_runtime_estimation=lambda node, size: (
+                    1.0 if node.target == c10d.all_gather_into_tensor.default else None
+                ),
+            )
     assert set(estimated) == {"mm", "mm_1", "mm_2"}
     order = [n.name for n in gm.graph.nodes]
     assert order.index("all_gather_into_tensor") < order.index("mm")  # issued before the compute that hides it
     assert {k: inductor_counters()[k] - start[k] for k in keys} == {
-        "overlap_scheduling_exposed": 1, "overlap_scheduling_potentially_hidden": 1}
+        "overlap_scheduling_exposed": 1,
+        "overlap_scheduling_potentially_hidden": 1,
+    }
 
 
 def _fake_graph(fn, *inputs):
@@ -132,8 +145,14 @@ def test_inductor_compile_runs_in_the_trace_and_restores_the_deterministic_setti
     seen = []
     before = torch.are_deterministic_algorithms_enabled()
     with inductor_output_files() as paths:
-        compiled = inductor_compile(gm, fake, fake_mode_of(fake[0]), post_grad_pass=lambda g: seen.append(len(g.nodes)),
-                                    deterministic=True, eager_precision=True)
+        compiled = inductor_compile(
+            gm,
+            fake,
+            fake_mode_of(fake[0]),
+            post_grad_pass=lambda g: seen.append(len(g.nodes)),
+            deterministic=True,
+            eager_precision=True,
+        )
     assert torch.are_deterministic_algorithms_enabled() == before
     assert seen and paths and os.path.isfile(paths[-1])  # the pass saw the lowered graph; the code file exists
     x, y = torch.randn(8, 16), torch.randn(8, 16)
