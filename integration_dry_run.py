@@ -13,16 +13,26 @@ import dataclasses
 import time
 from collections import Counter
 
+from graph_trainer.graph import tags
+from graph_trainer.graph.tags import (
+    BACKWARD,
+    COMBINE,
+    COUNT_EXCHANGE,
+    DISPATCH,
+    EP_ROLE,
+    FORWARD,
+    FSDP_BUCKET,
+    FSDP_PARAM,
+    FSDP_ROLE,
+    MOE_FQN,
+    PHASE,
+)
 from suites import BUCKETING, Case, Suite, job_args
 
 # ---- --dry-run: trace at the real world size on the fake process group and check the graph.
 
 FSDP_GATHER = ("all_gather_into_tensor", "all_gather_into_tensor_out")
 _KINDS = {"AG": FSDP_GATHER, "RS": ("reduce_scatter_tensor",), "AR": ("all_reduce",), "A2A": ("all_to_all_single",)}
-
-
-def _custom(node) -> dict:
-    return node.meta.get("custom", {})
 
 
 def _launches(gm) -> list:
@@ -34,11 +44,7 @@ def _launches(gm) -> list:
 def _fsdp(nodes, op: tuple[str, ...], phase: str) -> list:
     from graph_trainer.graph.collectives import collective_name
 
-    return [
-        n
-        for n in nodes
-        if collective_name(n) in op and _custom(n).get("fsdp_role") and _custom(n).get("phase") == phase
-    ]
+    return [n for n in nodes if collective_name(n) in op and tags.get(n, FSDP_ROLE) and tags.get(n, PHASE) == phase]
 
 
 def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str]]) -> list[str]:
@@ -59,8 +65,8 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
     * ``ep_overlap``: a forward and a backward chunked region per MoE layer and, unless
       ``reorder`` is off, the schedule ``ep_overlap.verify_schedule`` checks (after every pass).
     """
-    from graph_trainer.passes.ep_overlap import find_regions, verify_schedule
     from graph_trainer.graph.collectives import collective_name, group_name
+    from graph_trainer.passes.ep_overlap import find_regions, verify_schedule
     from graph_trainer.passes.transformer_block_bucketing import bucket_index
     from models.registry import model_args
 
@@ -87,7 +93,7 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
         f"dp_replicate={degrees['dp_replicate']} but no all-reduce",
     )
     if cfg.model.name == "llama3":
-        tp_reduce = [n for n in ops(nodes, "AR") if not _custom(n).get("fsdp_role")]
+        tp_reduce = [n for n in ops(nodes, "AR") if not tags.get(n, FSDP_ROLE)]
         need(bool(tp_reduce) or degrees["tp"] == 1, f"tp={degrees['tp']} but no TP all-reduce")
         need(
             bool(ops(nodes, "AR")) == (degrees["tp"] > 1 or degrees["dp_replicate"] > 1),
@@ -98,19 +104,19 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
     untagged = [
         n.name
         for n in a2a
-        if _custom(n).get("ep_role") not in ("count_exchange", "dispatch", "combine") or not _custom(n).get("moe_fqn")
+        if tags.get(n, EP_ROLE) not in (COUNT_EXCHANGE, DISPATCH, COMBINE) or not tags.get(n, MOE_FQN)
     ]
     need(not untagged, f"all_to_alls without ep_role / moe_fqn: {untagged[:3]}")
     if a2a:
-        roles = Counter((_custom(n).get("moe_fqn"), _custom(n).get("phase"), _custom(n).get("ep_role")) for n in a2a)
+        roles = Counter((tags.get(n, MOE_FQN), tags.get(n, PHASE), tags.get(n, EP_ROLE)) for n in a2a)
         n_moe = args.n_layers - args.n_dense_layers
         layers = {fqn for fqn, _, _ in roles}
         need(len(layers) == n_moe, f"all_to_alls in {len(layers)} MoE layers, the model has {n_moe}")
         missing = [
             (fqn, phase, role)
             for fqn in layers
-            for phase in ("forward", "backward")
-            for role in ("dispatch", "combine")
+            for phase in (FORWARD, BACKWARD)
+            for role in (DISPATCH, COMBINE)
             if not roles[(fqn, phase, role)]
         ]
         need(not missing, f"MoE layers without an all_to_all for {missing[:3]}")
@@ -125,24 +131,22 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
             break
         got, ref = _fsdp(nodes, _KINDS[kind], phase), _fsdp(ref_nodes, _KINDS[kind], phase)
         # one collective per (bucket, process group) that the reference's per-parameter collectives span
-        ref_pairs = {(bucket_index(plan, _custom(r)["fsdp_param"]), group_name(r)) for r in ref}
+        ref_pairs = {(bucket_index(plan, tags.get(r, FSDP_PARAM)), group_name(r)) for r in ref}
         if "auto_bucketing" in passes and "transformer_block_bucketing" not in passes:
             continue
-        unbucketed = [r.name for r in got if "fsdp_bucket" not in _custom(r)]
+        unbucketed = [r.name for r in got if not tags.has(r, FSDP_BUCKET)]
         need(not unbucketed, f"{phase} FSDP {kind} outside a block bucket: {unbucketed[:3]}")
         if "auto_bucketing" in passes:
             need(len(got) <= len(ref_pairs), f"{phase} {kind}: {len(got)} > {len(ref_pairs)} block buckets")
             continue
-        names = {_custom(r).get("fsdp_bucket") for r in got}
+        names = {tags.get(r, FSDP_BUCKET) for r in got}
         need(len(names) == buckets, f"{phase} {kind}: {len(names)} buckets, expected {buckets}")
         need(
             len(got) == len(ref_pairs),
             f"{phase} {kind}: {len(got)} collectives for {len(ref_pairs)} (bucket, group) pairs",
         )
-    others = Counter((collective_name(x), _custom(x).get("phase")) for x in nodes if not _custom(x).get("fsdp_role"))
-    ref_others = Counter(
-        (collective_name(x), _custom(x).get("phase")) for x in ref_nodes if not _custom(x).get("fsdp_role")
-    )
+    others = Counter((collective_name(x), tags.get(x, PHASE)) for x in nodes if not tags.get(x, FSDP_ROLE))
+    ref_others = Counter((collective_name(x), tags.get(x, PHASE)) for x in ref_nodes if not tags.get(x, FSDP_ROLE))
     if passes == [BUCKETING["tbb"]]:
         need(others == ref_others, f"non-FSDP collectives changed: {dict(others)} vs {dict(ref_others)}")
     if "ep_overlap" in passes:
@@ -157,7 +161,7 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
             need(not wrong, f"ep_overlap schedule broken in {len(wrong)} places: {wrong[:1]}")
     if "auto_bucketing" in passes:
         need(len(ops(nodes, "A2A")) == len(ops(ref_nodes, "A2A")), "auto_bucketing changed the all_to_alls")
-        fsdp, ref_fsdp = (sum(bool(_custom(x).get("fsdp_role")) for x in ns) for ns in (nodes, ref_nodes))
+        fsdp, ref_fsdp = (sum(bool(tags.get(x, FSDP_ROLE)) for x in ns) for ns in (nodes, ref_nodes))
         need(
             degrees["dp_shard"] == 1 or fsdp < ref_fsdp,
             f"auto_bucketing: {fsdp} FSDP collectives, not fewer than {ref_fsdp} without passes",
@@ -205,7 +209,11 @@ def memory_columns(memory, limit: int | None) -> dict[str, str]:
         return {**{c: "-" for c in _MEMORY_COLUMNS}, "mem": ""}
     p = memory.peak
     cells = dict(
-        zip(_MEMORY_COLUMNS, (f"{v / GIB:.3g}" for v in (p.total, p.params, p.grads, p.optimizer, p.activations)))
+        zip(
+            _MEMORY_COLUMNS,
+            (f"{v / GIB:.3g}" for v in (p.total, p.params, p.grads, p.optimizer, p.activations)),
+            strict=True,
+        )
     )
     cells["mem"] = "" if limit is None else "ok" if p.total <= limit else f"> {limit / GIB:.1f} GiB"
     return cells
@@ -216,9 +224,8 @@ def check_backend(gm, cfg, row: dict[str, object]) -> list[str]:
     (``graph_trainer.backend.cut_regions``, nothing is compiled: that needs the GPU) and check that
     no region holds a collective and the collectives keep their order. Sets ``row["regions"]``: how many
     ("full": one graph, whose order only Inductor on a GPU decides)."""
-    from graph_trainer.graph.collectives import collective_name
-    from graph_trainer.graph.collectives import collective_order
     from graph_trainer.backend import cut_regions
+    from graph_trainer.graph.collectives import collective_name, collective_order
 
     c = cfg.compile
     if c.backend == "none":
@@ -240,13 +247,13 @@ def check_backend(gm, cfg, row: dict[str, object]) -> list[str]:
 
 def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
     """Trace each layout once per world size, run each graph case's passes on a copy, check it."""
-    from graph_trainer.graph.collectives import collective_name
-    from graph_trainer.fake_trace import fake_world, trace_without_passes
     from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, estimate_step_memory, memory_warning
     from graph_trainer.config_loading import load_config
+    from graph_trainer.fake_trace import fake_world, trace_without_passes
+    from graph_trainer.graph.collectives import collective_name
     from graph_trainer.parallel import resolve_parallel_degrees
-    from graph_trainer.validation import validate_config
     from graph_trainer.pipeline import transform_graph
+    from graph_trainer.validation import validate_config
 
     groups: dict[tuple, list[Case]] = {}
     for case in cases:

@@ -51,7 +51,6 @@ from integration_dry_run import dry_run  # noqa: E402
 from suites import GRAD_RECORD_STEP, GRAD_RTOL, SUITES, Case, Suite, job_args  # noqa: E402  (the case tables)
 from tests.launch import run_torchrun  # noqa: E402  (the one launcher of torchrun jobs)
 
-
 LOG_LINE = re.compile(r"step (\d+) \| loss (\S+) \|.*\| tok/s/dev ([\d,]+) \| mfu (\S+) \| mem ([\d.]+) GiB")
 """The metrics line of ``graph_trainer.metrics.MetricsLogger`` (loss, tokens/s per device, MFU, memory)."""
 
@@ -130,7 +129,7 @@ def compare(case: Case, run: Finished, done: dict[str, Finished]) -> tuple[str |
         return f"only one of {case.name} and {name} wrote a gradient record", ""
     if case.same_as:
         if reference.losses != losses:
-            step = next(i for i, (a, b) in enumerate(zip(reference.losses, losses), 1) if a != b)
+            step = next(i for i, (a, b) in enumerate(zip(reference.losses, losses, strict=True), 1) if a != b)
             return (
                 f"losses differ from {name} from step {step}: {reference.losses[step - 1]} vs {losses[step - 1]}"
             ), ""
@@ -141,7 +140,7 @@ def compare(case: Case, run: Finished, done: dict[str, Finished]) -> tuple[str |
                 return f"step-{GRAD_RECORD_STEP} gradients differ from {name}: {'; '.join(problems[:3])}", note
             note += " (losses, grads)"
         return None, note
-    deviation = max(abs(float(a) - float(b)) / abs(float(b)) for a, b in zip(losses, reference.losses))
+    deviation = max(abs(float(a) - float(b)) / abs(float(b)) for a, b in zip(losses, reference.losses, strict=True))
     note = f"max rel dev vs {name} {deviation:.1e}"
     if deviation > case.rtol:
         return f"losses deviate {deviation:.1e} (> {case.rtol}) from {name}", note
@@ -254,8 +253,8 @@ def format_table(rows: list[dict[str, object]]) -> str:
     columns = list(rows[0]) if rows else []
     cells = [[str(r[c]) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join(lines)
 
 

@@ -70,8 +70,8 @@ def _leave(code: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from graph_trainer.validation import check_device, validate_config
     from graph_trainer.config_loading import load_config
+    from graph_trainer.validation import check_device, validate_config
 
     try:
         cfg = load_config(argv)

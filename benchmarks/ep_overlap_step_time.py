@@ -43,10 +43,15 @@ DEFAULT_ARGS = [
 ]
 
 
+def _loss_step(trainer):
+    """A step function of ``trainer`` that returns only the loss (what ``time_alternating`` calls)."""
+    return lambda tokens, labels: trainer.train_step(tokens, labels)[0]
+
+
 def main(argv: list[str]) -> int:
     from graph_trainer.config_loading import load_config
-    from graph_trainer.validation import validate_config
     from graph_trainer.trainer import Trainer
+    from graph_trainer.validation import validate_config
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     base = load_config(DEFAULT_ARGS + argv)
@@ -74,7 +79,7 @@ def main(argv: list[str]) -> int:
         for name, cfg in variants.items():
             cfg.job.dump_folder = os.path.join(tmp, name)
             trainers[name] = Trainer(cfg)
-        steps = {name: (lambda tr: lambda tk, lb: tr.train_step(tk, lb)[0])(tr) for name, tr in trainers.items()}
+        steps = {name: _loss_step(tr) for name, tr in trainers.items()}
         timings = time_alternating(steps, iter(trainers["plain"].dataloader), WARMUP, MEASURED)
         for tr in trainers.values():
             tr.metrics.close()

@@ -69,10 +69,10 @@ def build_eager_fsdp2(trainer):
 
 def main(argv: list[str]) -> int:
     from graph_trainer.config_loading import load_config
-    from graph_trainer.validation import validate_config
-    from graph_trainer.parallel import average_over_dp
     from graph_trainer.loss import token_cross_entropy
+    from graph_trainer.parallel import average_over_dp
     from graph_trainer.trainer import Trainer
+    from graph_trainer.validation import validate_config
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(argv or ["--job.config_file", "configs/llama3_debug.toml"])

@@ -19,10 +19,10 @@ GIB = float(1 << 30)
 
 
 def main(argv: list[str]) -> int:
-    from graph_trainer.graph.collectives import collective_counts, format_counts
-    from graph_trainer.fake_trace import fake_world, trace_job
     from graph_trainer.analysis.memory import estimate_peak_memory, estimate_step_memory
     from graph_trainer.config_loading import load_config, take_flag
+    from graph_trainer.fake_trace import fake_world, trace_job
+    from graph_trainer.graph.collectives import collective_counts, format_counts
     from graph_trainer.validation import validate_config
 
     argv, world_size = take_flag(argv, "--world_size", 8, int)

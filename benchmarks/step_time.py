@@ -20,8 +20,8 @@ import torch
 
 def main(argv: list[str]) -> int:
     from graph_trainer.config_loading import load_config
-    from graph_trainer.validation import validate_config
     from graph_trainer.trainer import Trainer
+    from graph_trainer.validation import validate_config
 
     warmup, measured = 3, 15
     base = load_config(argv or ["--job.config_file", "configs/llama3_debug.toml"])

@@ -63,8 +63,8 @@ import torch.fx as fx
 
 def _cpu_roofline(device):
     """PyTorch's GPU roofline estimate replaced by ours while torchtitan's pass runs."""
-    from graph_trainer.graph.sizes import SizeHints
     from graph_trainer.analysis.cost_model import node_compute_time
+    from graph_trainer.graph.sizes import SizeHints
     from graph_trainer.torch_compat import roofline_estimate
 
     hints = SizeHints()
@@ -91,6 +91,9 @@ def run_torchtitan(gm: fx.GraphModule, plan: list[list[str]], param_fqns: list[s
         eliminate_dead_code_pass,
     )
 
+    from graph_trainer.graph import tags
+    from graph_trainer.graph.tags import BACKWARD
+
     # torchtitan's mandatory normalization before its bucketing (passes.py), less
     # deduplicate_fsdp_unshard_chains_pass, which would fold our backward re-gathers
     # (reshard_after_forward) into the forward ones.
@@ -98,7 +101,7 @@ def run_torchtitan(gm: fx.GraphModule, plan: list[list[str]], param_fqns: list[s
         gm = normalize(gm, None)
 
     for node in gm.graph.nodes:
-        node.meta["autograd_backward"] = node.meta.get("custom", {}).get("phase") == "backward"
+        node.meta["autograd_backward"] = tags.phase(node) == BACKWARD
     with _cpu_roofline(device):
         gm = joint_transformer_block_bucketing_reordering_pass(
             gm, None, module_bucket_plans=plan, fsdp_param_module_order=get_fsdp_param_module_order(param_fqns)
@@ -109,14 +112,13 @@ def run_torchtitan(gm: fx.GraphModule, plan: list[list[str]], param_fqns: list[s
 
 def main(argv: list[str]) -> int:
     from graph_trainer.analysis.devices import DEVICES
-    from graph_trainer.fake_trace import fake_world, trace_job
     from graph_trainer.analysis.simulator import format_table, simulate
     from graph_trainer.analyze import summary_row
     from graph_trainer.build import build_model
     from graph_trainer.config_loading import load_config, take_flag
-    from graph_trainer.parallel import resolve_parallel_degrees
+    from graph_trainer.fake_trace import fake_world, trace_job
+    from graph_trainer.parallel import ParallelDims, resolve_parallel_degrees
     from graph_trainer.validation import validate_config
-    from graph_trainer.parallel import ParallelDims
     from models.registry import MODEL_SPECS
 
     argv, world_size = take_flag(argv, "--world_size", 8, int)

@@ -49,8 +49,8 @@ def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
 
     Returns (traced step, SimulationResult, seconds tracing + passes, seconds simulating).
     """
-    from graph_trainer.fake_trace import fake_world, trace_job
     from graph_trainer.analysis.simulator import simulate
+    from graph_trainer.fake_trace import fake_world, trace_job
 
     start = time.perf_counter()
     with fake_world(world_size):
@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, estimate_step_memory, memory_warning
     from graph_trainer.analysis.simulator import format_table
     from graph_trainer.config_loading import load_config, take_flag
-    from graph_trainer.validation import validate_config
     from graph_trainer.errors import ConfigError
+    from graph_trainer.validation import validate_config
 
     try:
         argv, world_size = take_flag(argv, "--world_size", 8, int)

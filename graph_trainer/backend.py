@@ -382,9 +382,9 @@ def apply_backend(
 
     ``deterministic``: compile so that every op's value depends only on its inputs, not on the
     run nor (``regional``) on the region that holds it (module docstring, "Numerics"); the trainer
-    asks for it on CPU and with ``--debug.deterministic``. ``verify``: also count the matmuls of the graphs Inductor lowers (``matmuls_lowered``, which
-    must equal ``matmuls_before``: nothing recomputed twice or merged away); compiles without the
-    FX graph cache."""
+    asks for it on CPU and with ``--debug.deterministic``. ``verify``: also count the matmuls of the
+    graphs Inductor lowers (``matmuls_lowered``, which must equal ``matmuls_before``: nothing
+    recomputed twice or merged away); compiles without the FX graph cache."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown compile.backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     report = BackendReport(backend, scope if backend == "inductor" else "")

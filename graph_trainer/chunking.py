@@ -32,7 +32,8 @@ rounding of the unchunked run, not bitwise.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -50,7 +51,11 @@ def match_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]
     found = []
     for fqn, module in model.named_modules():
         names = fqn.split(".")
-        if fqn and len(names) == len(parts) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts)):
+        if (
+            fqn
+            and len(names) == len(parts)
+            and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts, strict=True))
+        ):
             found.append((fqn, module))
     return found
 

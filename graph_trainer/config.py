@@ -84,7 +84,8 @@ class Training:
     seed: int = 42
     """Seeds weight initialisation and the synthetic dataset; the same seed gives the same run."""
     dataset: str = "synthetic"
-    """'synthetic' (built in, no download), a local .json/.jsonl/.parquet/.txt file or folder, or a Hugging Face hub name."""
+    """'synthetic' (built in, no download), a local .json/.jsonl/.parquet/.txt file or folder, or a
+    Hugging Face hub name."""
     dataset_split: str = "train"
     """Split of a Hugging Face dataset."""
     text_field: str = "text"
@@ -121,7 +122,8 @@ class Parallelism:
 
 @dataclass
 class EpOverlap:
-    """Settings of the ``ep_overlap`` pass (``graph_trainer/passes/ep_overlap.py``); TOML table ``[compile.ep_overlap]``."""
+    """Settings of the ``ep_overlap`` pass (``graph_trainer/passes/ep_overlap.py``); TOML table
+    ``[compile.ep_overlap]``."""
 
     module_fqn: str = "layers.*"
     """Which modules run as two chunks: 'layers.*' (whole transformer blocks that hold a MoE) or
@@ -135,11 +137,14 @@ class EpOverlap:
 @dataclass
 class Compile:
     mode: CompileMode = "graph"
-    """'graph': trace forward + loss + backward into one FX graph and run it; 'eager': run the model directly (the numerics baseline)."""
+    """'graph': trace forward + loss + backward into one FX graph and run it; 'eager': run the model
+    directly (the numerics baseline)."""
     passes: list[str] = field(default_factory=list)
-    """Graph passes to run after the default ones, in order (comma- or space-separated, e.g. 'a,b')."""
+    """The user's graph passes, run after the memory policy in the order given (comma- or
+    space-separated, e.g. 'a,b'): transformer_block_bucketing, auto_bucketing, ep_overlap."""
     dump_graphs: str = ""
-    """If set, a folder where the readable code of the graph is written before and after every pass (one subfolder rank<r> per process in multi-process jobs)."""
+    """If set, a folder where the readable code of the graph is written before and after every pass
+    (one subfolder rank<r> per process in multi-process jobs)."""
     ep_overlap: EpOverlap = field(default_factory=EpOverlap)
     """Settings of the ep_overlap pass."""
     backend: Backend = "none"
@@ -182,17 +187,19 @@ class Metrics:
 
 @dataclass
 class Checkpoint:
-    """Distributed checkpoints (torch.distributed.checkpoint); guarantees in graph_trainer/checkpoint.py, what a checkpoint
-    holds in graph_trainer/checkpoint_state.py."""
+    """Distributed checkpoints (torch.distributed.checkpoint); guarantees in graph_trainer/checkpoint.py,
+    what a checkpoint holds in graph_trainer/checkpoint_state.py."""
 
     interval: int = 0
     """Save <folder>/step-<N> every this many steps and at the last step; 0 disables saving."""
     folder: str = "checkpoint"
-    """Checkpoint folder, relative to job.dump_folder unless absolute; every rank must see the same folder."""
+    """Checkpoint folder, relative to job.dump_folder unless absolute; every rank must see the same
+    folder."""
     load_step: int = -1
-    """Resume from step-<N> (N >= 1, must exist and verify); -1 resumes from the newest checkpoint that verifies
-    (an older one when the newest is corrupt, saying so), or starts fresh when the folder holds none; 0 starts fresh.
-    Resuming continues at step N+1, appends to losses.txt and may use another parallel layout (tensors are resharded)."""
+    """Resume from step-<N> (N >= 1, must exist and verify); -1 resumes from the newest checkpoint
+    that verifies (an older one when the newest is corrupt, saying so), or starts fresh when the
+    folder holds none; 0 starts fresh. Resuming continues at step N+1, appends to losses.txt and may
+    use another parallel layout (tensors are resharded)."""
     move_aside: bool = False
     """A run that would not continue the newest checkpoints of the folder (load_step 0 in a folder holding checkpoints,
     or load_step N with later steps there) is refused, so one folder and one losses.txt never mix two runs. True

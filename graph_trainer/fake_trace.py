@@ -25,11 +25,10 @@ traces exactly what the trainer traces on this machine):
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 

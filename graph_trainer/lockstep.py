@@ -99,7 +99,7 @@ def copy_state(src, dst) -> None:
 
 def _grad_dev(grads_a: list[torch.Tensor], grads_b: list[torch.Tensor]) -> float:
     worst = 0.0
-    for ga, gb in zip(grads_a, grads_b):
+    for ga, gb in zip(grads_a, grads_b, strict=True):
         diff = (gb.float() - ga.float()).abs().max().item()
         scale = ga.float().abs().max().item()
         worst = max(worst, diff / scale if scale else (0.0 if diff == 0 else math.inf))
@@ -109,7 +109,7 @@ def _grad_dev(grads_a: list[torch.Tensor], grads_b: list[torch.Tensor]) -> float
 def _param_dist(a, b) -> float:
     total = sum(
         ((local_tensor(pb).double() - local_tensor(pa).double()) ** 2).sum().item()
-        for pa, pb in zip(a.params, b.params)
+        for pa, pb in zip(a.params, b.params, strict=True)
     )
     return math.sqrt(total)
 
@@ -146,8 +146,8 @@ def lockstep(cfg_a, cfg_b, from_same_state: bool = False, report=None) -> list[S
 def _configs(argv: list[str], b_flags: list[str]):
     import os
 
-    from graph_trainer.validation import check_device, validate_config
     from graph_trainer.config_loading import load_config
+    from graph_trainer.validation import check_device, validate_config
 
     dump_folder = load_config(argv).job.dump_folder
     configs = []

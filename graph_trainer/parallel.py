@@ -39,7 +39,7 @@ class ParallelDims:
     ep: int = 1
 
     @classmethod
-    def from_degrees(cls, degrees: dict[str, int]) -> "ParallelDims":
+    def from_degrees(cls, degrees: dict[str, int]) -> ParallelDims:
         return cls(**{k: degrees[k] for k in ("dp_replicate", "dp_shard", "tp", "ep")})
 
     @property

@@ -21,9 +21,9 @@ import os
 import tempfile
 
 from graph_trainer.config import JobConfig
-from models.registry import model_args
-from graph_trainer.validation import resolve_device
 from graph_trainer.errors import ConfigError
+from graph_trainer.validation import resolve_device
+from models.registry import model_args
 
 GIB = float(1 << 30)
 

@@ -41,7 +41,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
-
 from torch.nn.utils import parametrize
 
 from graph_trainer.graph import tags

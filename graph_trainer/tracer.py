@@ -34,8 +34,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -114,7 +115,7 @@ def unflatten_tensor(inners: list[torch.Tensor], layout: TensorLayout) -> torch.
     if layout.subclass is None:
         return inners[0]
     return layout.subclass.__tensor_unflatten__(
-        {**dict(zip(layout.inner_names, inners)), **dict(layout.opaque_inners)},
+        {**dict(zip(layout.inner_names, inners, strict=True)), **dict(layout.opaque_inners)},
         layout.context,
         layout.outer_size,
         layout.outer_stride,
@@ -261,7 +262,7 @@ def _read_collective_sizes_from_waits(gm: fx.GraphModule) -> None:
 def _finalize_meta(gm: fx.GraphModule, input_fqns: list[str]) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(input_fqns), (len(placeholders), len(input_fqns))
-    for node, fqn in zip(placeholders, input_fqns):
+    for node, fqn in zip(placeholders, input_fqns, strict=True):
         owner = "" if fqn in ("tokens", "labels") else _owner_fqn(fqn)
         tags.replace(node, {PHASE: INPUT, MODULE_FQN: owner, INPUT_FQN: fqn})
     _copy_forward_meta_to_backward(gm)
@@ -320,7 +321,7 @@ class TracedStep:
         loss, flat_grads = outs[0], list(outs[1:])
         grads = [
             unflatten_tensor(inner, layout)
-            for inner, layout in zip(_split(flat_grads, self.grad_layouts), self.grad_layouts)
+            for inner, layout in zip(_split(flat_grads, self.grad_layouts), self.grad_layouts, strict=True)
         ]
         return loss, grads
 
@@ -368,13 +369,14 @@ def trace_train_step(
         *state, tok, lab = flat_args
         groups = _split(list(state), layouts)
         params = []
-        for inner, layout in zip(groups[: len(param_layouts)], param_layouts):
+        for inner, layout in zip(groups[: len(param_layouts)], param_layouts, strict=True):
             p = unflatten_tensor([i.detach() for i in inner], layout)
             params.append(p.requires_grad_(True))
         buffers = [
-            unflatten_tensor(inner, layout) for inner, layout in zip(groups[len(param_layouts) :], buffer_layouts)
+            unflatten_tensor(inner, layout)
+            for inner, layout in zip(groups[len(param_layouts) :], buffer_layouts, strict=True)
         ]
-        tensors = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
+        tensors = {**dict(zip(param_names, params, strict=True)), **dict(zip(buffer_names, buffers, strict=True))}
         with tags.annotate({PHASE: FORWARD}):  # the loss head tags its own nodes "loss"
             loss = torch.func.functional_call(model, tensors, (tok,), {"head": _loss_head(lab, loss_chunks)})
         with tags.annotate({PHASE: LOSS, MODULE_FQN: LOSS_MODULE}):
@@ -403,7 +405,7 @@ def trace_train_step(
         gm = make_fx(step, record_stack_traces=False)(*fake_inputs)
 
     input_fqns = []
-    for (name, _), layout in zip((*named_params, *named_buffers), layouts):
+    for (name, _), layout in zip((*named_params, *named_buffers), layouts, strict=True):
         input_fqns.extend([name] * layout.num_inner)
     _finalize_meta(gm, input_fqns + ["tokens", "labels"])
     _read_collective_sizes_from_waits(gm)

@@ -204,7 +204,7 @@ class Trainer:
         tokens = tokens.to(self.dist.device, non_blocking=True)
         labels = labels.to(self.dist.device, non_blocking=True)
         loss, grads = self.step_fn(tokens, labels)
-        for p, g in zip(self.params, grads):
+        for p, g in zip(self.params, grads, strict=True):
             p.grad = g
         record = None
         if self.step == self.cfg.debug.grad_record_step:  # before clipping scales them

@@ -123,7 +123,7 @@ def stable_seed(seed: int, fqn: str) -> int:
 
     Python's ``hash()`` of a str is salted per interpreter, so it cannot be used here.
     """
-    digest = hashlib.sha256(f"{int(seed)}/{fqn}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{int(seed)}/{fqn}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 

@@ -7,13 +7,13 @@ FLOPs a token costs (for MFU), and which parallel layouts the model admits.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.nn as nn
 
 from graph_trainer.config import Model
-
 from models.common import block_bucket_plan
 from models.deepseek_v3 import flavors as deepseek_v3_flavors
 from models.deepseek_v3 import parallelize as deepseek_v3_parallelize

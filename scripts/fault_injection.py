@@ -250,8 +250,9 @@ def main(argv: list[str]) -> int:
         # A save that replaced a damaged step (after a fallback) healed it.
         for step in [s for s in damaged if s in after]:
             del damaged[step]
+        how = " (killed during a save)" if result["during_save"] else " (killed)" if result["killed"] else ""
         events.append(
-            f"run {run}: exit {result['code']}{' (killed during a save)' if result['during_save'] else ' (killed)' if result['killed'] else ''}, "
+            f"run {run}: exit {result['code']}{how}, "
             f"resumed from {resumed[0] if resumed else 'scratch'}, detected {sorted(detected) or 'none'}, "
             f"checkpoints {sorted(after)}"
             + (f", LOST {lost}" if lost else "")

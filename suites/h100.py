@@ -25,7 +25,8 @@ _DEEPSEEK_DEBUG_LAYOUTS = {  # 4 GPUs: FSDP=4, each rank holds half the experts
     "deepseek_debug_fsdp4xep2": (4, ["--parallelism.ep", "2"], ""),
 }
 # 16B on 8 GPUs: EP=8 (the config's) and EP=2 (experts sharded over both EP and FSDP); EP=4 takes
-# the EP=2 code path and would add ~2 minutes of 16B tracing to the CI dry run. "fsdp8_ep2" is FSDP=8 for the dense weights and FSDP=4 x EP=2 for the experts:
+# the EP=2 code path and would add ~2 minutes of 16B tracing to the CI dry run. "fsdp8_ep2" is FSDP=8
+# for the dense weights and FSDP=4 x EP=2 for the experts:
 # the 16B model with fp32 AdamW state (16 bytes per parameter) does not fit 4 GPUs of 80 GB.
 # FSDP=2 x TP=2 x EP=2 is not here: tensor parallel is rejected for DeepSeek-V3 by config
 # validation (MLA's shared rotary key needs a gradient all-reduce over tp); add it when it exists.

@@ -8,19 +8,18 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from graph_trainer.graph.collectives import collective_name
-from graph_trainer.fake_trace import fake_world, trace_job
-from graph_trainer.graph.tags import INDUCTOR_REGION
 from graph_trainer.backend import apply_backend, compile_region, cut_regions, region_post_grad_pass, region_unit
-from graph_trainer.graph.collectives import collective_order, max_in_flight
-from graph_trainer.graph.ops import matmul_count
 from graph_trainer.config_loading import load_config
-from graph_trainer.validation import validate_config
-from graph_trainer.memory_policy.activation_checkpoint import recompute_counts
-from graph_trainer.trainer import Trainer
-from graph_trainer.torch_compat import default_cache_dir, fake_mode_of
-from suites import INDUCTOR_RTOL
+from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import collective_name, collective_order, max_in_flight
+from graph_trainer.graph.ops import matmul_count
+from graph_trainer.graph.tags import INDUCTOR_REGION
+from graph_trainer.memory_policy.activation_checkpoint import recompute_counts
+from graph_trainer.torch_compat import default_cache_dir, fake_mode_of
+from graph_trainer.trainer import Trainer
+from graph_trainer.validation import validate_config
+from suites import INDUCTOR_RTOL
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
 
 LLAMA = os.path.join(ROOT, "configs", "llama3_debug.toml")
@@ -90,7 +89,7 @@ def test_regions_hold_no_collective_and_the_schedule_survives_the_cut(flags, wor
     position = {n: i for i, n in enumerate(cut.graph.nodes)}
     kept = [n for n in cut.graph.nodes if collective_name(n) is not None]
     assert [n.name for n in kept] == [n.name for n in outside]
-    assert all(position[a] < position[b] for a, b in zip(kept, kept[1:]))
+    assert all(position[a] < position[b] for a, b in zip(kept, kept[1:], strict=False))
 
 
 def test_regional_compile_keeps_every_recomputed_matmul():
@@ -167,7 +166,7 @@ def _losses(config: str, steps: int, tmp_path, name: str, *flags: str) -> tuple[
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("config, scopes", [(LLAMA, ("regional", "full"))], ids=["llama3"])

@@ -18,12 +18,11 @@ import torch
 from graph_trainer import manifest
 from graph_trainer.checkpoint import Checkpointer, complete_steps
 from graph_trainer.config_loading import load_config
-from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.trainer import Trainer
+from graph_trainer.validation import validate_config
 from tests.conftest import ROOT
 from tests.launch import FAST_ARGS, read_losses, run_train
-
 
 # ------------------------------------------------------------------ multi-process jobs (graph mode)
 
@@ -114,7 +113,7 @@ def test_fsdp2_checkpoint_resumes_at_fsdp4(tmp_path, straight, first_half):
     losses = read_losses(tmp_path)
     assert [s for s, _ in losses] == list(range(6, 11))
     # Not bitwise in general: 4 ranks sum the gradients in another order than 2.
-    for (step, got), (_, want) in zip(losses, straight[5:]):
+    for (step, got), (_, want) in zip(losses, straight[5:], strict=True):
         assert got == pytest.approx(want, rel=1e-4), step
 
 
@@ -219,7 +218,7 @@ def test_eager_resume_bitwise_restores_adamw_steps_lr_and_trims_losses(tmp_path)
     (aside,) = [p for p in os.listdir(tmp_path) if p.startswith("checkpoint.aside-")]
     assert sorted(os.listdir(tmp_path / aside)) == ["losses.txt", "step-4"]  # the abandoned step, kept
     assert (tmp_path / aside / "losses.txt").read_text() == reference
-    for (n, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+    for (n, a), b in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b), n
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from graph_trainer.config import JobConfig
 from graph_trainer.config_loading import load_config, take_flag
-from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
+from graph_trainer.validation import validate_config
 from tests.conftest import ROOT
 
 DEBUG_TOML = os.path.join(ROOT, "configs", "llama3_debug.toml")

@@ -109,9 +109,9 @@ def test_batches_shape_dtype_and_labels_shifted():
 
 def test_deterministic_and_seeded():
     a, b = take(make_loader(seed=3), 5), take(make_loader(seed=3), 5)
-    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b, strict=True))
     c = take(make_loader(seed=4), 5)
-    assert not all(torch.equal(x[0], y[0]) for x, y in zip(a, c))
+    assert not all(torch.equal(x[0], y[0]) for x, y in zip(a, c, strict=True))
 
 
 def test_synthetic_stream_is_the_packed_documents():
@@ -136,7 +136,7 @@ def test_synthetic_corpus_has_learnable_structure():
     assert unigram < 0.75 * math.log2(BYTES.vocab_size)
     # For i.i.d. tokens the previous token tells nothing: H(next | previous) would equal the unigram
     # entropy up to a small estimation bias. Sequential structure makes it clearly lower.
-    pairs = collections.Counter(zip(stream, stream[1:]))
+    pairs = collections.Counter(zip(stream, stream[1:], strict=False))
     conditional = _entropy_bits(pairs) - _entropy_bits(collections.Counter(stream[:-1]))
     assert conditional < unigram - 0.5
     # The arithmetic facts in the text are true, so they can be learned rather than memorised.
@@ -186,7 +186,7 @@ def _assert_resumes_exactly(make, stops, total):
         resumed = make()
         resumed.load_state_dict(state)
         assert resumed.state_dict() == state
-        for expected, got in zip(reference[k:], take(resumed, total - k)):
+        for expected, got in zip(reference[k:], take(resumed, total - k), strict=True):
             assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1]), f"resume after {k}"
 
 

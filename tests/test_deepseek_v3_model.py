@@ -190,7 +190,7 @@ def test_graph_matches_eager_bitwise_on_new_routings(args):
         assert len(graph_step.graphs) == 1
         assert torch.equal(loss, ref_loss)
         assert len(grads) == len(ref_grads) == len(list(model.parameters()))
-        for (name, _), g, r in zip(model.named_parameters(), grads, ref_grads):
+        for (name, _), g, r in zip(model.named_parameters(), grads, ref_grads, strict=True):
             assert torch.equal(g, r), name
         # The graph's in-place buffer add counted exactly what eager counted.
         assert torch.equal(graph_counts, eager_counts) and graph_counts.sum() > 0

@@ -8,12 +8,12 @@ from collections import Counter
 
 import pytest
 
-from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.config_loading import load_config
-from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
-from graph_trainer.graph.tags import COMBINE, COUNT_EXCHANGE, DISPATCH
+from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.graph import tags
+from graph_trainer.graph.tags import COMBINE, COUNT_EXCHANGE, DISPATCH
+from graph_trainer.validation import validate_config
 from tests.conftest import ROOT
 
 DEEPSEEK = [

@@ -7,11 +7,9 @@ import math
 import pytest
 import torch
 
-from models.common import InitRule, materialize_init, stable_seed
+from models.common import InitRule, apply_rope, materialize_init, stable_seed
 from models.llama3.flavors import FLAVORS, flops_per_token, num_params
-from models.llama3.model import Transformer
-from models.common import apply_rope
-from models.llama3.model import rope_table
+from models.llama3.model import Transformer, rope_table
 
 EXPECTED_PARAMS = {
     "debugmodel": 6_163_712,

@@ -5,9 +5,9 @@ import os
 import torch
 
 from graph_trainer.config_loading import load_config
-from graph_trainer.validation import validate_config
 from graph_trainer.lockstep import copy_state, lockstep, main
 from graph_trainer.trainer import Trainer
+from graph_trainer.validation import validate_config
 from tests.conftest import ROOT
 
 LLAMA = os.path.join(ROOT, "configs", "llama3_debug.toml")
@@ -54,10 +54,12 @@ def test_copy_state_makes_every_tensor_of_the_state_equal(tmp_path):
         trainer.train_step(*next(batches))
     copy_state(a, b)
     for (name, x), (_, y) in zip(
-        [*a.model.named_parameters(), *a.model.named_buffers()], [*b.model.named_parameters(), *b.model.named_buffers()]
+        [*a.model.named_parameters(), *a.model.named_buffers()],
+        [*b.model.named_parameters(), *b.model.named_buffers()],
+        strict=True,
     ):
         assert torch.equal(x, y), name
-    for pa, pb in zip(a.params, b.params):
+    for pa, pb in zip(a.params, b.params, strict=True):
         sa, sb = a.optimizer.state[pa], b.optimizer.state[pb]
         assert sa.keys() == sb.keys()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)

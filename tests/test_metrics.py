@@ -72,8 +72,8 @@ def test_losses_file_round_trips_exactly(tmp_path, capture):
         for step, loss in enumerate(losses, start=1):
             m.record_step(step=step, loss=loss, grad_norm=1.0, lr=1e-3, ntokens=8, step_time_s=0.1)
     text = (tmp_path / "dump" / "losses.txt").read_text()
-    assert text == "".join(f"{s} {l!r}\n" for s, l in enumerate(losses, start=1))
-    for line, loss in zip(text.splitlines(), losses):
+    assert text == "".join(f"{s} {loss!r}\n" for s, loss in enumerate(losses, start=1))
+    for line, loss in zip(text.splitlines(), losses, strict=True):
         assert float(line.split()[1]) == loss
 
 
@@ -180,7 +180,7 @@ def test_tensorboard_events(tmp_path, capture):
     assert {"loss", "grad_norm", "lr", "tokens_per_sec_per_device", "memory_gib", "step_time_s"} <= tags
     assert "mfu_percent" not in tags  # unknown peak on CPU
     assert {"setup/trace_seconds", "setup/graph_nodes", "setup/collectives/all_reduce"} <= tags
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(s, pytest.approx(l)) for s, l in losses.items()]
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(s, pytest.approx(loss)) for s, loss in losses.items()]
     assert [(e.step, e.value) for e in acc.Scalars("setup/graph_nodes")] == [(0, 1234.0)]
 
 

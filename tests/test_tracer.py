@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from graph_trainer.tracer import GraphStep, eager_step, trace_train_step
 from graph_trainer.graph import tags
+from graph_trainer.tracer import GraphStep, eager_step, trace_train_step
 from models.llama3.flavors import FLAVORS
 from models.llama3.model import Transformer
 
@@ -34,7 +34,7 @@ def test_graph_matches_eager_bitwise():
     ref_loss, ref_grads = eager_step(model, tokens, labels)
     assert torch.equal(loss, ref_loss)
     assert len(grads) == len(ref_grads) == len(params)
-    for g, r in zip(grads, ref_grads):
+    for g, r in zip(grads, ref_grads, strict=True):
         assert torch.equal(g, r)
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from graph_trainer.config_loading import load_config
-from graph_trainer.validation import validate_config
 from graph_trainer.trainer import Trainer
+from graph_trainer.validation import validate_config
 from tests.conftest import ROOT
 
 

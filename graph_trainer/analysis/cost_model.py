@@ -14,11 +14,11 @@ assumed to run alone (no fusion, no two kernels at once), which is eager PyTorch
 graphs, on a GPU kept busy by its host (host-side stalls are not modelled).
 
 The efficiencies depend on the kernel (``devices.py`` holds the device models): ``kernel_class``
-sorts every compute node into a class of ``KernelEfficiency`` (matmul, grouped_mm, attention forward / backward, elementwise,
-strided (broadcast / non-contiguous operands, cat), dtype_cast, reduction, softmax forward /
-backward, scatter_add) and a device with ``kernel_efficiency`` applies that class's fraction
-of the roofline: to the FLOP side for matmuls and attention (their byte side uses
-``elementwise``), to the byte side for the rest. A device without it (``CPU_2CORE``) uses its
+sorts every compute node into a class of ``KernelEfficiency`` (matmul, grouped_mm, attention
+forward / backward, elementwise, strided (broadcast / non-contiguous operands, cat), dtype_cast,
+reduction, softmax forward / backward, scatter_add) and a device with ``kernel_efficiency``
+applies that class's fraction of the roofline: to the FLOP side for matmuls and attention (their
+byte side uses ``elementwise``), to the byte side for the rest. A device without it (``CPU_2CORE``) uses its
 global ``flops_efficiency`` and ``bandwidth_efficiency``. ``H100_SXM``'s classes are
 calibrated on profiles of real H100 steps; ``H100_KERNELS`` says from which ops and numbers.
 
@@ -190,7 +190,7 @@ def node_bytes(node: fx.Node, hints: SizeHints | None = None) -> int:
 def _read_bytes(t: torch.Tensor, hints: SizeHints) -> int:
     """Bytes a kernel reads from input ``t``: an expanded (stride 0) dim is read once."""
     n = t.element_size()
-    for size, stride in zip(t.shape, t.stride() if t.layout == torch.strided else (1,) * t.dim()):
+    for size, stride in zip(t.shape, t.stride() if t.layout == torch.strided else (1,) * t.dim(), strict=True):
         # Structural test on symbolic strides: comparing an unbacked one would guard on it.
         if (sym_expr(stride) if isinstance(stride, torch.SymInt) else stride) != 0:
             n *= hints.concrete(size)

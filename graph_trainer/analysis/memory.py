@@ -70,8 +70,8 @@ docs/performance.md).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 import torch.fx as fx
@@ -236,8 +236,8 @@ def adamw_memory(device_type: str) -> OptimizerMemory:
 
 def optimizer_memory(optimizer) -> OptimizerMemory:
     """The memory model of ``optimizer``: an ``OptimizerMemory``; the job's ``Training``
-    section (or None): the project's AdamW on CPU (``adamw_memory`` for a device); or a torch optimizer, read from its class and
-    ``defaults`` (Adam / AdamW, with ``amsgrad``, ``foreach`` and ``fused``)."""
+    section (or None): the project's AdamW on CPU (``adamw_memory`` for a device); or a torch
+    optimizer, read from its class and ``defaults`` (Adam / AdamW, with ``amsgrad``, ``foreach`` and ``fused``)."""
     if isinstance(optimizer, OptimizerMemory):
         return optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):

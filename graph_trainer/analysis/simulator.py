@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from graph_trainer.analysis.cost_model import GroupInfo, collective_time, group_info, kernel_class, node_compute_time
 from graph_trainer.analysis.devices import DeviceModel
-from graph_trainer.analysis.cost_model import collective_time, group_info, GroupInfo, kernel_class
-from graph_trainer.analysis.cost_model import node_compute_time
 from graph_trainer.analysis.memory import MemoryEstimate, estimate_peak_memory
 from graph_trainer.graph import collectives, tags
 from graph_trainer.graph.collectives import collective_bytes, group_name, is_collective, is_wait, launch_of
@@ -242,7 +241,8 @@ def format_table(rows: list[dict[str, object]]) -> str:
     cells = [[str(c) for c in columns]] + [[_fmt(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = [
-        "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))) for row in cells
+        "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
+        for row in cells
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

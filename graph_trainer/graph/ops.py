@@ -73,7 +73,7 @@ def mutated_args(node: fx.Node) -> list[fx.Node]:
     schema = op_schema(node.target)
     return [
         value
-        for arg, value in zip(schema.arguments, node.args)
+        for arg, value in zip(schema.arguments, node.args, strict=False)
         if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node)
     ]
 

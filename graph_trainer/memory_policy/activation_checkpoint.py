@@ -43,6 +43,7 @@ would have read from forward: losses and gradients are bitwise those without the
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import defaultdict
 
@@ -169,10 +170,15 @@ def recompute_activations(gm: fx.GraphModule, context: PassContext) -> fx.GraphM
         tags.remove(copy, ACTIVATION)
         copies[node] = copy
     for node, copy in copies.items():
-        node.replace_all_uses_with(copy, delete_user_cb=lambda user: tags.phase(user) == BACKWARD and user is not copy)
+        node.replace_all_uses_with(copy, delete_user_cb=functools.partial(_backward_reader_of, copy))
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _backward_reader_of(copy: fx.Node, user: fx.Node) -> bool:
+    """Whether ``user`` should read ``copy`` instead of the forward value: a backward node other than the copy."""
+    return tags.phase(user) == BACKWARD and user is not copy
 
 
 def recompute_counts(graph: fx.Graph) -> dict[str, dict[str, int]]:

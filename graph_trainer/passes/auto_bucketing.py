@@ -82,8 +82,8 @@ from typing import Any
 
 import torch.fx as fx
 
-from graph_trainer.analysis.devices import DEVICES
 from graph_trainer.analysis.cost_model import collective_time, node_compute_time
+from graph_trainer.analysis.devices import DEVICES
 from graph_trainer.errors import ConfigError
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_bytes, collective_counts, format_counts, is_collective

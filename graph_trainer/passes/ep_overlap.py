@@ -206,7 +206,7 @@ def _mutation_edges(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     edges: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for tensor in mutated:
         users = sorted(tensor.users, key=position.__getitem__)
-        for before, after in zip(users, users[1:]):
+        for before, after in zip(users, users[1:], strict=False):
             edges[after].append(before)
     return edges
 
@@ -254,7 +254,7 @@ def reorder_graph(graph: fx.Graph, region_orders: list[list[fx.Node]]) -> None:
         start = min(position[n] for n in order)
         for node in _inputs_to_hoist(order, position, preds):
             priority[node] = (start, -1, position[node])
-        for node, slot in zip(order, sorted(position[n] for n in order)):
+        for node, slot in zip(order, sorted(position[n] for n in order), strict=True):
             priority[node] = (slot, 0)
     users: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for node, before in preds.items():
@@ -285,7 +285,7 @@ def verify_schedule(graph: fx.Graph) -> list[str]:
     problems = []
     for region in find_regions(graph):
         first, second = region.chunk_order
-        for stage, (a, b) in enumerate(zip(region.launches[first], region.launches[second])):
+        for stage, (a, b) in enumerate(zip(region.launches[first], region.launches[second], strict=True)):
             first_wait = min(position[_wait_of(a)], position[_wait_of(b)])
             if not position[a] < position[b] < first_wait:
                 problems.append(

@@ -94,6 +94,10 @@ GLOO_MAX_SEGMENT_BYTES = 1 << 20
 """gloo's ``AllreduceOptions::kMaxSegmentSize``: the largest piece its ring all-reduce sends at once."""
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def ring_aligned_row(row: int, world: int, itemsize: int) -> int:
     """The smallest row length >= ``row`` for which gloo's ring all-reduce of a ``(world, length)``
     buffer (how gloo reduce-scatters) puts its chunk boundaries exactly between the rank rows.
@@ -107,8 +111,8 @@ def ring_aligned_row(row: int, world: int, itemsize: int) -> int:
     length = row
     while True:
         total = world * length * itemsize
-        segments = -(-max(-(-total // GLOO_MAX_SEGMENT_BYTES), 2 * world) // world) * world
-        segment = -(-(-(-total // segments)) // itemsize) * itemsize
+        segments = _ceil_div(max(_ceil_div(total, GLOO_MAX_SEGMENT_BYTES), 2 * world), world) * world
+        segment = _ceil_div(_ceil_div(total, segments), itemsize) * itemsize
         if segments // world * segment == length * itemsize:
             return length
         length += 1
@@ -206,7 +210,7 @@ def _common_module(members: list[fx.Node]) -> str:
     """The innermost module FQN containing every member's module ("" for the root)."""
     parts = [tags.module_fqn(m).split(".") for m in members]
     common = []
-    for names in zip(*parts):
+    for names in zip(*parts, strict=False):
         if len(set(names)) != 1:
             break
         common.append(names[0])
@@ -228,7 +232,7 @@ def _member_tags(member: fx.Node, bucket: str) -> dict:
 
 
 def _replace(graph: fx.Graph, members: list[fx.Node], outputs: list[fx.Node]) -> None:
-    for member, out in zip(members, outputs):
+    for member, out in zip(members, outputs, strict=True):
         wait = _only_wait(member)
         wait.replace_all_uses_with(out)
         graph.erase_node(wait)
@@ -262,7 +266,7 @@ def merge_all_gathers(graph: fx.Graph, members: list[fx.Node], bucket: int, name
     issue = casts + emit.take()
     rows = emit(aten.view.default, (emit(WAIT, (gathered,), shared), [group_size, sum(sizes)]), shared)
     outputs, offset = [], 0
-    for m, size in zip(members, sizes):
+    for m, size in zip(members, sizes, strict=True):
         member = _member_tags(m, name)
         piece = emit(aten.slice.Tensor, (rows, 1, offset, offset + size), member)
         piece = emit(aten.clone.default, (piece,), member, {"memory_format": torch.contiguous_format})
@@ -293,7 +297,7 @@ def merge_reduce_scatters(graph: fx.Graph, members: list[fx.Node], bucket: int, 
     issue = emit.take()
     shard = emit(WAIT, (reduced,), shared)
     outputs, offset = [], 0
-    for m, size in zip(members, sizes):
+    for m, size in zip(members, sizes, strict=True):
         member = _member_tags(m, name)
         piece = emit(aten.slice.Tensor, (shard, 0, offset, offset + size), member)
         outputs.append(emit(aten.view.default, (piece, list(m.meta["val"].shape)), member))
@@ -372,14 +376,14 @@ def _move_before(anchor: fx.Node, nodes: list[fx.Node]) -> None:
 def schedule_gathers(merged: list[Merged], starts: dict[int, fx.Node], position: dict[fx.Node, int]) -> None:
     """Issue each gather bucket before the previous bucket's compute; wait right before its first reader."""
     order = sorted(starts, key=lambda b: position[starts[b]])
-    previous = dict(zip(order[1:], order))
+    previous = dict(zip(order[1:], order, strict=False))
     rank = {b: i for i, b in enumerate(order)}
     merged = sorted(merged, key=lambda m: (rank.get(m.bucket, len(rank)), position[m.collective]))
     readers = [_first_reader(m.outputs, position) for m in merged]
-    for m, reader in zip(merged, readers):  # all issues first: a prefetch goes before an earlier wait
+    for m, reader in zip(merged, readers, strict=True):  # all issues first: a prefetch goes before an earlier wait
         candidates = [reader] + [starts[b] for b in (m.bucket, previous.get(m.bucket)) if b in starts]
         _move_before(min(candidates, key=position.__getitem__), m.issue)
-    for m, reader in zip(merged, readers):
+    for m, reader in zip(merged, readers, strict=True):
         _move_before(reader, m.wait)
 
 
@@ -399,7 +403,7 @@ def schedule_reduce_scatters(graph: fx.Graph, merged: list[Merged], position: di
         by_group[m.group].append(m)
     output = next(iter(reversed(graph.nodes)))
     for chain in by_group.values():
-        for m, following in zip(chain, chain[1:] + [None]):
+        for m, following in zip(chain, chain[1:] + [None], strict=True):
             _move_before(following.collective if following else output, m.wait)
 
 
@@ -420,7 +424,7 @@ def stable_topological_sort(graph: fx.Graph) -> None:
         todo.extend(reversed(parked.pop(node, [])))
     if len(order) != len(graph.nodes):
         raise PassError("transformer_block_bucketing: the rescheduled graph has a cycle")
-    for before, node in zip(order, order[1:]):
+    for before, node in zip(order, order[1:], strict=False):
         if before.next is not node:
             before.append(node)
 

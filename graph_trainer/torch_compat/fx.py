@@ -81,7 +81,8 @@ def sym_hint(x: torch.SymInt) -> int:
 
 
 def new_fake_mode(**kwargs):
-    """A ``FakeTensorMode`` (``torch._subclasses.fake_tensor``) built with ``kwargs`` (shape_env, static_shapes, ...)."""
+    """A ``FakeTensorMode`` (``torch._subclasses.fake_tensor``) built with ``kwargs`` (shape_env,
+    static_shapes, ...)."""
     with private_api("torch._subclasses.fake_tensor.FakeTensorMode"):
         from torch._subclasses.fake_tensor import FakeTensorMode
 

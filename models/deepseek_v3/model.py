@@ -28,7 +28,8 @@ Choices made for tracing and sharding (as in models/llama3/model.py; ``RMSNorm``
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -237,7 +238,7 @@ def _looped_swiglu(
     # unbind (not w[e]): its backward stacks the E expert grads in one op, where indexing
     # would build and add up E full-size [E, ...] gradients.
     outs = []
-    for rows, a, b, c in zip(torch.split(x, counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
+    for rows, a, b, c in zip(torch.split(x, counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0), strict=True):
         outs.append(F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, c), b))
     return torch.cat(outs)
 
@@ -411,7 +412,7 @@ class DeepSeekV3(nn.Module):
         if all_reduce_fn is not None:
             counts = all_reduce_fn(counts)
         coeff = self.args.load_balance_coeff
-        for moe, layer_counts in zip(moes, counts):
+        for moe, layer_counts in zip(moes, counts, strict=True):
             if coeff:
                 moe.expert_bias.add_(coeff * torch.sign(layer_counts.mean() - layer_counts))
             moe.tokens_per_expert.zero_()

@@ -17,7 +17,7 @@ Choices made for tracing and sharding:
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

@@ -34,10 +34,10 @@ import pytest
 import torch
 
 from graph_trainer.analysis.devices import H100_SXM
-from graph_trainer.build import cast_parameters
-from graph_trainer.fake_trace import fake_world, trace_without_passes
 from graph_trainer.analysis.simulator import simulate
+from graph_trainer.build import cast_parameters
 from graph_trainer.config_loading import load_config
+from graph_trainer.fake_trace import fake_world, trace_without_passes
 from models.registry import MODEL_SPECS
 
 # --- Measurement data (docs/performance.md, H100 table, mode "graph") ----------------------

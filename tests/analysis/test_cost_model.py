@@ -6,8 +6,8 @@ import torch.fx as fx
 
 from graph_trainer.analysis.cost_model import collective_time, group_info, node_compute_time, node_flops
 from graph_trainer.analysis.devices import H100_SXM
-from graph_trainer.graph.sizes import SizeHints
 from graph_trainer.graph.collectives import collective_bytes
+from graph_trainer.graph.sizes import SizeHints
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -254,8 +254,8 @@ def test_kernel_classes_pick_their_calibrated_efficiency():
 
 
 def test_cpu_device_keeps_global_efficiencies():
-    from graph_trainer.analysis.devices import CPU_2CORE
     from graph_trainer.analysis.cost_model import node_bytes
+    from graph_trainer.analysis.devices import CPU_2CORE
 
     _, nodes = _class_graph()
     cpu = CPU_2CORE

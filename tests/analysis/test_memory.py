@@ -120,11 +120,10 @@ def test_warning_above_the_device_memory_only():
 def _debug_step(world_size: int):
     """The debug LLaMA-3 (fp32) traced at ``world_size`` with FSDP over all ranks, and its
     parameters (DTensors when sharded) as the trainer holds them."""
-    from graph_trainer.fake_trace import fake_world, trace_without_passes
     from graph_trainer.build import build_model
     from graph_trainer.config_loading import load_config
-    from graph_trainer.parallel import resolve_parallel_degrees
-    from graph_trainer.parallel import ParallelDims, build_mesh
+    from graph_trainer.fake_trace import fake_world, trace_without_passes
+    from graph_trainer.parallel import ParallelDims, build_mesh, resolve_parallel_degrees
     from graph_trainer.simple_fsdp import MixedPrecision
     from models.registry import MODEL_SPECS
 
@@ -185,8 +184,8 @@ def test_fsdp8_divides_params_grads_and_optimizer_by_about_8():
 def test_estimate_of_the_measured_h100_point():
     """LLaMA-3 8B shape, 4 layers, fp32, one process, 1x4096 tokens: 33.6 GiB peak allocated on
     one H100 (``docs/performance.md``); the estimate lands within 2%."""
-    from graph_trainer.fake_trace import fake_world, trace_job
     from graph_trainer.config_loading import load_config
+    from graph_trainer.fake_trace import fake_world, trace_job
     from models.registry import MODEL_SPECS
 
     cfg = load_config(["--model.flavor", "8B", "--training.seq_len", "4096", "--training.local_batch_size", "1"])

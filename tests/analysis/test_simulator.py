@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.fx as fx
 
-from graph_trainer.analysis.devices import H100_SXM
 from graph_trainer.analysis.cost_model import collective_time, node_compute_time
+from graph_trainer.analysis.devices import H100_SXM
 from graph_trainer.analysis.simulator import format_table, simulate
 
 aten = torch.ops.aten

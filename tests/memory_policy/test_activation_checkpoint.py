@@ -15,18 +15,17 @@ from collections import Counter
 import pytest
 import torch
 
-from graph_trainer.graph.collectives import collective_counts, is_collective
-from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.analysis.memory import estimate_step_memory
 from graph_trainer.config_loading import load_config
-from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
-from graph_trainer.graph.tags import LOSS_CHUNK
-from graph_trainer.graph.tags import ACTIVATION, RECOMPUTE, RECOMPUTED
+from graph_trainer.fake_trace import fake_world, trace_job
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import collective_counts, is_collective
+from graph_trainer.graph.tags import ACTIVATION, LOSS_CHUNK, RECOMPUTE, RECOMPUTED
 from graph_trainer.memory_policy.activation_checkpoint import recompute_counts
+from graph_trainer.validation import validate_config
 from models.registry import MODEL_SPECS
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
-from graph_trainer.graph import tags
 from tests.graph_compare import node_multiset
 
 SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2"]
@@ -34,7 +33,7 @@ DEEPSEEK = ["--job.config_file", f"{ROOT}/configs/deepseek_v3_debug.toml", *SMAL
 LLAMA_BLOCKS = 2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _graph(args: tuple[str, ...], world_size: int = 2):
     cfg = load_config(list(args))
     validate_config(cfg, world_size)
@@ -114,11 +113,10 @@ def test_later_passes_keep_the_recomputation_as_decided(passes):
     """Bucketing moves and merges collectives; it must neither drop nor repeat a recomputation."""
     plain = _graph((*SMALL, *_ac("full")))
     bucketed = _graph((*SMALL, *_ac("full"), "--compile.passes", passes))
-    copies = lambda gm: Counter(
-        tags.get(n, "recompute_of")
-        for n in gm.graph.nodes  # noqa: E731
-        if tags.has(n, "recompute_of")
-    )
+
+    def copies(gm):
+        return Counter(tags.get(n, "recompute_of") for n in gm.graph.nodes if tags.has(n, "recompute_of"))
+
     assert copies(bucketed) == copies(plain)
     assert recompute_counts(bucketed.graph) == recompute_counts(plain.graph)
 
@@ -188,5 +186,5 @@ def test_chunked_loss_value_is_the_unchunked_one_to_an_ulp():
     for chunks in (2, 7, 120):  # uneven splits, and one token per chunk (MKL's vector kernel)
         loss_k, grads_k = eager_step(model, tokens, labels, chunks)
         assert abs(loss_k.item() - loss_1.item()) <= 2.5e-7 * loss_1.item(), (chunks, loss_k, loss_1)
-        for g1, gk in zip(grads_1, grads_k):  # the output weight's gradient sums chunks in another order
+        for g1, gk in zip(grads_1, grads_k, strict=True):  # the output weight's gradient sums chunks in another order
             torch.testing.assert_close(gk, g1, rtol=1e-5, atol=1e-7)

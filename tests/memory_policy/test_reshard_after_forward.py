@@ -4,12 +4,12 @@ That values do not change is the cpu suite's case `fsdp2_keep_params` (bitwise `
 
 import pytest
 
-from graph_trainer.graph.collectives import collective_counts
-from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.analysis.memory import estimate_peak_memory
 from graph_trainer.config_loading import load_config
-from graph_trainer.memory_policy.reshard_after_forward import unshard_chains, with_forward_views
+from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import collective_counts
+from graph_trainer.memory_policy.reshard_after_forward import unshard_chains, with_forward_views
 
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32"]
 

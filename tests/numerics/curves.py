@@ -100,7 +100,7 @@ def deviation(losses: str, stored: str) -> tuple[float, int]:
     if [line.split()[0] for line in ours] != [line.split()[0] for line in theirs]:
         raise ValueError(f"the curves have different steps ({len(ours)} vs {len(theirs)} lines)")
     worst, at = 0.0, 0
-    for step, (a, b) in enumerate(zip(parse_losses(losses), parse_losses(stored)), 1):
+    for step, (a, b) in enumerate(zip(parse_losses(losses), parse_losses(stored), strict=True), 1):
         dev = abs(a - b) / abs(b)
         if dev > worst:
             worst, at = dev, step

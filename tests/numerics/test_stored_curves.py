@@ -64,12 +64,13 @@ def test_losses_match_the_stored_curve(name, runs, machine):
         warnings.warn(
             f"{name}: no stored curves for this machine (it differs in {', '.join(differs)}): compared "
             f"within {CURVE_RTOL:.0e} (largest deviation {worst:.1e}), not bitwise; to record this "
-            f"machine's set: python -m tests.numerics.regenerate --add-machine"
+            f"machine's set: python -m tests.numerics.regenerate --add-machine",
+            stacklevel=2,
         )
         return
     stored = curve_path(name, curve_set).read_text()
     if losses != stored:
-        first = next(a for a, b in zip(stored.splitlines() + [""], losses.splitlines() + [""]) if a != b)
+        first = next(a for a, b in zip(stored.splitlines() + [""], losses.splitlines() + [""], strict=False) if a != b)
         diff = "\n".join(
             difflib.unified_diff(stored.splitlines(), losses.splitlines(), "stored", "this run", lineterm="", n=0)
         )

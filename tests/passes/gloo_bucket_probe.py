@@ -19,7 +19,8 @@ def member_equal(parts: list[torch.Tensor], alone: list[torch.Tensor], pad: int,
     out = torch.empty(sum(r.shape[1] for r in rows))
     dist.reduce_scatter_tensor(out, torch.cat(rows, 1).reshape(-1))
     pieces = out.split([p.shape[1] for p in parts] + ([pad] if pad else []))
-    return all(torch.equal(a, b) for a, b in zip(pieces, alone))
+    # the padding's piece (last, when there is one) has no member to compare with
+    return all(torch.equal(a, b) for a, b in zip(pieces[: len(alone)], alone, strict=True))
 
 
 def main() -> None:

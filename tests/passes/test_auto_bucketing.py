@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from graph_trainer.graph.collectives import collective_counts
-from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.config_loading import load_config
-from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
+from graph_trainer.fake_trace import fake_world, trace_job
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import collective_counts
 from graph_trainer.passes import PASS_REGISTRY
 from graph_trainer.torch_compat import overlap_scheduling_module
-from graph_trainer.graph import tags
+from graph_trainer.validation import validate_config
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
 
 pytestmark = NEEDS_TORCH_2_13
@@ -25,7 +25,7 @@ AUTO = "auto_bucketing"
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trace(passes: str, world_size: int = 4, extra: tuple[str, ...] = ()):
     cfg = load_config([*SMALL, "--compile.passes", passes, *extra] if passes else [*SMALL, *extra])
     with fake_world(world_size):

@@ -12,17 +12,16 @@ import functools
 
 import pytest
 
-from graph_trainer.graph.collectives import collective_counts, collective_name, group_name
-from graph_trainer.fake_trace import fake_world, trace_job
-from graph_trainer.graph.tags import CHUNK_ID
 from graph_trainer.config_loading import load_config
-from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
-from graph_trainer.graph.tags import COMBINE, COUNT_EXCHANGE, DISPATCH
+from graph_trainer.fake_trace import fake_world, trace_job
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import collective_counts, collective_name, group_name
+from graph_trainer.graph.tags import CHUNK_ID, COMBINE, COUNT_EXCHANGE, DISPATCH
 from graph_trainer.passes.ep_overlap import find_regions, verify_schedule
+from graph_trainer.validation import validate_config
 from models.registry import MODEL_SPECS
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
-from graph_trainer.graph import tags
 from tests.graph_compare import node_multiset, node_signatures
 
 pytestmark = NEEDS_TORCH_2_13
@@ -59,7 +58,7 @@ def _args(selection: str, reorder: bool = True, passes: str = "ep_overlap") -> l
     ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _graph(args: tuple[str, ...], world_size: int = 2):
     cfg = load_config([*DEEPSEEK, "--parallelism.ep", "2", *args])
     validate_config(cfg, world_size)

@@ -16,16 +16,16 @@ from collections import Counter
 import pytest
 import torch
 
-from graph_trainer.graph.collectives import collective_name, is_collective
-from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.config_loading import load_config
-from graph_trainer.validation import validate_config
 from graph_trainer.errors import ConfigError
+from graph_trainer.fake_trace import fake_world, trace_job
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import collective_name, is_collective
 from graph_trainer.passes import PASS_REGISTRY, PassContext, PassError
 from graph_trainer.passes.transformer_block_bucketing import bucket_index, transformer_block_bucketing
+from graph_trainer.validation import validate_config
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
 from tests.graph_compare import node_signature
-from graph_trainer.graph import tags
 from tests.launch import FAST_ARGS, run_torchrun
 
 pytestmark = NEEDS_TORCH_2_13
@@ -41,7 +41,7 @@ LAYOUTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trace(extra: tuple[str, ...], passes: str = TBB, world_size: int = 4):
     cfg = load_config([*SMALL, "--compile.passes", passes, *extra] if passes else [*SMALL, *extra])
     with fake_world(world_size):
@@ -111,11 +111,11 @@ def test_gathers_are_prefetched_and_reduce_scatters_deferred(layout):
         # bucket i+1's gather is in flight across the whole compute of bucket i
         assert issue < forward_compute[i][0] and wait > forward_compute[i][-1], (i, issue, wait)
     backward = _fsdp_collectives(gm, "all_gather_into_tensor", "backward")  # buckets 7, 6, ..., 1
-    for current, ag in zip(range(len(PLAN) - 1, 0, -1), backward[1:]):
+    for current, ag in zip(range(len(PLAN) - 1, 0, -1), backward[1:], strict=False):
         issue, wait = _issue_and_wait(gm, ag)
         assert issue < backward_compute[current][0] and wait > backward_compute[current][-1], (current, issue, wait)
     reduce = _fsdp_collectives(gm, "reduce_scatter_tensor", "backward")
-    for rs, following in zip(reduce, reduce[1:]):
+    for rs, following in zip(reduce, reduce[1:], strict=False):
         issue, wait = _issue_and_wait(gm, rs)
         next_issue, _ = _issue_and_wait(gm, following)
         next_bucket = NAMES.index(tags.get(following, "fsdp_bucket"))
@@ -220,7 +220,7 @@ def _grads_worker(argv: list[str]) -> None:
     same = (
         torch.equal(bits(loss_a), bits(loss_b))
         and len(grads_a) == len(grads_b) == len(params)
-        and all(torch.equal(bits(a), bits(b)) for a, b in zip(grads_a, grads_b))
+        and all(torch.equal(bits(a), bits(b)) for a, b in zip(grads_a, grads_b, strict=True))
     )
     with open(os.path.join(cfg.job.dump_folder, f"bitwise_rank{dist.get_rank()}.txt"), "w") as f:
         f.write(f"{len(params)} gradients and the loss: {'same' if same else 'DIFFER'}")
@@ -260,7 +260,7 @@ def _mixed_dtypes_worker(folder: str) -> None:
     one = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default] == [merged.collective]
     same = one and all(
         a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
-        for a, b in zip(expected, got)
+        for a, b in zip(expected, got, strict=True)
     )
     with open(os.path.join(folder, f"bitwise_rank{rank}.txt"), "w") as f:
         f.write(f"one all_gather of 3 dtypes: {'same' if same else 'DIFFER'}")

@@ -1,4 +1,5 @@
-"""graph_trainer.torch_compat.checkpoint: The DCP entries: the globals a checkpoint's metadata pickle holds, and the reader that never pickle-loads.
+"""graph_trainer.torch_compat.checkpoint: the DCP entries: the globals a checkpoint's metadata pickle
+holds, and the reader that never pickle-loads.
 
 Fails loudly when a PyTorch upgrade changes a private API graph_trainer relies on."""
 

@@ -1,4 +1,5 @@
-"""graph_trainer.torch_compat.distributed: The torch.distributed entries: _StridedShard, DTensor flattening, groups by name, gloo's threads, timeouts.
+"""graph_trainer.torch_compat.distributed: the torch.distributed entries: _StridedShard, DTensor
+flattening, groups by name, gloo's threads, timeouts.
 
 Fails loudly when a PyTorch upgrade changes a private API graph_trainer relies on."""
 

@@ -1,4 +1,5 @@
-"""graph_trainer.torch_compat.fx: The tracing entries: annotations and sequence numbers, op internals, SymInts, fake modes, grouped_mm.
+"""graph_trainer.torch_compat.fx: the tracing entries: annotations and sequence numbers, op internals,
+SymInts, fake modes, grouped_mm.
 
 Fails loudly when a PyTorch upgrade changes a private API graph_trainer relies on."""
 

@@ -1,4 +1,5 @@
-"""graph_trainer.torch_compat.inductor: The Inductor entries: the overlap scheduler and its estimate, partition fusing, standalone compile.
+"""graph_trainer.torch_compat.inductor: the Inductor entries: the overlap scheduler and its estimate,
+partition fusing, standalone compile.
 
 Fails loudly when a PyTorch upgrade changes a private API graph_trainer relies on."""
 

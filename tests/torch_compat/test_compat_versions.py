@@ -1,4 +1,4 @@
-"""graph_trainer.torch_compat.versions: Which torch this is, and private_api's one-line error.
+"""graph_trainer.torch_compat.versions: which torch this is, and private_api's one-line error.
 
 Fails loudly when a PyTorch upgrade changes a private API graph_trainer relies on."""
 
@@ -20,4 +20,4 @@ def test_private_api_turns_a_missing_api_into_one_line_naming_it_and_the_version
     assert message.endswith(f"graph_trainer supports torch {SUPPORTED_TORCH}")
     with pytest.raises(ZeroDivisionError):  # other errors pass through untouched
         with private_api("x"):
-            1 / 0
+            1 / 0  # noqa: B018
