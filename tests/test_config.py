@@ -106,12 +106,23 @@ def _run_train(*args):
     )
 
 
+def _main(capsys, monkeypatch, *args) -> tuple[int, list[str]]:
+    """``train.main`` in this process (what ``python train.py ARGS`` runs): its exit code and stderr lines."""
+    import train
+
+    monkeypatch.chdir(ROOT)
+    code = train.main(list(args))
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--compile.passes", "warp_speed"], "unknown pass 'warp_speed'"),
         (["--job.config_file", "configs/does_not_exist.toml"], "does not exist"),
         (["--training.steps", "-1"], "training.steps = -1 must be >= 1"),
+        (["--training.steps", "abc"], "training.steps = 'abc' is not a whole number"),
+        (["--trainng.steps", "3"], "unknown flag --trainng.steps"),
         (["--compile.backend", "tvm"], "compile.backend = 'tvm' is not allowed"),
         (
             ["--compile.backend", "inductor", "--compile.inductor_scope", "partial"],
@@ -124,20 +135,26 @@ def _run_train(*args):
         (["--compile.inductor_scope", "full"], "compile.inductor_scope = 'full' needs compile.backend = 'inductor'"),
     ],
 )
-def test_train_py_exits_2_with_one_line(args, message):
-    result = _run_train(*args)
+def test_train_main_exits_2_with_one_line(capsys, monkeypatch, args, message):
+    code, lines = _main(capsys, monkeypatch, *args)
+    assert code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_train_py_script_exits_2_with_one_line():
+    """The script itself (not only ``main``): exit code 2 and one line, no traceback, from a fresh interpreter."""
+    result = _run_train("--training.steps", "abc")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert lines == ["error: training.steps = 'abc' is not a whole number"], result.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
-def test_cuda_without_cuda_is_one_line_exit_2():
-    result = _run_train("--job.device", "cuda")
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: job.device = 'cuda' but "), result.stderr
-    assert lines[0].endswith("; use --job.device cpu"), result.stderr
+def test_cuda_without_cuda_is_one_line_exit_2(capsys, monkeypatch):
+    code, lines = _main(capsys, monkeypatch, "--job.device", "cuda")
+    assert code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith("error: job.device = 'cuda' but "), lines
+    assert lines[0].endswith("; use --job.device cpu"), lines
 
 
 def test_more_local_processes_than_gpus_is_one_line_error(monkeypatch):
@@ -179,13 +196,12 @@ def test_n_layers_cuts_a_flavor_and_is_validated():
     assert "parallelism.ep > 1 needs MoE layers" in str(info.value)
 
 
-def test_train_py_unknown_toml_key(tmp_path):
+def test_train_py_unknown_toml_key(tmp_path, capsys, monkeypatch):
     path = tmp_path / "bad.toml"
     path.write_text("[model]\nflavour = '8B'\n")
-    result = _run_train("--job.config_file", str(path))
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "unknown key 'flavour' in section [model]" in lines[0], result.stderr
+    code, lines = _main(capsys, monkeypatch, "--job.config_file", str(path))
+    assert code == 2
+    assert len(lines) == 1 and "unknown key 'flavour' in section [model]" in lines[0], lines
 
 
 CONFIG_WORLD_SIZES = {
@@ -256,27 +272,15 @@ def test_toml_choice_fields_are_checked_and_configs_built_in_code_too(tmp_path):
         validate_config(cfg)
 
 
-def test_model_names_are_the_registry_and_help_lists_choices():
+def test_model_names_are_the_registry_and_help_lists_choices(capsys):
     import typing
 
     from graph_trainer.config import ModelName
     from models.registry import MODEL_SPECS
 
     assert typing.get_args(ModelName) == tuple(MODEL_SPECS)
-    result = _run_train("--help")
-    assert result.returncode == 0
-    assert "{none,inductor}" in result.stdout and "{graph,eager}" in result.stdout, result.stdout[:2000]
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--training.steps", "abc"], "training.steps = 'abc' is not a whole number"),
-        (["--trainng.steps", "3"], "unknown flag --trainng.steps"),
-    ],
-)
-def test_train_py_bad_flag_is_one_line_exit_2(args, message):
-    result = _run_train(*args)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    with pytest.raises(SystemExit) as info:  # tyro prints the help and exits 0
+        load_config(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "{none,inductor}" in out and "{graph,eager}" in out, out[:2000]
