@@ -138,11 +138,6 @@ def collective_counts(graph: fx.Graph) -> Counter[str]:
     return Counter(name for n in graph.nodes if (name := collective_name(n)) is not None)
 
 
-def collective_counts_by_group(graph: fx.Graph) -> Counter[tuple[str, str]]:
-    """Number of launches per (op name, process group)."""
-    return Counter((collective_name(n), group_name(n)) for n in graph.nodes if is_collective(n))
-
-
 def format_counts(counts: Counter[str]) -> str:
     """``'all_gather_into_tensor=21 wait_tensor=42'`` or ``'none'``."""
     return " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
@@ -159,7 +154,6 @@ __all__ = [
     "PairingError",
     "collective_bytes",
     "collective_counts",
-    "collective_counts_by_group",
     "collective_name",
     "collective_order",
     "format_counts",

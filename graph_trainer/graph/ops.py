@@ -61,11 +61,6 @@ def aliases_input(node: fx.Node) -> bool:
     return node.target is operator.getitem or is_view(node)
 
 
-def is_mutating(node: fx.Node) -> bool:
-    """Whether ``node`` calls an op that writes one of its arguments in place."""
-    return bool(mutated_args(node))
-
-
 def mutated_args(node: fx.Node) -> list[fx.Node]:
     """The arguments ``node`` writes in place (from the op's schema alias annotations)."""
     if node.op != "call_function" or not is_op_overload(node.target):
@@ -109,7 +104,6 @@ __all__ = [
     "aliases_input",
     "is_attention",
     "is_matmul",
-    "is_mutating",
     "is_view",
     "matmul_count",
     "mutated_args",

@@ -88,7 +88,6 @@ REDUCE_GRAD = "reduce_grad"
 """FSDP_ROLE of the backward nodes that reduce (and cast) that parameter's gradient."""
 COUNT_EXCHANGE, DISPATCH, COMBINE, EXPERT_COMPUTE = "count_exchange", "dispatch", "combine", "expert_compute"
 """Values of EP_ROLE: the token-count all_to_all, the token all_to_all there, the one back, the local experts."""
-EP_ROLES = (COUNT_EXCHANGE, DISPATCH, COMBINE, EXPERT_COMPUTE)
 SAVE, RECOMPUTE = "save", "recompute"
 """Values of ACTIVATION."""
 
@@ -179,7 +178,6 @@ __all__ = [
     "CUSTOM",
     "DISPATCH",
     "EP_ROLE",
-    "EP_ROLES",
     "EXPERT_COMPUTE",
     "FORWARD",
     "FSDP_BUCKET",
