@@ -52,14 +52,17 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
     default passes only. Checks, from the config and the model's flavor:
 
     * the collectives of each parallel dim: FSDP all-gathers and reduce-scatters (tagged
-      ``fsdp_role``) iff ``dp_shard > 1``; all-reduces if ``dp_replicate > 1``, untagged ones if
-      ``tp > 1``, none on LLaMA-3 without either; all_to_alls iff ``ep > 1``, each tagged
+      ``fsdp_role``) iff ``dp_shard > 1``; gradient all-reduces (tagged ``reduce_grad``) iff
+      ``dp_replicate > 1``, each of a reduce-scattered parameter summing its shard (HSDP's order),
+      untagged ones if ``tp > 1``, none on LLaMA-3 without either; all_to_alls iff ``ep > 1``, each tagged
       ``ep_role`` (count_exchange / dispatch / combine) and ``moe_fqn``, every MoE layer with its
       forward dispatch and combine and their backward;
     * ``transformer_block_bucketing``: n_layers + 2 forward all-gather buckets (embeddings, each
       block, norm + output), n_layers + 1 backward re-gather buckets (the embedding's backward does
-      not read its weight; none if parameters are kept), n_layers + 2 reduce-scatter buckets, one
-      collective per bucket and process group, other collectives as in ``reference``; followed by
+      not read its weight; none if parameters are kept), n_layers + 2 reduce-scatter buckets
+      (with ``dp_shard > 1``) and n_layers + 2 gradient all-reduce buckets (with
+      ``dp_replicate > 1``), one collective per bucket and process group, other collectives as
+      in ``reference``; followed by
       ``auto_bucketing``: every FSDP collective still in a block bucket, no more of them;
     * ``auto_bucketing`` alone: fewer FSDP collectives than ``reference``, the same all_to_alls;
     * ``ep_overlap``: a forward and a backward chunked region per MoE layer and, unless
@@ -87,10 +90,14 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
         bool(fsdp_gathers and fsdp_reduces) == (degrees["dp_shard"] > 1),
         f"dp_shard={degrees['dp_shard']} but {len(fsdp_gathers)} FSDP all-gathers, {len(fsdp_reduces)} reduce-scatters",
     )
-    # (DDP's gradient all-reduces carry no fsdp_role tag: replicate mode has no forward gather)
+    grad_all_reduces = _fsdp(nodes, _KINDS["AR"], "backward")
     need(
-        bool(ops(nodes, "AR")) or degrees["dp_replicate"] == 1,
-        f"dp_replicate={degrees['dp_replicate']} but no all-reduce",
+        bool(grad_all_reduces) == (degrees["dp_replicate"] > 1),
+        f"dp_replicate={degrees['dp_replicate']} but {len(grad_all_reduces)} gradient all-reduces (reduce_grad)",
+    )
+    need(
+        not _full_gradient_all_reduces(ref_nodes),
+        f"HSDP all-reduces before reduce-scattering: {_full_gradient_all_reduces(ref_nodes)[:3]}",
     )
     if cfg.model.name == "llama3":
         tp_reduce = [n for n in ops(nodes, "AR") if not tags.get(n, FSDP_ROLE)]
@@ -125,9 +132,13 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
     n = args.n_layers
     need(len(plan) == n + 2, f"the model's bucket plan has {len(plan)} groups, expected n_layers + 2 = {n + 2}")
     keeps = cfg.parallelism.fsdp_reshard_after_forward == "never"
-    expected = {("AG", "forward"): n + 2, ("AG", "backward"): 0 if keeps else n + 1, ("RS", "backward"): n + 2}
+    expected = {}
+    if degrees["dp_shard"] > 1:
+        expected = {("AG", "forward"): n + 2, ("AG", "backward"): 0 if keeps else n + 1, ("RS", "backward"): n + 2}
+    if degrees["dp_replicate"] > 1:
+        expected[("AR", "backward")] = n + 2
     for (kind, phase), buckets in expected.items():
-        if degrees["dp_shard"] == 1 or not any(p in passes for p in BUCKETING.values()):
+        if not any(p in passes for p in BUCKETING.values()):
             break
         got, ref = _fsdp(nodes, _KINDS[kind], phase), _fsdp(ref_nodes, _KINDS[kind], phase)
         # one collective per (bucket, process group) that the reference's per-parameter collectives span
@@ -167,6 +178,25 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
             f"auto_bucketing: {fsdp} FSDP collectives, not fewer than {ref_fsdp} without passes",
         )
     return problems
+
+
+def _full_gradient_all_reduces(nodes) -> list[str]:
+    """Gradient all-reduces of a parameter that is also reduce-scattered, whose element count is
+    not the reduce-scatter's output (HSDP must all-reduce the shard, after the reduce-scatter)."""
+    from graph_trainer.graph.collectives import collective_name
+
+    shard = {
+        tags.get(n, FSDP_PARAM): n.meta["val"].numel()
+        for n in nodes
+        if collective_name(n) in _KINDS["RS"] and tags.get(n, FSDP_ROLE)
+    }
+    return [
+        n.name
+        for n in nodes
+        if collective_name(n) in _KINDS["AR"]
+        and tags.get(n, FSDP_PARAM) in shard
+        and n.meta["val"].numel() != shard[tags.get(n, FSDP_PARAM)]
+    ]
 
 
 def _without_flag(args: list[str], flag: str) -> list[str]:

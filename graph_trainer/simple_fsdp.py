@@ -12,13 +12,19 @@ Each parameter is stored as a DTensor laid out over the data-parallel mesh dimen
 
 Modes, chosen from the degrees:
 
-==============  ========================  =====================================
+==============  ========================  ===============================================
 mode            data-parallel placements  backward collective
-==============  ========================  =====================================
-fully_shard     (Shard(0),)               reduce_scatter
-hybrid_shard    (Replicate(), Shard(0))   reduce_scatter, then all_reduce
-replicate       (Replicate(),)            all_reduce (DDP)
-==============  ========================  =====================================
+==============  ========================  ===============================================
+fully_shard     (Shard(0),)               reduce_scatter over dp_shard
+hybrid_shard    (Replicate(), Shard(0))   reduce_scatter over dp_shard, then all_reduce of
+                                          the shard over dp_replicate (HSDP, as FSDP2)
+replicate       (Replicate(),)            all_reduce over dp_replicate (DDP)
+==============  ========================  ===============================================
+
+Every collective of the chain, the all_reduce too, is made under the parametrization's
+``fsdp_role`` tag, so on the traced graph the backward collectives are tagged ``reduce_grad``
+with their ``fsdp_param`` (``graph_trainer.tracer``) and the bucketing passes find them.
+Both backward collectives run in ``reduce_dtype``.
 
 With tensor parallel, a parameter already sharded on ``tp`` by ``Shard(0)`` is sharded on
 the data-parallel dim with ``_StridedShard(0, split_factor=tp)``: the tp split comes first,
@@ -44,7 +50,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.nn.utils import parametrize
 
 from graph_trainer.graph import tags
-from graph_trainer.graph.tags import FSDP_PARAM, FSDP_ROLE, UNSHARD
+from graph_trainer.graph.tags import FSDP_PARAM, FSDP_ROLE, REDUCE_GRAD, UNSHARD
 from graph_trainer.torch_compat import StridedShard
 
 MODES = ("fully_shard", "hybrid_shard", "replicate")
@@ -75,30 +81,75 @@ class ReplicateComputation(nn.Module):
         inner_placements: tuple[Placement, ...],
         mp: MixedPrecision,
         hand_local: bool = False,
+        replicate_mesh: DeviceMesh | None = None,
     ):
         super().__init__()
         self.param_fqn = param_fqn
         self.dp_dims = dp_dims
+        self.replicate_mesh = replicate_mesh
         self.inner_mesh = inner_mesh
         self.inner_placements = inner_placements
         self.mp = mp
         self.hand_local = hand_local
 
     def forward(self, param: DTensor) -> torch.Tensor:
-        gathered = [Replicate()] * self.dp_dims + list(self.inner_placements)
-        grad_placements = [Partial("sum")] * self.dp_dims + list(self.inner_placements)
         # The tag lets graph passes find this parameter's gather chain (and, through the
         # tracer, the gradient reduction that differentiates it) without pattern matching.
         with tags.annotate({FSDP_ROLE: UNSHARD, FSDP_PARAM: self.param_fqn}):
+            if self.replicate_mesh is not None:
+                param = self._sum_gradient_over_replicas(param)
             full = param.redistribute(
-                placements=gathered,
+                placements=[Replicate()] * self.dp_dims + list(self.inner_placements),
                 forward_dtype=self.mp.param_dtype,
                 backward_dtype=self.mp.reduce_dtype,
-            ).to_local(grad_placements=grad_placements)
+            ).to_local(grad_placements=self._gathered_grad_placements())
         if self.inner_mesh is None or self.hand_local:
             return full
         # Hand tensor-parallel modules the tp-sharded DTensor they were written for.
         return DTensor.from_local(full, self.inner_mesh, self.inner_placements, run_check=False)
+
+    def _gathered_grad_placements(self) -> list[Placement]:
+        """The gradient of the gathered parameter as the redistribute's backward sees it: a partial
+        sum over the sharded data-parallel dim (reduced to Shard: the reduce-scatter), and over
+        ``dp_replicate`` declared Replicate, because ``_sum_gradient_over_replicas`` sums it there
+        afterwards, on the shard."""
+        replicated = 1 if self.replicate_mesh is not None else 0
+        partial = [Partial("sum")] * (self.dp_dims - replicated)
+        return [Replicate()] * replicated + partial + list(self.inner_placements)
+
+    def _sum_gradient_over_replicas(self, param: DTensor) -> DTensor:
+        """``param`` unchanged; its gradient summed over ``dp_replicate`` (``SumGradientOverReplicas``)."""
+        local = SumGradientOverReplicas.apply(
+            param.to_local(), self.replicate_mesh, self.mp.reduce_dtype, self.param_fqn
+        )
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+
+
+class SumGradientOverReplicas(torch.autograd.Function):
+    """Identity in forward; in backward the gradient is summed over the 1-D ``dp_replicate`` mesh
+    in ``reduce_dtype`` (an all_reduce) and cast back.
+
+    It sits between the parameter's local shard and the gather, so under HSDP the gradient it
+    sums is the shard the reduce-scatter over ``dp_shard`` produced: only 1/dp_shard of the bytes
+    crosses the replicate groups (nodes), as in FSDP2. DTensor alone, given a gradient partial
+    over both dims, reduces in mesh order: replicate first, an all_reduce of the full gradient.
+
+    The forward makes no op the tracer could pair with the backward (its ``seq_nr``), so the
+    backward tags its own collective ``reduce_grad`` with the parameter's FQN."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, mesh: DeviceMesh, reduce_dtype: torch.dtype, param_fqn: str):
+        ctx.mesh, ctx.reduce_dtype, ctx.param_fqn = mesh, reduce_dtype, param_fqn
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        with tags.annotate({FSDP_ROLE: REDUCE_GRAD, FSDP_PARAM: ctx.param_fqn}):
+            partial = DTensor.from_local(grad.to(ctx.reduce_dtype), ctx.mesh, [Partial("sum")], run_check=False)
+            summed = partial.redistribute(placements=[Replicate()]).to_local().to(grad.dtype)
+        return summed, None, None, None
 
 
 class CastForCompute(nn.Module):
@@ -139,6 +190,13 @@ def data_parallel_placements(mode: str | None, inner_placement: Placement | None
         # The inner split (tp or ep) owns dim 0 first; dp splits each inner piece further.
         shard = StridedShard(0, split_factor=inner_degree)
     return [Replicate(), shard] if mode == "hybrid_shard" else [shard]
+
+
+def _replicate_mesh(mesh: DeviceMesh, mode: str | None) -> DeviceMesh | None:
+    """The 1-D mesh of the replicated data-parallel dim (the first one), for modes that have one."""
+    if mode not in ("hybrid_shard", "replicate"):
+        return None
+    return mesh[mesh.mesh_dim_names[0]]
 
 
 def _is_parametrization(fqn: str) -> bool:
@@ -195,7 +253,9 @@ def data_parallel(
             parametrize.register_parametrization(
                 module,
                 name,
-                ReplicateComputation(param_fqn, dp_dims, inner_mesh, inner_placements, mp, hand_local),
+                ReplicateComputation(
+                    param_fqn, dp_dims, inner_mesh, inner_placements, mp, hand_local, _replicate_mesh(mesh, mode)
+                ),
                 unsafe=True,
             )
     return model

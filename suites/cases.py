@@ -31,9 +31,11 @@ class Case:
     same_as: str = ""
     """Name of an earlier case whose per-step losses this one must equal bitwise."""
     close_to: str = ""
-    """Name of an earlier case (one process, same global batch) whose losses this one must
-    match within ``rtol``: only the order of the gradient sums differs (or, with ``rtol``
-    ``INDUCTOR_RTOL``, the same job run op by op: Inductor's fusion rounds differently)."""
+    """Name of an earlier case whose losses this one must match within ``rtol``, where only the
+    order of the gradient sums differs: one process on the same global batch, or the same layout
+    without a bucketing pass over more than 2 ranks (a bucketed all-reduce sums in another rank
+    order); or, with ``rtol`` ``INDUCTOR_RTOL``, the same job run op by op (Inductor's fusion
+    rounds differently)."""
     rtol: float = CLOSE_RTOL
     """The bound of a ``close_to`` comparison on the losses (``CLOSE_RTOL`` by default)."""
     config: str = ""
@@ -124,6 +126,7 @@ def batch(n: int) -> list[str]:
 
 
 DEEPSEEK_DEBUG = "configs/deepseek_v3_debug.toml"
+LLAMA3_DEBUG = "configs/llama3_debug.toml"
 INDUCTOR_FLAGS = ["--compile.backend", "inductor"]
 INDUCTOR_FULL_FLAGS = [*INDUCTOR_FLAGS, "--compile.inductor_scope", "full"]
 

@@ -148,7 +148,7 @@ CPU_CASES = (
     _CPU_REFERENCES
     + layout_cases(_CPU_LAYOUTS)
     + _CPU_KEEP_PARAMS
-    + pass_cases(_CPU_LAYOUTS, ["fsdp2", "hsdp2x2", "fsdp2xtp2"])
+    + pass_cases(_CPU_LAYOUTS, ["fsdp2", "hsdp2x2", "ddp2", "fsdp2xtp2"])
     + _CPU_DEEPSEEK_REFERENCES
     + layout_cases(_CPU_DEEPSEEK_LAYOUTS, DEEPSEEK_DEBUG)
     + pass_cases(_CPU_DEEPSEEK_LAYOUTS, ["deepseek_ep2", "deepseek_fsdp2xep2"], DEEPSEEK_DEBUG)

@@ -37,7 +37,7 @@ Decisions (identical on every rank, so that all ranks issue the same collectives
 - Collective group sizes are read from the ops' arguments, node crossing from the resolved
   process group's ranks (``ranks_per_node = RANKS_PER_NODE``), as in ``analyze``.
 
-Why reduce-scatters stay unmerged: PyTorch's bucketer only merges two collectives when every
+Why backward reductions mostly stay unmerged: PyTorch's bucketer only merges two collectives when every
 overlap the scheduler found survives. It records each overlap as graph edges
 ``start -> hiding compute -> wait`` and refuses a merge that would need a path between the two
 starts. In a backward pass the compute hiding one parameter's reduce-scatter is the backward
@@ -45,8 +45,10 @@ of the previous module, which produces the NEXT parameter's gradient: there is a
 from one reduce-scatter's start, through its hiding compute, to the next one's input ("has
 ancestor conflicts" / "path exists between starts" in PyTorch's bucket log). So each
 reduce-scatter stays alone but hidden, while all-gathers, whose inputs are all ready early,
-merge (measured: docs/performance.md). For per-block reduce-scatter buckets run
-``transformer_block_bucketing`` before this pass.
+merge (measured: docs/performance.md). DDP's gradient all-reduces are the reduce-scatters' case
+(PyTorch's bucketer can merge all-reduces, and merges the few whose starts no compute path
+joins); HSDP's all-reduces of the shards merge more, their inputs being the reduce-scatters'
+waits. For per-block reduction buckets run ``transformer_block_bucketing`` before this pass.
 
 Tags: PyTorch copies the ``meta`` (so the tags) of a bucket's FIRST collective onto
 the nodes it creates for that bucket (buffer, copies, merged collective, wait, splits): their
@@ -66,7 +68,9 @@ its own), so this pass re-applies ``ep_overlap``'s region schedule to its result
 need, e.g. a bucket's wait, move to just before the region) and checks it as ``ep_overlap``
 does. Values are unchanged: both only reorder.
 
-Logs: collectives exposed / hidden by the scheduler's estimate (PyTorch's ``counters``).
+Logs: collectives exposed / hidden by the scheduler's estimate (PyTorch's ``counters``), and the
+gradient reductions (``fsdp_role`` ``reduce_grad``: FSDP reduce-scatters, DDP / HSDP
+all-reduces) before and after, apart from other collectives of the same kind (TP all-reduces).
 
 Errors: config validation rejects the pass without any multi-process collective layout
 (dp_shard, dp_replicate, tp and ep all 1), and with any pass listed after it (including
@@ -78,6 +82,7 @@ without collectives raises ``PassError``.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 import torch.fx as fx
@@ -86,9 +91,9 @@ from graph_trainer.analysis.cost_model import collective_time, node_compute_time
 from graph_trainer.analysis.devices import DEVICES
 from graph_trainer.errors import ConfigError
 from graph_trainer.graph import tags
-from graph_trainer.graph.collectives import collective_bytes, collective_counts, format_counts, is_collective
+from graph_trainer.graph.collectives import collective_bytes, collective_counts, format_counts, is_collective, kind
 from graph_trainer.graph.sizes import SizeHints
-from graph_trainer.graph.tags import AUTO_BUCKET, MODULE_FQN, PHASE
+from graph_trainer.graph.tags import AUTO_BUCKET, FSDP_ROLE, MODULE_FQN, PHASE, REDUCE_GRAD
 from graph_trainer.passes.ep_overlap import find_regions, reorders, schedule_regions
 from graph_trainer.passes.registry import PassContext, PassError, PassSpec
 from graph_trainer.torch_compat import (
@@ -130,6 +135,11 @@ class CostModelEstimator:
         return 1e3 * seconds
 
 
+def gradient_reduction_counts(graph: fx.Graph) -> Counter[str]:
+    """Collectives tagged ``reduce_grad`` (the data-parallel gradient reductions), by kind."""
+    return Counter(kind(n) for n in graph.nodes if is_collective(n) and tags.get(n, FSDP_ROLE) == REDUCE_GRAD)
+
+
 def _tag_new_nodes(graph: fx.Graph) -> int:
     """Tag the nodes PyTorch added (no tags at all); returns how many."""
     added = [n for n in graph.nodes if n.op == "call_function" and not tags.tags(n)]
@@ -148,7 +158,7 @@ def _neighbour_phase(node: fx.Node) -> str:
 
 
 def auto_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
-    before = collective_counts(gm.graph)
+    before, reductions_before = collective_counts(gm.graph), gradient_reduction_counts(gm.graph)
     if not sum(before.values()):
         raise PassError(
             "auto_bucketing: the graph has no collectives; it needs a multi-process layout (data parallel, TP or EP)"
@@ -182,10 +192,12 @@ def auto_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
         logger.info("auto_bucketing: restored ep_overlap's schedule of %d chunked regions", len(regions))
     delta = {k: counters[k] - start[k] for k in keys}
     logger.info(
-        "auto_bucketing: collectives %s -> %s, exposed %d, hidden-able %d, buckets %d, new nodes %d "
-        "(estimates: %s model)",
+        "auto_bucketing: collectives %s -> %s (gradient reductions %s -> %s), exposed %d, hidden-able %d, "
+        "buckets %d, new nodes %d (estimates: %s model)",
         format_counts(before),
         format_counts(collective_counts(gm.graph)),
+        format_counts(reductions_before),
+        format_counts(gradient_reduction_counts(gm.graph)),
         delta[keys[0]],
         delta[keys[1]],
         delta[keys[2]],
@@ -220,4 +232,4 @@ AUTO_BUCKETING = PassSpec(
     check_config,
 )
 
-__all__ = ["AUTO_BUCKETING", "CostModelEstimator", "auto_bucketing"]
+__all__ = ["AUTO_BUCKETING", "CostModelEstimator", "auto_bucketing", "gradient_reduction_counts"]

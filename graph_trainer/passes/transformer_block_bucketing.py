@@ -1,4 +1,4 @@
-"""transformer_block_bucketing: one FSDP all-gather and one reduce-scatter per transformer block.
+"""transformer_block_bucketing: one FSDP all-gather and one gradient reduction per transformer block.
 
 Contract
 --------
@@ -14,17 +14,23 @@ Changes: the FSDP collectives, and only those, are merged per group (a *bucket*)
 - the forward ``all_gather_into_tensor`` nodes tagged ``unshard`` (phase forward),
 - the backward re-gathers tagged ``unshard`` (phase backward, ``recomputed``; made by the
   default ``reshard_after_forward`` pass, absent with ``fsdp_reshard_after_forward never``),
-- the ``reduce_scatter_tensor`` nodes tagged ``reduce_grad``,
+- the ``reduce_scatter_tensor`` nodes tagged ``reduce_grad`` (FSDP, HSDP's shard dim),
+- the ``all_reduce`` nodes tagged ``reduce_grad`` (DDP, and HSDP's replicate dim, which sums
+  the reduce-scattered shard: ``graph_trainer.simple_fsdp``),
 
-each become ONE collective per bucket and process group (for reduce-scatters also per dtype
+each become ONE collective per bucket and process group (for the reductions also per dtype
 and reduce op; a bucket whose parameters live on several groups, e.g. DeepSeek-V3 experts
 sharded over ``efsdp`` beside dense weights over ``dp_shard``, gets one collective per group).
-TP all_reduces, HSDP/DDP all_reduces and EP all_to_alls are left as they are. The merge is
+TP all_reduces (untagged) and EP all_to_alls are left as they are. The merge is
 functional (no ``out=`` mutation): an all-gather bucket is ``cat`` of the flattened shards
 (bytes when dtypes differ) -> one all_gather -> ``view(world, N)`` -> per parameter
 ``slice(dim 1) -> clone -> view``, rank-major exactly like the per-parameter gathers; a
 reduce-scatter bucket is ``cat`` of each gradient ``view(world, -1)`` along dim 1 (and of zero
-padding, see Numerics) -> one reduce_scatter -> per parameter ``slice -> view``. New nodes get
+padding, see Numerics) -> one reduce_scatter -> per parameter ``slice -> view``; an all-reduce
+bucket is ``cat`` of the flattened gradients -> one all_reduce -> per parameter
+``slice -> view``. PyTorch's ``merge_all_reduce_bucket`` builds the same all-reduce bucket, but
+by re-tracing a merge function whose nodes carry none of our tags and whose placement we would
+have to undo; this pass writes the bucket the way it writes the other two. New nodes get
 ``meta["val"]`` (run on the trace's fake mode) and the tags of what they replace; nodes shared
 by a bucket carry ``fsdp_param = fsdp_bucket = `` the bucket name (``"layers.3"``,
 ``"norm+output"``) and ``fsdp_params``, the tuple of its parameters.
@@ -33,9 +39,10 @@ Schedule (per phase, buckets in the order their compute starts; *compute* of a b
 ``call_function`` nodes of that phase whose ``module_fqn`` is in the bucket, FSDP nodes
 excluded): a gather bucket is issued before the first compute node of the bucket before it
 (prefetch one bucket ahead: forward in plan order, backward in reverse), and waited right
-before the first node that reads its parameters; a reduce-scatter bucket is issued right after
-its last gradient is computed, and waited right before the next reduce-scatter of its group is
-issued (the last one before the graph output), so it overlaps the next bucket's backward.
+before the first node that reads its parameters; a reduction bucket is issued right after its
+last gradient is computed (under HSDP the all-reduce right after its reduce-scatter's wait),
+and waited right before the next reduction of its group is issued (the last one before the
+graph output), so it overlaps the next bucket's backward.
 A stable topological sort then restores a valid order moving as few nodes as possible
 (a node placed before an input goes right after it); every node stays exactly once.
 
@@ -52,9 +59,15 @@ difference. Each rank's row of a reduce-scatter bucket is therefore padded with 
 next length gloo cuts exactly (``ring_aligned_row``: fewer than ``k`` elements, none for
 2 ranks), which makes every member bitwise its own reduce-scatter whenever that one is cut
 exactly too: its shard's element count is a multiple of ``max(ceil(shard bytes / 1 MiB), 2)``
-(any even count up to 2 MiB, any multiple of 1 MiB).
+(any even count up to 2 MiB, any multiple of 1 MiB). An all-reduce bucket is bitwise its
+members' all-reduces over 2 ranks (one addition per element). Over more ranks it is not, and
+no padding can make it so: a ring all-reduce (gloo's, NCCL's) sums each element in the rank
+order of the chunk it falls in, and a member's elements fall in other chunks of the bucket than
+of its own buffer (DDP's own buckets have the same property). Each sum is then the same terms
+in another order: a last-bit difference per element, as between any two bucket sizes.
 
-Errors: config validation rejects the pass without data-parallel sharding (``dp_shard == 1``);
+Errors: config validation rejects the pass without data parallelism (``dp_shard`` and
+``dp_replicate`` both 1);
 at run time a missing bucket plan, an FSDP parameter in no bucket, a collective whose only
 user is not its wait, or a graph without FSDP collectives raise ``PassError``.
 """
@@ -70,7 +83,15 @@ import torch.fx as fx
 
 from graph_trainer.errors import ConfigError
 from graph_trainer.graph import tags
-from graph_trainer.graph.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, PairingError, wait_of
+from graph_trainer.graph.collectives import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    WAIT,
+    PairingError,
+    group_name,
+    wait_of,
+)
 from graph_trainer.graph.tags import (
     BACKWARD,
     FORWARD,
@@ -88,7 +109,9 @@ from graph_trainer.torch_compat import fake_mode_of, pass_needs_torch_2_13
 
 aten = torch.ops.aten
 
-FORWARD_GATHER, BACKWARD_GATHER, GRAD_REDUCE = "forward all_gather", "backward all_gather", "reduce_scatter"
+FORWARD_GATHER, BACKWARD_GATHER = "forward all_gather", "backward all_gather"
+GRAD_REDUCE, GRAD_ALL_REDUCE = "reduce_scatter", "all_reduce"
+REDUCTIONS = (GRAD_REDUCE, GRAD_ALL_REDUCE)
 
 GLOO_MAX_SEGMENT_BYTES = 1 << 20
 """gloo's ``AllreduceOptions::kMaxSegmentSize``: the largest piece its ring all-reduce sends at once."""
@@ -133,6 +156,8 @@ def collective_kind(node: fx.Node) -> str | None:
         return FORWARD_GATHER if tags.phase(node) == FORWARD else BACKWARD_GATHER
     if node.target is REDUCE_SCATTER and role == REDUCE_GRAD:
         return GRAD_REDUCE
+    if node.target is ALL_REDUCE and role == REDUCE_GRAD:
+        return GRAD_ALL_REDUCE
     return None
 
 
@@ -279,32 +304,39 @@ def merge_all_gathers(graph: fx.Graph, members: list[fx.Node], bucket: int, name
     return Merged(bucket, kind, group, issue, wait, outputs)
 
 
-def merge_reduce_scatters(graph: fx.Graph, members: list[fx.Node], bucket: int, name: str) -> Merged:
-    """Replace the reduce-scatters of one bucket (one group, dtype, op) with one of their concatenation."""
-    first = members[0]
-    reduce_op, group_size, group = first.args[1], first.args[2], first.args[3]
+def merge_reductions(graph: fx.Graph, members: list[fx.Node], bucket: int, name: str) -> Merged:
+    """Replace the gradient reductions of one bucket (one kind, group, dtype, op) with one reduction
+    of their concatenation: rank rows side by side for reduce-scatters, flat for all-reduces."""
+    first, kind = members[0], collective_kind(members[0])
+    reduce_op, group = first.args[1], group_name(first)
     if len(members) == 1:
-        return _unmerged(first, bucket, GRAD_REDUCE, group, [], name)
+        return _unmerged(first, bucket, kind, group, [], name)
     emit = _Emitter(graph, first, _fake_mode(first))
     shared = _shared_tags(members, name)
-    rows = [emit.flat_rows(m.args[0], group_size, _member_tags(m, name)) for m in members]
-    sizes = [r.meta["val"].shape[1] for r in rows]
-    pad = ring_aligned_row(sum(sizes), group_size, rows[0].meta["val"].element_size()) - sum(sizes)
-    if pad:  # zeros at the end of each rank's row: see Numerics in the module docstring
-        rows.append(emit(aten.new_zeros.default, (rows[0], [group_size, pad]), shared))
-    flat = emit(aten.view.default, (emit(aten.cat.default, (rows, 1), shared), [-1]), shared)
-    reduced = emit(REDUCE_SCATTER, (flat, reduce_op, group_size, group), shared)
+    if kind == GRAD_REDUCE:
+        group_size = first.args[2]
+        rows = [emit.flat_rows(m.args[0], group_size, _member_tags(m, name)) for m in members]
+        sizes = [r.meta["val"].shape[1] for r in rows]
+        pad = ring_aligned_row(sum(sizes), group_size, rows[0].meta["val"].element_size()) - sum(sizes)
+        if pad:  # zeros at the end of each rank's row: see Numerics in the module docstring
+            rows.append(emit(aten.new_zeros.default, (rows[0], [group_size, pad]), shared))
+        flat = emit(aten.view.default, (emit(aten.cat.default, (rows, 1), shared), [-1]), shared)
+        reduced = emit(REDUCE_SCATTER, (flat, reduce_op, group_size, group), shared)
+    else:
+        flats = [emit.flat_rows(m.args[0], 0, _member_tags(m, name)) for m in members]
+        sizes = [f.meta["val"].numel() for f in flats]
+        reduced = emit(ALL_REDUCE, (emit(aten.cat.default, (flats,), shared), reduce_op, group), shared)
     issue = emit.take()
-    shard = emit(WAIT, (reduced,), shared)
+    result = emit(WAIT, (reduced,), shared)
     outputs, offset = [], 0
     for m, size in zip(members, sizes, strict=True):
         member = _member_tags(m, name)
-        piece = emit(aten.slice.Tensor, (shard, 0, offset, offset + size), member)
+        piece = emit(aten.slice.Tensor, (result, 0, offset, offset + size), member)
         outputs.append(emit(aten.view.default, (piece, list(m.meta["val"].shape)), member))
         offset += size
     wait = emit.take()
     _replace(graph, members, outputs)
-    return Merged(bucket, GRAD_REDUCE, group, issue, wait, outputs)
+    return Merged(bucket, kind, group, issue, wait, outputs)
 
 
 def _fake_mode(node: fx.Node):
@@ -332,10 +364,10 @@ def fsdp_buckets(graph: fx.Graph, plan: list[list[str]]) -> dict[tuple, list[fx.
                 f"of the bucket plan {plan}"
             )
         _only_wait(node)
-        if kind == GRAD_REDUCE:
-            key = (kind, index, node.args[3], node.meta["val"].dtype, node.args[1])
+        if kind in REDUCTIONS:
+            key = (kind, index, group_name(node), node.meta["val"].dtype, node.args[1])
         else:
-            key = (kind, index, node.args[2], None, None)
+            key = (kind, index, group_name(node), None, None)
         buckets[key].append(node)
     return buckets
 
@@ -387,8 +419,10 @@ def schedule_gathers(merged: list[Merged], starts: dict[int, fx.Node], position:
         _move_before(reader, m.wait)
 
 
-def schedule_reduce_scatters(graph: fx.Graph, merged: list[Merged], position: dict[fx.Node, int]) -> None:
-    """Issue each reduce-scatter bucket after its last gradient; wait before its group's next one."""
+def schedule_reductions(graph: fx.Graph, merged: list[Merged], position: dict[fx.Node, int]) -> None:
+    """Issue each reduction bucket after its last input (its gradients, or under HSDP the
+    all-reduce's reduce-scattered shards, once their waits have moved); wait before its group's
+    next one."""
     last_input = {}
     for m in merged:
         members = set(m.issue)
@@ -437,18 +471,21 @@ def transformer_block_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.
     buckets = fsdp_buckets(graph, plan)
     if not buckets:
         raise PassError(
-            "transformer_block_bucketing: the graph has no FSDP all_gather/reduce_scatter "
-            "(fsdp_role tags); it needs data-parallel sharding (parallelism.dp_shard > 1)"
+            "transformer_block_bucketing: the graph has no FSDP all_gather/reduce_scatter and no "
+            "gradient all_reduce (fsdp_role tags); it needs data parallelism (parallelism.dp_shard "
+            "or dp_replicate > 1)"
         )
     starts = compute_starts(graph, plan)
     merged: dict[str, list[Merged]] = defaultdict(list)
     for (kind, index, *_), members in buckets.items():
-        merge = merge_reduce_scatters if kind == GRAD_REDUCE else merge_all_gathers
+        merge = merge_reductions if kind in REDUCTIONS else merge_all_gathers
         merged[kind].append(merge(graph, members, index, "+".join(plan[index])))
     position = {node: i for i, node in enumerate(graph.nodes)}
     schedule_gathers(merged[FORWARD_GATHER], starts[FORWARD], position)
     schedule_gathers(merged[BACKWARD_GATHER], starts[BACKWARD], position)
-    schedule_reduce_scatters(graph, merged[GRAD_REDUCE], position)
+    # reduce-scatters first: HSDP's all-reduce buckets are issued after the waits they read
+    schedule_reductions(graph, merged[GRAD_REDUCE], position)
+    schedule_reductions(graph, merged[GRAD_ALL_REDUCE], position)
     stable_topological_sort(graph)
     graph.lint()
     gm.recompile()
@@ -459,17 +496,18 @@ def check_config(cfg: Any, degrees: dict[str, int]) -> None:
     problem = pass_needs_torch_2_13("transformer_block_bucketing")
     if problem:
         raise ConfigError(f"compile.passes: {problem}")
-    if degrees.get("dp_shard", 1) <= 1:
+    if degrees.get("dp_shard", 1) <= 1 and degrees.get("dp_replicate", 1) <= 1:
         raise ConfigError(
-            "compile.passes: transformer_block_bucketing buckets FSDP all-gathers and reduce-scatters "
-            f"and needs parallelism.dp_shard > 1 (got dp_shard = {degrees.get('dp_shard', 1)})"
+            "compile.passes: transformer_block_bucketing buckets FSDP all-gathers and gradient "
+            "reductions and needs data parallelism: parallelism.dp_shard or dp_replicate > 1 "
+            f"(got dp_shard = {degrees.get('dp_shard', 1)}, dp_replicate = {degrees.get('dp_replicate', 1)})"
         )
 
 
 TRANSFORMER_BLOCK_BUCKETING = PassSpec(
     "transformer_block_bucketing",
     transformer_block_bucketing,
-    "one FSDP all-gather / reduce-scatter per transformer block, prefetched and deferred for overlap",
+    "one FSDP all-gather / gradient reduction per transformer block, prefetched and deferred for overlap",
     check_config,
 )
 
@@ -480,7 +518,7 @@ __all__ = [
     "compute_starts",
     "fsdp_buckets",
     "merge_all_gathers",
-    "merge_reduce_scatters",
+    "merge_reductions",
     "ring_aligned_row",
     "transformer_block_bucketing",
 ]

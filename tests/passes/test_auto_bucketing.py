@@ -15,6 +15,7 @@ from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts
 from graph_trainer.passes import PASS_REGISTRY
+from graph_trainer.passes.auto_bucketing import gradient_reduction_counts
 from graph_trainer.torch_compat import overlap_scheduling_module
 from graph_trainer.validation import validate_config
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
@@ -48,6 +49,17 @@ def test_fewer_collectives_on_fake_fsdp4_and_graph_lints():
     assert gathers < plain_gathers and reduces <= plain_reduces, (gathers, plain_gathers, reduces, plain_reduces)
     assert overlap_scheduling_module().estimate_roofline_runtime_ms is original  # the patch is gone
     assert all(tags.get(n, "phase") is not None for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_hsdp_gradient_reductions_keep_their_tags_through_the_bucketer():
+    hsdp = ("--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2")
+    gm, plain = _trace(AUTO, extra=hsdp), _trace("", extra=hsdp)
+    before, after = gradient_reduction_counts(plain.graph), gradient_reduction_counts(gm.graph)
+    # one reduce-scatter (dp_shard) and one all-reduce of its shard (dp_replicate) per parameter
+    assert before["reduce_scatter"] == before["all_reduce"] > 0
+    # merged buckets keep the role of their first member: every reduction is still counted
+    assert 0 < after["all_reduce"] <= before["all_reduce"] and after["reduce_scatter"] == before["reduce_scatter"]
+    assert sum(after.values()) == sum(collective_counts(gm.graph)[k] for k in ("all_reduce", "reduce_scatter_tensor"))
 
 
 def test_rejected_at_config_validation():

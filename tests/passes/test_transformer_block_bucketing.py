@@ -1,4 +1,4 @@
-"""transformer_block_bucketing: one FSDP all-gather / reduce-scatter per block, prefetched, bitwise.
+"""transformer_block_bucketing: one FSDP all-gather / gradient reduction per block, prefetched, bitwise.
 
 Run as a script under torchrun (``_grads_worker``), this file also compares the loss and every
 gradient of one traced step with and without the pass, bit for bit, on real gloo processes
@@ -130,6 +130,33 @@ def test_gathers_are_prefetched_and_reduce_scatters_deferred(layout):
         assert issue < backward_compute[next_bucket][0] and max(gradients) < wait < next_issue
 
 
+@pytest.mark.parametrize(
+    "layout,replicate,shard",
+    [("ddp2", 2, 1), ("hsdp2x2", 2, 2)],
+)
+def test_gradient_all_reduces_one_per_bucket_after_the_reduce_scatter(layout, replicate, shard):
+    extra = ("--parallelism.dp_replicate", str(replicate), "--parallelism.dp_shard", str(shard))
+    gm = _trace(extra, world_size=replicate * shard)
+    plain = _trace(extra, passes="", world_size=replicate * shard)
+    all_reduces = _fsdp_collectives(gm, "all_reduce", "backward")
+    assert sorted(tags.get(n, "fsdp_bucket") for n in all_reduces) == sorted(NAMES)
+    # the bucket sums exactly the elements the per-parameter all-reduces summed
+    plain_elements = sum(n.meta["val"].numel() for n in _fsdp_collectives(plain, "all_reduce", "backward"))
+    assert sum(n.meta["val"].numel() for n in all_reduces) == plain_elements
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    reduce_scatters = {
+        tags.get(n, "fsdp_bucket"): n for n in _fsdp_collectives(gm, "reduce_scatter_tensor", "backward")
+    }
+    assert len(reduce_scatters) == (len(NAMES) if shard > 1 else 0)
+    for ar, following in zip(all_reduces, [*all_reduces[1:], None], strict=True):
+        issue, wait = _issue_and_wait(gm, ar)
+        rs = reduce_scatters.get(tags.get(ar, "fsdp_bucket"))
+        if rs is not None:  # HSDP: the shard is summed over replicas once its reduce-scatter is waited
+            assert _issue_and_wait(gm, rs)[1] < issue
+        if following is not None:  # in flight until the next bucket's all-reduce is issued
+            assert wait < position[following] and wait > issue + 1
+
+
 def test_deepseek_dense_buckets():
     gm = _trace(("--model.name", "deepseek_v3"))
     forward = _fsdp_collectives(gm, "all_gather_into_tensor", "forward")
@@ -166,12 +193,12 @@ def test_mixed_dtype_gather_bucket_is_bitwise(tmp_path):
     assert all(report.endswith(": same") for report in reports), reports
 
 
-def test_rejected_at_config_validation_without_fsdp():
+def test_rejected_at_config_validation_without_data_parallelism():
     with pytest.raises(ConfigError) as info:
         validate_config(load_config(["--compile.passes", TBB]), world_size=1)
-    assert "\n" not in str(info.value) and "parallelism.dp_shard > 1" in str(info.value)
-    with pytest.raises(ConfigError):  # DDP: replicated parameters, nothing gathered
-        validate_config(load_config(["--compile.passes", TBB, "--parallelism.dp_replicate", "2"]), world_size=2)
+    assert "\n" not in str(info.value) and "parallelism.dp_shard or dp_replicate > 1" in str(info.value)
+    # DDP alone is accepted: its gradient all-reduces are bucketed
+    validate_config(load_config(["--compile.passes", TBB, "--parallelism.dp_replicate", "2"]), world_size=2)
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "train.py"), "--compile.passes", TBB],
         capture_output=True,
