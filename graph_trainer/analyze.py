@@ -17,10 +17,12 @@ mode), and the graph is simulated with
 collectives by type, simulated step / compute / communication / exposed communication time
 and the estimated peak memory of one rank with its parts (parameters, gradients, AdamW state,
 activations: ``graph_trainer.analysis.memory.estimate_step_memory``), then the communication
-by collective kind, then one memory line per pass list and a warning where the peak exceeds
-the device's memory (``--device_memory_gib``, default the device's: 79.1 GiB for ``h100``,
-none for ``cpu``). ``--trace_out`` writes a Chrome/Perfetto timeline (one file per pass list
-with ``--compare``).
+by collective kind, then per pass list the bytes one rank sends over NVLink and over
+InfiniBand, in all and by kind (``traffic_line``; ``--ranks_per_node``, at least 1, places
+global rank ``r`` on node ``r // ranks_per_node``), then one memory line per pass list and a
+warning where the peak exceeds the device's memory (``--device_memory_gib``, default the
+device's: 79.1 GiB for ``h100``, none for ``cpu``). ``--trace_out`` writes a Chrome/Perfetto
+timeline (one file per pass list with ``--compare``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import sys
 import time
 
 GIB = float(1 << 30)
+GB = 1e9
+"""Link traffic is in decimal GB, the unit of link bandwidths (GB/s)."""
 _KIND_COLUMNS = (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", "AR"), ("all_to_all", "A2A"))
 
 
@@ -113,6 +117,24 @@ def kind_rows(label: str, result) -> list[dict[str, object]]:
     ]
 
 
+def traffic_line(label: str, result) -> str:
+    """The bytes one rank sends in the step over NVLink and over InfiniBand, in all and per
+    collective kind present ("NVLink + InfiniBand" each): ``SimulationResult.by_kind``, whose
+    split follows ``cost_model.collective_traffic`` (a group spanning nodes counts as InfiniBand)."""
+    kinds = result.by_kind()
+    order = [k for k, _ in _KIND_COLUMNS if k in kinds] + sorted(set(kinds) - {k for k, _ in _KIND_COLUMNS})
+    parts = ", ".join(f"{k} {_gb(kinds[k]['sent_intra_node'])} + {_gb(kinds[k]['sent_inter_node'])}" for k in order)
+    line = (
+        f"bytes/rank ({label}): over NVLink {_gb(result.sent_bytes(inter_node=False))} GB, "
+        f"over InfiniBand {_gb(result.sent_bytes(inter_node=True))} GB"
+    )
+    return f"{line} (by kind, NVLink + InfiniBand: {parts} GB)" if parts else line
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.3g}"
+
+
 def _trace_path(path: str, label: str, several: bool) -> str:
     if not several:
         return path
@@ -137,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, compare = take_flag(argv, "--compare", None)
         argv, device_memory_gib = take_flag(argv, "--device_memory_gib", None, float)
         argv, ac_modes = take_flag(argv, "--ac_modes", None)
+        if ranks_per_node < 1:
+            raise ConfigError(f"--ranks_per_node {ranks_per_node} must be >= 1 (GPUs per node)")
         if device_name not in DEVICES:
             raise ConfigError(f"unknown --device {device_name!r}; choose from {', '.join(DEVICES)}")
         device = DEVICES[device_name]
@@ -169,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{t.mixed_precision_reduce}, activation checkpointing {cfg.activation_checkpoint.mode}, "
         f"loss chunks {t.loss_chunks}; simulated on {device.name} ({ranks_per_node} ranks/node)"
     )
-    summary, kinds, memory_lines = [], [], []
+    summary, kinds, traffic_lines, memory_lines = [], [], [], []
     for c in configs:
         label = ",".join(c.compile.passes) or "none"
         if ac_modes is not None:
@@ -182,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if warning:
             memory_lines.append(f"WARNING ({label}): {warning}")
         kinds.extend(kind_rows(label, result))
+        traffic_lines.append(traffic_line(label, result))
         if trace_out:
             path = _trace_path(trace_out, label, len(configs) > 1)
             result.to_chrome_trace(path)
@@ -189,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(summary))
     print()
     print(format_table(kinds))
+    print()
+    print("\n".join(traffic_lines))
     print()
     print("\n".join(memory_lines))
     return 0

@@ -22,12 +22,16 @@ byte side uses ``elementwise``), to the byte side for the rest. A device without
 global ``flops_efficiency`` and ``bandwidth_efficiency``. ``H100_SXM``'s classes are
 calibrated on profiles of real H100 steps; ``H100_KERNELS`` says from which ops and numbers.
 
-Collectives follow ring models over the slowest link the group crosses:
-all_gather / reduce_scatter ``(n-1)/n * bytes / bw``, all_reduce ``2*(n-1)/n * bytes / bw``,
-all_to_all ``(n-1)/n * bytes / bw``, plus ``collective_latency``; ``bytes`` is the full
-(gathered / unreduced) buffer. ``bw`` is NVLink when all the group's ranks sit on one node
-(``rank // ranks_per_node`` equal, from the group's global ranks when the process group can
-be resolved, otherwise ``n <= ranks_per_node``) and InfiniBand per GPU otherwise. Concurrent
+Collectives follow ring models over the slowest link the group crosses. Each rank of a group
+of ``n`` sends ``ring_factor * bytes`` (``collective_traffic``): ``(n-1)/n`` for all_gather,
+reduce_scatter and all_to_all, ``2*(n-1)/n`` for all_reduce, the whole buffer for a broadcast;
+``bytes`` is ``collective_bytes``, the full (gathered / unreduced) buffer, the larger of input
+and output for all_to_all. A collective lasts ``collective_latency + sent / bw``. ``bw`` is
+NVLink when all the group's ranks sit on one node (``rank // ranks_per_node`` equal, from the
+group's global ranks when the process group can be resolved, otherwise ``n <= ranks_per_node``)
+and InfiniBand per GPU otherwise. The bytes are counted on that same link: all of a spanning
+group's bytes are *inter-node*, because the NIC is the link that sets its time (NCCL's rings
+send part of them over NVLink, so this bounds what crosses nodes from above). Concurrent
 collectives are assumed not to share bandwidth.
 
 Data-dependent sizes (expert-parallel ``all_to_all_single`` split sizes read with
@@ -316,8 +320,11 @@ def group_info(node: fx.Node, ranks_per_node: int = 8, group_size: int | None = 
 
     The size is ``group_size`` if given, else the op's own ``group_size`` argument
     (all_gather / reduce_scatter), else the size of the resolved process group; the ranks of
-    the resolved group decide node crossing (``rank // ranks_per_node``).
+    the resolved group decide node crossing (``rank // ranks_per_node``), or without them
+    ``group_size > ranks_per_node``. ``ranks_per_node`` must be >= 1.
     """
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node = {ranks_per_node} must be >= 1")
     pg = _resolve_group(group_name(node))
     ranks = None
     if pg is not None:
@@ -335,6 +342,58 @@ def group_info(node: fx.Node, ranks_per_node: int = 8, group_size: int | None = 
     return GroupInfo(int(group_size), spans)
 
 
+def ring_factor(kind: str, group_size: int) -> float:
+    """Fraction of a collective's full buffer (``collective_bytes``) each rank sends in its ring
+    algorithm: ``(n-1)/n`` for all_gather, reduce_scatter and all_to_all, ``2(n-1)/n`` for
+    all_reduce (a reduce-scatter then an all-gather), the whole buffer for broadcast and other
+    launches; 0 for a group of one rank, which sends nothing."""
+    n = group_size
+    if n <= 1:
+        return 0.0
+    if kind in ("broadcast", "other"):
+        return 1.0
+    factor = (n - 1) / n
+    return 2 * factor if kind == "all_reduce" else factor
+
+
+@dataclass(frozen=True)
+class CollectiveTraffic:
+    """What one rank sends for one collective (the module docstring's convention)."""
+
+    kind: str
+    group_size: int
+    bytes_sent: float
+    """``ring_factor(kind, group_size) * collective_bytes``: bytes this rank sends on the network."""
+    inter_node: bool
+    """True when the group spans nodes: all of ``bytes_sent`` is counted over the inter-node
+    links (the ring's slowest link, the one ``traffic_time`` divides by)."""
+
+
+def collective_traffic(
+    node: fx.Node,
+    group_size: int | None = None,
+    ranks_per_node: int = 8,
+    hints: SizeHints | None = None,
+    spans_nodes: bool | None = None,
+) -> CollectiveTraffic:
+    """The bytes one rank sends for collective ``node`` and whether they cross nodes.
+
+    ``group_size`` and ``spans_nodes`` override what ``group_info`` finds (the simulator passes
+    them once per group); ``hints`` resolves data-dependent sizes (default: from the graph).
+    """
+    if group_size is None or spans_nodes is None:
+        info = group_info(node, ranks_per_node, group_size)
+        group_size = info.size
+        spans_nodes = info.spans_nodes if spans_nodes is None else spans_nodes
+    if hints is None:
+        hints = SizeHints.from_graph(node.graph)
+    kind = collectives.kind(node)
+    if kind is None:
+        raise ValueError(f"{node.name} is not a collective launch")
+    sent = ring_factor(kind, group_size) * collective_bytes(node, hints)
+    return CollectiveTraffic(kind, group_size, sent, spans_nodes)
+
+
 def collective_time(
     node: fx.Node,
     device: DeviceModel,
@@ -343,30 +402,28 @@ def collective_time(
     hints: SizeHints | None = None,
     spans_nodes: bool | None = None,
 ) -> float:
-    """Seconds a collective occupies its group's stream (ring model, module docstring)."""
-    if group_size is None or spans_nodes is None:
-        info = group_info(node, ranks_per_node, group_size)
-        group_size, spans_nodes = info.size, info.spans_nodes if spans_nodes is None else spans_nodes
-    n, spans = group_size, spans_nodes
-    if hints is None:
-        hints = SizeHints.from_graph(node.graph)
-    kind = collectives.kind(node)
-    factor = (n - 1) / n if n > 1 else 0.0
-    if kind == "all_reduce":
-        factor *= 2
-    elif kind in ("broadcast", "other"):
-        factor = 1.0 if n > 1 else 0.0
-    bw = (device.inter_node_bandwidth if spans else device.intra_node_bandwidth) * device.bandwidth_efficiency
-    return device.collective_latency + factor * collective_bytes(node, hints) / bw
+    """Seconds a collective occupies its group's stream (``traffic_time`` of its ``collective_traffic``)."""
+    return traffic_time(collective_traffic(node, group_size, ranks_per_node, hints, spans_nodes), device)
+
+
+def traffic_time(traffic: CollectiveTraffic, device: DeviceModel) -> float:
+    """Seconds ``traffic`` takes on ``device``: ``collective_latency`` plus its bytes over the
+    achieved bandwidth of the link they are counted on (NIC per GPU, or NVLink)."""
+    peak = device.inter_node_bandwidth if traffic.inter_node else device.intra_node_bandwidth
+    return device.collective_latency + traffic.bytes_sent / (peak * device.bandwidth_efficiency)
 
 
 __all__ = [
+    "CollectiveTraffic",
     "GroupInfo",
     "collective_time",
+    "collective_traffic",
     "group_info",
     "is_free",
     "kernel_class",
     "node_bytes",
     "node_compute_time",
     "node_flops",
+    "ring_factor",
+    "traffic_time",
 ]

@@ -16,6 +16,9 @@ Execution model (the one NCCL + one CUDA compute stream give in eager PyTorch):
 (``compute_by_class`` splits it by ``cost_model.kernel_class``),
 ``comm_time`` the sum of collective durations and ``exposed_comm_time`` the sum of blocked
 time (so ``step_time == compute_time + exposed_comm_time`` when every collective is waited).
+``by_kind`` and ``sent_bytes`` total the bytes one rank sends per collective kind, split into
+intra-node (NVLink) and inter-node (InfiniBand) links by ``cost_model.collective_traffic``'s
+convention: a group that spans nodes counts all its bytes as inter-node.
 The peak memory estimate is ``graph_trainer.analysis.memory.estimate_peak_memory``.
 """
 
@@ -26,7 +29,14 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from graph_trainer.analysis.cost_model import GroupInfo, collective_time, group_info, kernel_class, node_compute_time
+from graph_trainer.analysis.cost_model import (
+    GroupInfo,
+    collective_traffic,
+    group_info,
+    kernel_class,
+    node_compute_time,
+    traffic_time,
+)
 from graph_trainer.analysis.devices import DeviceModel
 from graph_trainer.analysis.memory import MemoryEstimate, estimate_peak_memory
 from graph_trainer.graph import collectives, tags
@@ -51,6 +61,10 @@ class CollectiveRecord:
     exposed: float = 0.0
     """Seconds the compute stream was blocked waiting for this collective."""
     module_fqn: str = ""
+    bytes_sent: float = 0.0
+    """Bytes this rank sends for it (``cost_model.collective_traffic``), not ``bytes``'s full buffer."""
+    inter_node: bool = False
+    """Whether ``bytes_sent`` is counted over inter-node links (the group spans nodes)."""
 
     @property
     def duration(self) -> float:
@@ -83,15 +97,25 @@ class SimulationResult:
         return self.memory.peak_bytes
 
     def by_kind(self) -> dict[str, dict[str, float]]:
-        """Per collective kind: count, bytes, time and exposed time (seconds)."""
+        """Per collective kind present: count, bytes (full buffers), time and exposed time
+        (seconds), and the bytes this rank sends over intra-node and inter-node links
+        (``sent_intra_node``, ``sent_inter_node``)."""
         out: dict[str, dict[str, float]] = {}
         for c in self.collectives:
-            row = out.setdefault(c.kind, {"count": 0, "bytes": 0, "time": 0.0, "exposed": 0.0})
+            row = out.setdefault(
+                c.kind,
+                {"count": 0, "bytes": 0, "time": 0.0, "exposed": 0.0, "sent_intra_node": 0.0, "sent_inter_node": 0.0},
+            )
             row["count"] += 1
             row["bytes"] += c.bytes
             row["time"] += c.duration
             row["exposed"] += c.exposed
+            row[_sent_key(c.inter_node)] += c.bytes_sent
         return out
+
+    def sent_bytes(self, inter_node: bool) -> float:
+        """Bytes this rank sends in the step over inter-node (True) or intra-node (False) links."""
+        return sum(c.bytes_sent for c in self.collectives if c.inter_node == inter_node)
 
     def to_chrome_trace(self, path: str) -> None:
         """Write a Chrome/Perfetto trace: a compute track and one track per process group."""
@@ -139,6 +163,8 @@ class SimulationResult:
                 c.kind,
                 kind=c.kind,
                 bytes=c.bytes,
+                bytes_sent=c.bytes_sent,
+                inter_node=c.inter_node,
                 group_size=c.group_size,
                 exposed_us=c.exposed * 1e6,
                 module_fqn=c.module_fqn,
@@ -190,7 +216,8 @@ def simulate(
                 infos[group] = group_info(node, ranks_per_node, group_sizes.get(group))
             info = infos[group]
             start = max(now, stream_free.get(group, 0.0), inputs_ready)
-            end = start + collective_time(node, device, info.size, ranks_per_node, hints, info.spans_nodes)
+            traffic = collective_traffic(node, info.size, ranks_per_node, hints, info.spans_nodes)
+            end = start + traffic_time(traffic, device)
             stream_free[group] = end
             record = CollectiveRecord(
                 name=node.name,
@@ -202,6 +229,8 @@ def simulate(
                 start=start,
                 end=end,
                 module_fqn=tags.module_fqn(node),
+                bytes_sent=traffic.bytes_sent,
+                inter_node=traffic.inter_node,
             )
             launches[node] = record
             records.append(record)
@@ -231,6 +260,11 @@ def simulate(
         wait_events=wait_events,
         compute_by_class=by_class,
     )
+
+
+def _sent_key(inter_node: bool) -> str:
+    """``by_kind``'s key for the bytes sent over one kind of link."""
+    return "sent_inter_node" if inter_node else "sent_intra_node"
 
 
 def format_table(rows: list[dict[str, object]]) -> str:

@@ -4,7 +4,14 @@ import pytest
 import torch
 import torch.fx as fx
 
-from graph_trainer.analysis.cost_model import collective_time, group_info, node_compute_time, node_flops
+from graph_trainer.analysis.cost_model import (
+    collective_time,
+    collective_traffic,
+    group_info,
+    node_compute_time,
+    node_flops,
+    ring_factor,
+)
 from graph_trainer.analysis.devices import H100_SXM
 from graph_trainer.graph.collectives import collective_bytes
 from graph_trainer.graph.sizes import SizeHints
@@ -121,6 +128,9 @@ def _collective_graph(kind, nbytes, group="g"):
     elif kind == "reduce_scatter":
         x = _placeholder(g, "x", _meta(n))
         node = _node(g, c10d.reduce_scatter_tensor.default, (x, "sum", 8, group), _meta(n // 8))
+    elif kind == "all_to_all":
+        x = _placeholder(g, "x", _meta(n))
+        node = _node(g, c10d.all_to_all_single.default, (x, [n // 8] * 8, [n // 8] * 8, group), _meta(n))
     else:
         x = _placeholder(g, "x", _meta(n))
         node = _node(g, c10d.all_reduce.default, (x, "sum", group), _meta(n))
@@ -155,6 +165,52 @@ def test_nvlink_vs_infiniband():
     assert collective_time(ar, D, 8, ranks_per_node=4) > collective_time(ar, D, 8)
     with pytest.raises(ValueError):  # all_reduce carries no group size and no PG is live
         collective_time(ar, D)
+
+
+def test_ring_factor_per_kind():
+    assert ring_factor("all_gather", 8) == ring_factor("reduce_scatter", 8) == pytest.approx(7 / 8)
+    assert ring_factor("all_to_all", 8) == pytest.approx(7 / 8)
+    assert ring_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    assert ring_factor("all_reduce", 2) == pytest.approx(1.0)
+    assert ring_factor("broadcast", 4) == 1.0
+    assert all(ring_factor(k, 1) == 0.0 for k in ("all_gather", "all_reduce", "all_to_all", "broadcast"))
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"])
+def test_traffic_is_what_the_time_model_sends(kind):
+    mb = 1 << 26
+    node = _collective_graph(kind, mb)
+    t = collective_traffic(node, 8)
+    assert (t.kind, t.group_size, t.inter_node) == (kind, 8, False)
+    assert t.bytes_sent == pytest.approx(ring_factor(kind, 8) * collective_bytes(node))
+    assert collective_time(node, D, 8) == pytest.approx(15 * US + t.bytes_sent / (450e9 * 0.8))
+    across = collective_traffic(node, 16)  # 16 ranks cannot fit in one node of 8
+    assert across.inter_node and across.bytes_sent == pytest.approx(ring_factor(kind, 16) * collective_bytes(node))
+    assert collective_time(node, D, 16) == pytest.approx(15 * US + across.bytes_sent / (50e9 * 0.8))
+
+
+def test_traffic_rejects_non_collectives_and_bad_ranks_per_node():
+    g, mm = _mm_graph(8, 8, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="not a collective"):
+        collective_traffic(mm, 8)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        group_info(_collective_graph("all_gather", 1024), ranks_per_node=0)
+
+
+def test_traffic_of_a_live_group_inside_and_across_nodes():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graph_trainer.fake_trace import fake_world
+
+    with fake_world(16):
+        mesh = init_device_mesh("cpu", (2, 8), mesh_dim_names=("replicate", "shard"))
+        shard = _collective_graph("all_reduce", 1 << 20, group=mesh.get_group("shard").group_name)
+        inside = collective_traffic(shard)  # ranks 0..7: one node of 8
+        assert not inside.inter_node and inside.bytes_sent == pytest.approx(2 * 7 / 8 * (1 << 20))
+        split = collective_traffic(shard, ranks_per_node=4)  # the same ranks on two nodes of 4
+        assert split.inter_node and split.bytes_sent == pytest.approx(inside.bytes_sent)
+        replicate = _collective_graph("all_reduce", 1 << 20, group=mesh.get_group("replicate").group_name)
+        assert collective_traffic(replicate).inter_node  # ranks 0 and 8, on two nodes
 
 
 def test_group_info_from_live_fake_groups():

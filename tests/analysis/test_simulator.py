@@ -112,6 +112,55 @@ def test_partial_overlap_and_group_size_override():
     assert rec.exposed == pytest.approx(rec.duration - node_compute_time(mm, D))
 
 
+def test_sent_bytes_split_by_link_and_kind():
+    b = _Builder()
+    ag = b.all_gather("g1")  # group size 8 from the op: one node of 8
+    ar = b._call(c10d.all_reduce.default, (b.x, "sum", "dp"), b.x.meta["val"])
+    waits = [b.wait(ag), b.wait(ar)]
+    graph = b.done(*waits)
+    r = simulate(graph, D, group_sizes={"dp": 16})  # 16 ranks cannot fit in one node of 8
+    ag_sent, ar_sent = 7 / 8 * (8 << 23), 2 * 15 / 16 * (8192 * 8192 * 2)
+    assert [(c.bytes_sent, c.inter_node) for c in r.collectives] == [
+        pytest.approx((ag_sent, False)),
+        pytest.approx((ar_sent, True)),
+    ]
+    kinds = r.by_kind()
+    assert (kinds["all_gather"]["sent_intra_node"], kinds["all_gather"]["sent_inter_node"]) == (
+        pytest.approx(ag_sent),
+        0.0,
+    )
+    assert (kinds["all_reduce"]["sent_intra_node"], kinds["all_reduce"]["sent_inter_node"]) == (
+        0.0,
+        pytest.approx(ar_sent),
+    )
+    assert r.sent_bytes(inter_node=False) == pytest.approx(ag_sent)
+    assert r.sent_bytes(inter_node=True) == pytest.approx(ar_sent)
+    # Nodes of 4: the 8-rank group spans two of them, so its bytes cross nodes too.
+    r4 = simulate(graph, D, ranks_per_node=4, group_sizes={"dp": 16})
+    assert r4.sent_bytes(inter_node=False) == 0.0
+    assert r4.sent_bytes(inter_node=True) == pytest.approx(ag_sent + ar_sent)
+    assert r4.comm_time > r.comm_time  # the all_gather's bytes now go over the slower NIC
+
+
+def test_sent_bytes_of_live_groups_follow_their_ranks():
+    from graph_trainer.config_loading import load_config
+    from graph_trainer.fake_trace import fake_world, trace_job
+    from graph_trainer.validation import validate_config
+
+    cfg = load_config(["--job.config_file", "configs/llama3_debug.toml", "--parallelism.dp_replicate", "2"])
+    validate_config(cfg, 4)
+    with fake_world(4):  # HSDP 2 x 2: shard groups of adjacent ranks, replicas 2 apart
+        graph = trace_job(cfg, 4, gpu_attention=D.fused_attention).gm.graph
+        inside = simulate(graph, D, ranks_per_node=4)  # one node
+        across = simulate(graph, D, ranks_per_node=2)  # shard groups per node, replicas across
+    total = inside.sent_bytes(inter_node=False)
+    assert total > 0 and inside.sent_bytes(inter_node=True) == 0.0
+    assert across.sent_bytes(inter_node=False) + across.sent_bytes(inter_node=True) == pytest.approx(total)
+    kinds = across.by_kind()
+    assert kinds["all_reduce"]["sent_intra_node"] == 0.0 and kinds["all_reduce"]["sent_inter_node"] > 0
+    assert kinds["all_gather"]["sent_inter_node"] == 0.0 and kinds["all_gather"]["sent_intra_node"] > 0
+
+
 def test_chrome_trace_has_compute_and_group_tracks(tmp_path):
     b = _Builder()
     a1, a2 = b.all_gather("g1"), b.all_gather("g2")
@@ -182,7 +231,22 @@ def test_analyze_cli_compare(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert out.count("\nnone ") >= 2 and "exposed %" in out and "reduce_scatter" in out
+    assert out.count("bytes/rank (none): over NVLink ") == 2 and "GB, over InfiniBand 0 GB (by kind" in out
     assert main(["--world_size", "2", "--compare", "no_such_pass"]) == 2
+
+
+def test_analyze_cli_ranks_per_node(capsys):
+    from graph_trainer.analyze import main
+
+    flags = ["--world_size", "2", "--job.config_file", "configs/llama3_debug.toml", "--training.local_batch_size", "2"]
+    assert main([*flags, "--ranks_per_node", "1"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("bytes/rank")]
+    assert line.startswith("bytes/rank (none): over NVLink 0 GB, over InfiniBand ")
+    assert "all_gather 0 + " in line and "reduce_scatter 0 + " in line
+    for bad in ("0", "-8", "eight"):
+        assert main([*flags, "--ranks_per_node", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --ranks_per_node") and err.count("\n") == 1
 
 
 def test_unbacked_all_to_all_graph_simulates():
