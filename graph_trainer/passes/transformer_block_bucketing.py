@@ -483,8 +483,13 @@ def transformer_block_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.
     position = {node: i for i, node in enumerate(graph.nodes)}
     schedule_gathers(merged[FORWARD_GATHER], starts[FORWARD], position)
     schedule_gathers(merged[BACKWARD_GATHER], starts[BACKWARD], position)
-    # reduce-scatters first: HSDP's all-reduce buckets are issued after the waits they read
     schedule_reductions(graph, merged[GRAD_REDUCE], position)
+    if merged[GRAD_REDUCE] and merged[GRAD_ALL_REDUCE]:
+        # HSDP's all-reduces read the reduce-scatters' outputs (through casts): settle those after
+        # the waits that just moved, so each all-reduce is issued, and the previous one waited,
+        # only once its own reduce-scatter is done, not where the casts were first traced
+        stable_topological_sort(graph)
+        position = {node: i for i, node in enumerate(graph.nodes)}
     schedule_reductions(graph, merged[GRAD_ALL_REDUCE], position)
     stable_topological_sort(graph)
     graph.lint()
