@@ -36,7 +36,7 @@ from graph_trainer.build import build_job_model, build_layout, pass_context
 from graph_trainer.config import JobConfig
 from graph_trainer.passes import PassContext
 from graph_trainer.pipeline import transform_graph
-from graph_trainer.torch_compat import fake_store
+from graph_trainer.torch_compat import clear_dtensor_sharding_caches, fake_store
 from graph_trainer.tracer import TracedStep, trace_train_step
 
 
@@ -50,6 +50,8 @@ def fake_world(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor's caches would hand the next world this world's meshes (and group names)
+        clear_dtensor_sharding_caches()
 
 
 class _GpuAttention(TorchFunctionMode):

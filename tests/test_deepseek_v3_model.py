@@ -244,14 +244,10 @@ def test_validate_and_parallelize_errors():
         validate_parallelism(args, {**degrees, "ep": 3})
     with pytest.raises(ConfigError, match="does not divide the model's n_heads"):
         validate_parallelism(args, {**degrees, "tp": 3})
-    with pytest.raises(ConfigError, match="tensor parallelism for deepseek_v3 is not wired yet"):
-        validate_parallelism(args, {**degrees, "tp": 2})
+    validate_parallelism(args, {**degrees, "tp": 2})  # tensor parallel: tests/test_deepseek_v3_tp.py
     with torch.device("meta"):
         model = DeepSeekV3(TINY)
-    mp = MixedPrecision()
-    with pytest.raises(ConfigError, match="tensor parallelism for deepseek_v3 is not wired yet"):
-        parallelize_deepseek_v3(model, None, ParallelDims(dp_shard=2, tp=2), mp)
-    assert parallelize_deepseek_v3(model, None, ParallelDims(), mp) is model
+    assert parallelize_deepseek_v3(model, None, ParallelDims(), MixedPrecision()) is model
 
 
 def test_registry_entry():

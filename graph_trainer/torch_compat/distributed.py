@@ -19,6 +19,23 @@ def fake_store():
     return FakeStore()
 
 
+def clear_dtensor_sharding_caches() -> None:
+    """Forget DTensor's cached sharding decisions (C++ fast path and Python propagator).
+
+    They are keyed by a mesh's value (ranks and dim names) and hold the mesh object of the first
+    world that made them, with its process-group names: after that world is destroyed, a later
+    world (the fake process group traces one layout after another in one process) with an equal
+    mesh would get collectives on groups that no longer exist."""
+    with private_api("torch._C._clear_DTensor_sharding_propagator_cache"):
+        clear_fast_path = torch._C._clear_DTensor_sharding_propagator_cache
+    from torch.distributed.tensor import DTensor
+
+    with private_api("DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear"):
+        clear_propagator = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear
+    clear_fast_path()
+    clear_propagator()
+
+
 def flatten_mesh_dims(mesh, dim_names: tuple[str, ...], name: str):
     """Make ``mesh[name]`` the flattening of ``dim_names`` (``DeviceMesh._flatten``).
 

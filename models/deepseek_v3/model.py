@@ -13,7 +13,8 @@ Choices made for tracing and sharding (as in models/llama3/model.py; ``RMSNorm``
   head and to ONE key part shared by all heads (decoupled RoPE), from real cos/sin tables
   (no complex tensors). YaRN corrects the frequencies and the softmax scale when
   ``rope_factor > 1``. Head counts are read from the activations at run time, so tensor
-  parallel on heads needs no change here.
+  parallel on heads only needs the hook for the shared key's gradient
+  (``Attention.k_rope_grad_reduce``).
 - The MoE routes every token to its top-k experts, sorts the (token, slot) pairs by expert,
   and runs the experts on contiguous row blocks whose sizes are data-dependent
   (``counts.tolist()``: unbacked symbols in the fake trace, so one graph serves every
@@ -88,6 +89,10 @@ class Attention(nn.Module):
     wkv_a(x) = [kv latent (kv_lora_rank) | k_rope (qk_rope_head_dim, shared by all heads)];
     wkv_b(kv_norm(latent)) = per head [k_nope | v]. RoPE rotates q's rope part and k_rope;
     k = [k_nope | k_rope broadcast to every head]. SDPA with the (YaRN-corrected) scale.
+
+    ``k_rope_grad_reduce`` is applied to k_rope where it is broadcast to the heads: the identity
+    here; tensor parallel (``models/deepseek_v3/parallelize.py``) replaces it with a module whose
+    backward sums k_rope's gradient over the tp ranks, since each rank holds only some heads.
     """
 
     def __init__(self, args: DeepSeekV3Args):
@@ -110,6 +115,7 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        self.k_rope_grad_reduce: nn.Module = nn.Identity()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -121,6 +127,7 @@ class Attention(nn.Module):
         latent, k_rope = torch.split(self.wkv_a(x), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         q_rope = apply_rope(q_rope, rope)
         k_rope = apply_rope(k_rope.unsqueeze(2), rope)  # [B, S, 1, rope]: one key part for all heads
+        k_rope = self.k_rope_grad_reduce(k_rope)
 
         kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)

@@ -1,4 +1,27 @@
-"""How DeepSeek-V3 is laid out over the mesh: expert parallel, then SimpleFSDP.
+"""How DeepSeek-V3 is laid out over the mesh: tensor parallel, expert parallel, then SimpleFSDP.
+
+Tensor parallel (``tp > 1``, the ``tp`` mesh dim), Megatron style, no sequence parallel:
+
+- attention (MLA), split over heads: ``wq`` (or, with ``q_lora_rank > 0``, ``wq_b``) and
+  ``wkv_b`` column-parallel (each rank computes n_heads/tp heads; the model reads head counts
+  from shapes), ``wo`` row-parallel (an all_reduce of the output). The down-projections
+  ``wq_a`` and ``wkv_a`` and the norms ``q_norm`` and ``kv_norm`` stay replicated: every tp rank
+  computes them whole, and the gradient of their outputs that comes back from the
+  column-parallel up-projections is all-reduced by ``ColwiseParallel``'s input handling.
+  The rotary key ``k_rope`` is split off ``wkv_a``'s output and broadcast to every head, so
+  each rank's heads give only part of its gradient: ``Attention.k_rope_grad_reduce`` (the
+  identity in one process) becomes ``SumGradOverTP``, the identity forward whose backward
+  sums the gradient over tp (an all_reduce; Megatron's "copy to tensor-parallel region");
+- dense feed-forward layers (the first ``n_dense_layers``) and each MoE layer's shared
+  experts: ``w1``, ``w3`` column-parallel, ``w2`` row-parallel, as llama3's feed-forward;
+- routed experts and the router gate are NOT split over tp: every tp rank of a data-parallel
+  rank routes the same tokens and runs its experts (all of them, or its ``ep`` slice) on them,
+  so their gradients are identical on every tp rank and need no tp reduction. The cost: the
+  routed-expert compute (and, with ep, the all_to_all traffic) is repeated on each tp rank,
+  and each tp rank holds the expert weights whole (only ep and SimpleFSDP divide them).
+  Splitting the experts' hidden dim over tp (expert tensor parallel) is future work;
+- ``tok_embeddings`` row-parallel over the vocabulary, ``output`` column-parallel over the
+  vocabulary with the logits gathered (Replicate) for the loss, as llama3.
 
 Expert parallel (``ep > 1``, see ``graph_trainer.parallel`` for the mesh): the stacked expert
 weights ``moe.experts.w1/w2/w3`` [E, ...] are split on the expert dim over ``ep`` (rank r holds
@@ -6,21 +29,15 @@ experts r*E/ep ... (r+1)*E/ep - 1), and each MoE layer's ``token_dispatcher`` be
 ``graph_trainer.expert_parallel.ExpertParallelDispatcher`` (all_to_all dispatch and combine,
 tagged ``ep_role`` / ``moe_fqn`` for the passes). SimpleFSDP then shards each rank's experts
 over the data-parallel ranks ep does not use (``dp_replicate`` x ``efsdp``) and hands the
-module its local experts as plain tensors.
+module its local experts as plain tensors: expert weights live on the mesh dims
+(expert data-parallel dims..., ``ep``), never on ``tp``.
 
 Data parallel for everything else (FSDP / HSDP / DDP over ``dp_replicate`` x ``dp_shard``) is
-exactly llama3's. Buffers (``rope_cache``, ``expert_bias``, ``tokens_per_expert``) stay plain
-tensors on every rank; the trainer keeps ``expert_bias`` identical on all ranks by summing
-the token counts over data-parallel ranks before each bias update.
-
-Not wired yet (rejected by ``validate_parallelism``):
-
-- tensor parallel (``tp > 1``): wq / wq_b / wkv_b column-wise and wo row-wise over heads
-  would work in the model as written (head counts are read from shapes), BUT the rotary key
-  part ``k_rope`` comes from the replicated ``wkv_a`` and is shared by all heads: each tp
-  rank only sees the gradient from its own heads, so it needs an explicit all_reduce of its
-  gradient over tp (Megatron's "copy to tensor-parallel region") before wkv_a. Until that is
-  written and tested, tp > 1 is rejected.
+exactly llama3's: a parameter tensor parallel split lives on (data-parallel dims..., ``tp``),
+a replicated one on the data-parallel dims. Buffers (``rope_cache``, ``expert_bias``,
+``tokens_per_expert``) stay plain tensors on every rank; the trainer keeps ``expert_bias``
+identical on all ranks by summing the token counts over data-parallel ranks before each bias
+update (tp ranks count the same tokens: ``graph_trainer.parallel.sum_over_dp``).
 """
 
 from __future__ import annotations
@@ -28,7 +45,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from graph_trainer.errors import ConfigError
 from graph_trainer.expert_parallel import ExpertParallelDispatcher
@@ -36,22 +54,74 @@ from graph_trainer.parallel import ParallelDims, dp_mesh_dims, expert_dp_mesh_di
 from graph_trainer.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
 from models.deepseek_v3.flavors import DeepSeekV3Args
 
-_TP_NOT_WIRED = "tensor parallelism for deepseek_v3 is not wired yet (use parallelism.tp = 1)"
+
+def tp_split_sizes(args: DeepSeekV3Args) -> list[tuple[str, int]]:
+    """(model field, size) of every shape tensor parallel splits over ``tp``."""
+    sizes = [("n_heads", args.n_heads), ("vocab_size", args.vocab_size)]
+    if args.n_dense_layers > 0:
+        sizes.append(("inter_dim", args.inter_dim))
+    if args.n_moe_layers > 0 and args.n_shared_experts > 0:
+        sizes.append(("n_shared_experts * moe_inter_dim", args.n_shared_experts * args.moe_inter_dim))
+    return sizes
 
 
 def validate_parallelism(args: DeepSeekV3Args, degrees: dict[str, int]) -> None:
-    """Reject degrees the model's shapes cannot be split by (and tp > 1, not supported yet)."""
+    """Reject degrees the model's shapes cannot be split by (one ``ConfigError`` line each)."""
     tp, ep = degrees["tp"], degrees["ep"]
-    if args.n_heads % tp != 0:
-        raise ConfigError(f"parallelism.tp = {tp} does not divide the model's n_heads ({args.n_heads})")
+    for field, size in tp_split_sizes(args):
+        if size % tp != 0:
+            raise ConfigError(f"parallelism.tp = {tp} does not divide the model's {field} ({size})")
     if ep > 1 and args.n_moe_layers == 0:
         raise ConfigError("parallelism.ep > 1 needs MoE layers; this deepseek_v3 flavor has none")
     if args.n_routed_experts % ep != 0:
         raise ConfigError(
             f"parallelism.ep = {ep} does not divide the model's n_routed_experts ({args.n_routed_experts})"
         )
-    if tp > 1:
-        raise ConfigError(_TP_NOT_WIRED)
+
+
+class SumGradOverTP(nn.Module):
+    """The identity forward; backward, the gradient summed over the ``tp`` ranks (an all_reduce).
+
+    For an activation every tp rank holds whole but feeds into work split over tp (MLA's rotary
+    key, shared by the heads each rank holds a slice of): each rank's backward then holds only
+    its part of the gradient. Written with DTensor so the tracer sees a functional all_reduce:
+    the output claims a ``Partial`` gradient, whose conversion back to the input's
+    ``Replicate`` placement is the sum.
+    """
+
+    def __init__(self, tp_mesh: DeviceMesh):
+        super().__init__()
+        if tp_mesh.ndim != 1:
+            raise ValueError("the tensor-parallel mesh must be 1-D")
+        self.tp_mesh = tp_mesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False)
+        return shared.to_local(grad_placements=[Partial("sum")])
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split attention heads, dense and shared-expert feed-forwards, the embedding and the
+    output over ``tp_mesh`` (module docstring); routed experts and router stay whole."""
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    for block in model.layers.values():
+        attention = block.attention
+        q_up = "attention.wq" if attention.q_lora_rank == 0 else "attention.wq_b"
+        plan = {q_up: ColwiseParallel(), "attention.wkv_b": ColwiseParallel(), "attention.wo": RowwiseParallel()}
+        ffn = "moe.shared_experts" if block.is_moe else "feed_forward"
+        if not block.is_moe or block.moe.shared_experts is not None:
+            plan.update(
+                {f"{ffn}.w1": ColwiseParallel(), f"{ffn}.w3": ColwiseParallel(), f"{ffn}.w2": RowwiseParallel()}
+            )
+        parallelize_module(block, tp_mesh, plan)
+        attention.k_rope_grad_reduce = SumGradOverTP(tp_mesh)
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, mp: MixedPrecision) -> None:
@@ -85,18 +155,28 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims
 def parallelize_deepseek_v3(
     model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims, mp: MixedPrecision
 ) -> nn.Module:
-    """Apply expert parallel (if ep > 1), then SimpleFSDP (if any data parallelism; otherwise
-    the plain mixed-precision cast), on meta."""
-    if dims.tp > 1:
-        raise ConfigError(_TP_NOT_WIRED)
+    """Apply tensor parallel (if tp > 1), expert parallel (if ep > 1), then SimpleFSDP (if any
+    data parallelism; otherwise the plain mixed-precision cast). Model is on meta."""
     if mesh is None:
         return cast_for_compute(model, mp)
-    if dims.ep > 1:
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    if dims.ep > 1:  # the experts get their own data-parallel layout here, on (expert dp dims, "ep")
         apply_expert_parallel(model, mesh, dims, mp)
     dp_dims = dp_mesh_dims(dims)
     if dp_dims:  # experts already have their parametrization: data_parallel leaves them alone
-        data_parallel(model, mesh[dp_dims], dims.fsdp_mode, mp)
+        full = mesh[(*dp_dims, "tp")] if dims.tp > 1 else None
+        data_parallel(model, mesh[dp_dims], dims.fsdp_mode, mp, full_mesh=full)
+    else:
+        cast_for_compute(model, mp)
     return model
 
 
-__all__ = ["apply_expert_parallel", "parallelize_deepseek_v3", "validate_parallelism"]
+__all__ = [
+    "SumGradOverTP",
+    "apply_expert_parallel",
+    "apply_tensor_parallel",
+    "parallelize_deepseek_v3",
+    "tp_split_sizes",
+    "validate_parallelism",
+]

@@ -102,6 +102,18 @@ def test_schedule_on_the_debug_model(selection):
             ), (region.name, stage)
 
 
+@pytest.mark.parametrize("selection", ["blocks_batch", "moe_batch"])
+def test_schedule_with_tensor_parallel(selection):
+    # TP=2 x EP=2: the shared experts' and attention's tp all-reduces are ordinary nodes of the
+    # chunked regions; the schedule holds as without TP (values: the chunking only reorders).
+    gm = _graph(tuple(_args(selection, passes="ep_overlap,transformer_block_bucketing")) + ("--parallelism.tp", "2"), 4)
+    assert verify_schedule(gm.graph) == []
+    regions = find_regions(gm.graph)
+    assert len(regions) == 2 * len(MOE_LAYERS)
+    tp_reduces = [n for r in regions for n in r.nodes if collective_name(n) == "all_reduce"]
+    assert tp_reduces, "no tensor-parallel all_reduce inside the chunked regions"
+
+
 @pytest.mark.parametrize("selection", list(SELECTIONS))
 def test_every_node_kept_once(selection):
     traced_order = _graph(tuple(_args(selection, reorder=False)))

@@ -155,3 +155,14 @@ def test_comm_timeouts_reach_every_process_group_and_a_late_peer_times_out(tmp_p
     assert 42.0 in report["init"]
     assert report["set"] == [1.5] * report["groups"]
     assert report["error"] is True and report["waited"] in (1, 2), report
+
+
+def test_dtensor_sharding_caches_can_be_cleared():
+    # fake_world relies on it between worlds (tests/test_fake_trace.py shows why)
+    from torch.distributed.tensor import DTensor
+
+    from graph_trainer.torch_compat import clear_dtensor_sharding_caches
+
+    propagate = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    clear_dtensor_sharding_caches()
+    assert propagate.cache_info().currsize == 0
