@@ -15,6 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CLOSE_RTOL = 1e-4
 """Bound on the relative deviation of a ``close_to`` case's losses from its one-process reference."""
+HSDP_RTOL = 1e-6
+"""Bound on the relative deviation of the HSDP 2x2 losses from one process: the reduce-scatter over
+``dp_shard`` then the all-reduce of the shard over ``dp_replicate`` sum each element in two steps
+(measured deviations: docs/performance.md)."""
 INDUCTOR_RTOL = 5e-6
 """Bound on the relative deviation of losses compiled by Inductor (``--compile.backend inductor``)
 from the op-by-op graph of the same job, fp32 on CPU: fusion rounds differently, and other CPUs'
@@ -74,11 +78,15 @@ class Suite:
     dry_run_overrides: list[str] = field(default_factory=list)
 
 
-def layout_cases(layouts: dict[str, tuple[int, list[str], str]], config: str = "") -> list[Case]:
-    """A graph case and its eager twin per layout: (processes, args, one-process reference)."""
+def layout_cases(
+    layouts: dict[str, tuple[int, list[str], str]], config: str = "", rtols: dict[str, float] | None = None
+) -> list[Case]:
+    """A graph case and its eager twin per layout: (processes, args, one-process reference);
+    ``rtols``: a tighter bound than ``CLOSE_RTOL`` for some layouts' graph cases."""
     cases = []
     for name, (nproc, args, reference) in layouts.items():
-        cases.append(Case(f"{name}_graph", nproc, args, close_to=reference, config=config))
+        rtol = (rtols or {}).get(name, CLOSE_RTOL)
+        cases.append(Case(f"{name}_graph", nproc, args, close_to=reference, rtol=rtol, config=config))
         # Eager mode keeps every activation (it rejects a checkpointing mode a config may set); the
         # policy changes no value, so the graph case is still bitwise its eager twin.
         cases.append(

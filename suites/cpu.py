@@ -6,6 +6,7 @@ from suites.cases import (
     BUCKETING,
     DEEPSEEK_DEBUG,
     EP_OVERLAP,
+    HSDP_RTOL,
     INDUCTOR_FLAGS,
     INDUCTOR_FULL_FLAGS,
     INDUCTOR_RTOL,
@@ -42,6 +43,19 @@ _CPU_DEEPSEEK_LAYOUTS = {
     "deepseek_fsdp2": (2, [], "deepseek_single_b4"),
     "deepseek_ep2": (2, ["--parallelism.ep", "2"], "deepseek_single_b4"),
     "deepseek_fsdp2xep2": (4, ["--parallelism.ep", "2", *batch(1)], "deepseek_single_b4"),
+}
+
+# DeepSeek-V3 tensor parallel, alone and with FSDP and EP, on the debug model cut to 2 layers
+# (1 dense + 1 MoE: every split the plan makes, at half the CI time of 6 layers). Global batch 4.
+_DEEPSEEK_2_LAYERS = ["--model.n_layers", "2"]
+_CPU_DEEPSEEK_TP_REFERENCES = [
+    Case("deepseek_2l_single_b4", 1, [*_DEEPSEEK_2_LAYERS, *batch(4)], config=DEEPSEEK_DEBUG)
+]
+_TP2 = [*_DEEPSEEK_2_LAYERS, "--parallelism.tp", "2"]
+_CPU_DEEPSEEK_TP_LAYOUTS = {
+    "deepseek_2l_tp2": (2, [*_TP2, *batch(4)], "deepseek_2l_single_b4"),
+    "deepseek_2l_fsdp2xtp2": (4, _TP2, "deepseek_2l_single_b4"),
+    "deepseek_2l_tp2xep2": (4, [*_TP2, "--parallelism.ep", "2"], "deepseek_2l_single_b4"),
 }
 
 CPU_EP_OVERLAP_CASES: list[Case] = ep_overlap_cases(
@@ -146,12 +160,14 @@ CPU_INDUCTOR_CASES = [
 
 CPU_CASES = (
     _CPU_REFERENCES
-    + layout_cases(_CPU_LAYOUTS)
+    + layout_cases(_CPU_LAYOUTS, rtols={"hsdp2x2": HSDP_RTOL})
     + _CPU_KEEP_PARAMS
     + pass_cases(_CPU_LAYOUTS, ["fsdp2", "hsdp2x2", "ddp2", "fsdp2xtp2"])
     + _CPU_DEEPSEEK_REFERENCES
     + layout_cases(_CPU_DEEPSEEK_LAYOUTS, DEEPSEEK_DEBUG)
     + pass_cases(_CPU_DEEPSEEK_LAYOUTS, ["deepseek_ep2", "deepseek_fsdp2xep2"], DEEPSEEK_DEBUG)
+    + _CPU_DEEPSEEK_TP_REFERENCES
+    + layout_cases(_CPU_DEEPSEEK_TP_LAYOUTS, DEEPSEEK_DEBUG)
     + CPU_EP_OVERLAP_CASES
     + CPU_MEMORY_POLICY_CASES
     + CPU_DEEPSEEK_MEMORY_POLICY_CASES

@@ -40,15 +40,13 @@ _DEBUG_DDP_CASES = layout_cases({"debug_ddp8": (8, _DDP8, "")}, LLAMA3_DEBUG) + 
 _DEEPSEEK_DEBUG_LAYOUTS = {  # 4 GPUs: FSDP=4, each rank holds half the experts
     "deepseek_debug_fsdp4xep2": (4, ["--parallelism.ep", "2"], ""),
 }
-# 16B on 8 GPUs: EP=8 (the config's) and EP=2 (experts sharded over both EP and FSDP); EP=4 takes
-# the EP=2 code path and would add ~2 minutes of 16B tracing to the CI dry run. "fsdp8_ep2" is FSDP=8
-# for the dense weights and FSDP=4 x EP=2 for the experts:
-# the 16B model with fp32 AdamW state (16 bytes per parameter) does not fit 4 GPUs of 80 GB.
-# FSDP=2 x TP=2 x EP=2 is not here: tensor parallel is rejected for DeepSeek-V3 by config
-# validation (MLA's shared rotary key needs a gradient all-reduce over tp); add it when it exists.
+# 16B on 8 GPUs: EP=8 (the config's), and FSDP x TP x EP: TP=2 and dp_shard=4 for the dense
+# weights, split into EP=2 x FSDP=2 for the experts (sharded over both EP and FSDP). Another EP=2
+# layout without TP takes the same expert path and would add ~2 minutes of 16B tracing to the CI
+# dry run. The 16B model with fp32 AdamW state (16 bytes per parameter) does not fit 4 GPUs of 80 GB.
 _16B_LAYOUTS = {
     "deepseek16b_fsdp8xep8": (8, [], ""),
-    "deepseek16b_fsdp8_ep2": (8, ["--parallelism.ep", "2"], ""),
+    "deepseek16b_fsdp4xtp2xep2": (8, ["--parallelism.tp", "2", "--parallelism.ep", "2"], ""),
 }
 H100_EP_OVERLAP_CASES: list[Case] = ep_overlap_cases(
     _DEEPSEEK_DEBUG_LAYOUTS,
@@ -58,7 +56,9 @@ H100_EP_OVERLAP_CASES: list[Case] = ep_overlap_cases(
     ],
     DEEPSEEK_DEBUG,
 ) + ep_overlap_cases(
-    _16B_LAYOUTS, [("deepseek16b_fsdp8_ep2", "blocks", "transformer_block_bucketing")], "configs/deepseek_v3_16b.toml"
+    _16B_LAYOUTS,
+    [("deepseek16b_fsdp4xtp2xep2", "blocks", "transformer_block_bucketing")],
+    "configs/deepseek_v3_16b.toml",
 )
 # The 8B and 16B configs document selective (8B) and full (16B) checkpointing with 8 loss chunks:
 # every other mode is bitwise those.
@@ -90,7 +90,7 @@ H100_CASES = (
     + pass_cases(_DEEPSEEK_DEBUG_LAYOUTS, ["deepseek_debug_fsdp4xep2"], DEEPSEEK_DEBUG)
     + layout_cases(_16B_LAYOUTS, "configs/deepseek_v3_16b.toml")
     + pass_cases(
-        _16B_LAYOUTS, ["deepseek16b_fsdp8_ep2"], "configs/deepseek_v3_16b.toml", passes={"tbb": BUCKETING["tbb"]}
+        _16B_LAYOUTS, ["deepseek16b_fsdp4xtp2xep2"], "configs/deepseek_v3_16b.toml", passes={"tbb": BUCKETING["tbb"]}
     )
     + H100_EP_OVERLAP_CASES
     + H100_MEMORY_POLICY_CASES
