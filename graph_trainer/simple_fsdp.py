@@ -136,8 +136,10 @@ class SumGradientOverReplicas(torch.autograd.Function):
     crosses the replicate groups (nodes), as in FSDP2. DTensor alone, given a gradient partial
     over both dims, reduces in mesh order: replicate first, an all_reduce of the full gradient.
 
-    The forward makes no op the tracer could pair with the backward (its ``seq_nr``), so the
-    backward tags its own collective ``reduce_grad`` with the parameter's FQN."""
+    The tracer tags a backward node from the forward op it pairs with by ``seq_nr``; an identity
+    forward may trace to no op to pair with (DTensor's own replicate-to-replicate redistribute
+    did not, which left DDP's all-reduces untagged), so the backward tags its own collective
+    ``reduce_grad`` with the parameter's FQN."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, mesh: DeviceMesh, reduce_dtype: torch.dtype, param_fqn: str):
