@@ -201,3 +201,18 @@ def test_check_graph_finds_missing_buckets_and_untagged_all_to_all():
     a2a = next(n for n in bucketed.graph.nodes if collective_name(n) == "all_to_all_single")
     tags.remove(a2a, "ep_role")
     assert any("without ep_role" in p for p in dry.check_graph(bucketed, reference, cfg, degrees, plan))
+
+
+def test_dry_run_flags_an_hsdp_all_reduce_of_the_full_gradient():
+    cfg = load_config(
+        ["--training.local_batch_size", "1", "--training.seq_len", "16"]
+        + ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]
+    )
+    with fake_world(4):
+        traced, _ = trace_without_passes(cfg, 4)
+    launches = dry._launches(traced.gm)
+    assert dry._full_gradient_all_reduces(launches) == []
+    # the order this project had before: the all-reduce summing the full (not reduce-scattered) gradient
+    all_reduce = next(n for n in launches if collective_name(n) == "all_reduce")
+    all_reduce.meta["val"] = torch.empty(2 * all_reduce.meta["val"].numel())
+    assert dry._full_gradient_all_reduces(launches) == [all_reduce.name]
