@@ -8,7 +8,7 @@ Prints one line per bucket: ``<sizes> unpadded=<all members bitwise> padded=<all
 import torch
 import torch.distributed as dist
 
-from graph_trainer.passes.transformer_block_bucketing import ring_aligned_row
+from graph_trainer.passes.bucket_merge import ring_aligned_row
 from graph_trainer.torch_compat import cpu_backend
 
 BUCKETS = [[65536, 1024, 256, 147456, 512, 81920], [32768, 512, 64, 65536], [2**20, 6]]

@@ -261,7 +261,8 @@ def _mixed_dtypes_worker(folder: str) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graph_trainer.passes.transformer_block_bucketing import merge_all_gathers, stable_topological_sort
+    from graph_trainer.passes.bucket_merge import merge_all_gathers
+    from graph_trainer.passes.transformer_block_bucketing import stable_topological_sort
     from graph_trainer.torch_compat import cpu_backend
 
     dist.init_process_group(cpu_backend())  # the trainer's CPU backend
