@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 # --------------------------------------------------------------------------------------
 # Layers
@@ -162,6 +165,26 @@ def init_plain_parameters(model: nn.Module, rules: dict[str, InitRule], seed: in
         param.copy_(draw_parameter(rules[fqn], fqn, param.shape, seed, param.device))
 
 
+def split_vocabulary(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallel on the vocabulary, as both models use it: ``tok_embeddings`` row-parallel
+    (each rank looks up its rows, the sum is all-reduced), ``output`` column-parallel with the
+    logits gathered (Replicate) for the loss."""
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+
+
+def feed_forward_plan(fqn: str) -> dict:
+    """The tensor-parallel plan of a ``FeedForward`` at ``fqn``: ``w1``, ``w3`` column-parallel,
+    ``w2`` row-parallel (one all_reduce of the output)."""
+    return {f"{fqn}.w1": ColwiseParallel(), f"{fqn}.w3": ColwiseParallel(), f"{fqn}.w2": RowwiseParallel()}
+
+
 __all__ = [
     "FeedForward",
     "InitRule",
@@ -169,8 +192,10 @@ __all__ = [
     "apply_rope",
     "block_bucket_plan",
     "draw_parameter",
+    "feed_forward_plan",
     "init_plain_parameters",
     "materialize_init",
     "rotary_table",
+    "split_vocabulary",
     "stable_seed",
 ]

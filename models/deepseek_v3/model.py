@@ -12,9 +12,8 @@ Choices made for tracing and sharding (as in models/llama3/model.py; ``RMSNorm``
 - Multi-head latent attention (MLA) applies RoPE to ``qk_rope_head_dim`` dims of each query
   head and to ONE key part shared by all heads (decoupled RoPE), from real cos/sin tables
   (no complex tensors). YaRN corrects the frequencies and the softmax scale when
-  ``rope_factor > 1``. Head counts are read from the activations at run time, so tensor
-  parallel on heads only needs the hook for the shared key's gradient
-  (``Attention.k_rope_grad_reduce``).
+  ``rope_factor > 1``. Head counts are read from the activations at run time: tensor parallel
+  on heads needs only the shared key's gradient hook (``Attention.k_rope_grad_reduce``).
 - The MoE routes every token to its top-k experts, sorts the (token, slot) pairs by expert,
   and runs the experts on contiguous row blocks whose sizes are data-dependent
   (``counts.tolist()``: unbacked symbols in the fake trace, so one graph serves every
@@ -89,10 +88,8 @@ class Attention(nn.Module):
     wkv_a(x) = [kv latent (kv_lora_rank) | k_rope (qk_rope_head_dim, shared by all heads)];
     wkv_b(kv_norm(latent)) = per head [k_nope | v]. RoPE rotates q's rope part and k_rope;
     k = [k_nope | k_rope broadcast to every head]. SDPA with the (YaRN-corrected) scale.
-
-    ``k_rope_grad_reduce`` is applied to k_rope where it is broadcast to the heads: the identity
-    here; tensor parallel (``models/deepseek_v3/parallelize.py``) replaces it with a module whose
-    backward sums k_rope's gradient over the tp ranks, since each rank holds only some heads.
+    ``k_rope_grad_reduce`` (identity here) wraps k_rope before the broadcast; tensor parallel
+    replaces it with a sum of its gradient over tp, each rank holding only some heads.
     """
 
     def __init__(self, args: DeepSeekV3Args):

@@ -52,6 +52,7 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.expert_parallel import ExpertParallelDispatcher
 from graph_trainer.parallel import ParallelDims, dp_mesh_dims, expert_dp_mesh_dims
 from graph_trainer.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
+from models.common import feed_forward_plan, split_vocabulary
 from models.deepseek_v3.flavors import DeepSeekV3Args
 
 
@@ -103,23 +104,14 @@ class SumGradOverTP(nn.Module):
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split attention heads, dense and shared-expert feed-forwards, the embedding and the
     output over ``tp_mesh`` (module docstring); routed experts and router stay whole."""
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        },
-    )
+    split_vocabulary(model, tp_mesh)
     for block in model.layers.values():
         attention = block.attention
         q_up = "attention.wq" if attention.q_lora_rank == 0 else "attention.wq_b"
         plan = {q_up: ColwiseParallel(), "attention.wkv_b": ColwiseParallel(), "attention.wo": RowwiseParallel()}
         ffn = "moe.shared_experts" if block.is_moe else "feed_forward"
         if not block.is_moe or block.moe.shared_experts is not None:
-            plan.update(
-                {f"{ffn}.w1": ColwiseParallel(), f"{ffn}.w3": ColwiseParallel(), f"{ffn}.w2": RowwiseParallel()}
-            )
+            plan.update(feed_forward_plan(ffn))
         parallelize_module(block, tp_mesh, plan)
         attention.k_rope_grad_reduce = SumGradOverTP(tp_mesh)
 

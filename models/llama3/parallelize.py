@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from graph_trainer.errors import ConfigError
 from graph_trainer.parallel import ParallelDims, dp_mesh_dims
 from graph_trainer.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
+from models.common import feed_forward_plan, split_vocabulary
 from models.llama3.flavors import Llama3Args
 
 
@@ -45,14 +45,7 @@ def validate_parallelism(args: Llama3Args, degrees: dict[str, int]) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        },
-    )
+    split_vocabulary(model, tp_mesh)
     for block in model.layers.values():
         parallelize_module(
             block,
@@ -62,9 +55,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 "attention.wk": ColwiseParallel(),
                 "attention.wv": ColwiseParallel(),
                 "attention.wo": RowwiseParallel(),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(),
+                **feed_forward_plan("feed_forward"),
             },
         )
 
