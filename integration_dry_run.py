@@ -231,8 +231,9 @@ _MEMORY_COLUMNS = ("peak GiB", "params", "grads", "optim", "activ")
 
 
 def memory_columns(memory, limit: int | None) -> dict[str, str]:
-    """The row's memory cells: the step's peak and its parts (GiB), and ``mem``: "ok", or the
-    limit it exceeds ("" without a limit, e.g. the cpu suite)."""
+    """The row's memory cells: the step's peak and its parts (GiB; grads with the gradient
+    accumulation buffer), and ``mem``: "ok", or the limit it exceeds ("" without a limit, e.g. the
+    cpu suite)."""
     from graph_trainer.analysis.memory import GIB
 
     if memory is None:
@@ -241,7 +242,7 @@ def memory_columns(memory, limit: int | None) -> dict[str, str]:
     cells = dict(
         zip(
             _MEMORY_COLUMNS,
-            (f"{v / GIB:.3g}" for v in (p.total, p.params, p.grads, p.optimizer, p.activations)),
+            (f"{v / GIB:.3g}" for v in (p.total, p.params, p.grads + p.accumulated_grads, p.optimizer, p.activations)),
             strict=True,
         )
     )
@@ -281,7 +282,7 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
     from graph_trainer.config_loading import load_config
     from graph_trainer.fake_trace import fake_world, trace_without_passes
     from graph_trainer.graph.collectives import collective_name
-    from graph_trainer.parallel import resolve_parallel_degrees
+    from graph_trainer.parallel import ParallelDims, microbatches_per_step, resolve_parallel_degrees
     from graph_trainer.pipeline import transform_graph
     from graph_trainer.validation import validate_config
 
@@ -311,14 +312,13 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
                     gm = transform_graph(
                         copy.deepcopy(traced.gm), dataclasses.replace(context, config=cfg), cfg.compile.passes
                     )
-                    problems = check_graph(
-                        gm,
-                        reference,
-                        cfg,
-                        resolve_parallel_degrees(cfg.parallelism, nproc),
-                        context.extras["bucket_plan"],
-                    )
-                    memory = estimate_step_memory(gm.graph, None, adamw_memory("cuda" if suite.gpus else "cpu"))
+                    degrees = resolve_parallel_degrees(cfg.parallelism, nproc)
+                    problems = check_graph(gm, reference, cfg, degrees, context.extras["bucket_plan"])
+                    t = cfg.training
+                    dp_size = ParallelDims.from_degrees(degrees).dp_size
+                    microbatches = microbatches_per_step(t.global_batch_size, t.local_batch_size, dp_size)
+                    optimizer = adamw_memory("cuda" if suite.gpus else "cpu")
+                    memory = estimate_step_memory(gm.graph, None, optimizer, microbatches=microbatches)
                     problems += check_backend(gm, cfg, row)  # (last: it cuts gm into regions)
                 except Exception as e:  # a pass or the config failed: that is this case's result
                     gm, memory, problems = None, None, [f"{type(e).__name__}: {e}"]

@@ -45,7 +45,7 @@ DEFAULT_ARGS = [
 
 def _loss_step(trainer):
     """A step function of ``trainer`` that returns only the loss (what ``time_alternating`` calls)."""
-    return lambda tokens, labels: trainer.train_step(tokens, labels)[0]
+    return lambda tokens, labels: trainer.train_step([(tokens, labels)])[0]
 
 
 def main(argv: list[str]) -> int:

@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
             tokens, labels = next(data)
             for mode, trainer in trainers.items():
                 start = time.perf_counter()
-                trainer.train_step(tokens, labels)
+                trainer.train_step([(tokens, labels)])
                 elapsed = time.perf_counter() - start
                 if i >= warmup:
                     times[mode].append(elapsed)

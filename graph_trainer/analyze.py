@@ -23,6 +23,12 @@ global rank ``r`` on node ``r // ranks_per_node``), then one memory line per pas
 warning where the peak exceeds the device's memory (``--device_memory_gib``, default the
 device's: 79.1 GiB for ``h100``, none for ``cpu``). ``--trace_out`` writes a Chrome/Perfetto
 timeline (one file per pass list with ``--compare``).
+
+With ``--training.global_batch_size`` giving M > 1 microbatches per step, the simulated graph is
+one microbatch; the memory estimate counts the gradient accumulation buffer, and one line per pass
+list (``accumulation_line``) gives the step (M graphs), and what the gradient reductions send and
+hold when every microbatch reduces its gradients (the trainer's choice) against accumulating
+them unreduced and reducing once.
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int, me
         row.update(
             {
                 "params GiB": peak.params / GIB,
-                "grads GiB": peak.grads / GIB,
+                "grads GiB": (peak.grads + peak.accumulated_grads) / GIB,  # with the accumulation buffer
                 "optim GiB": peak.optimizer / GIB,
                 "activ GiB": peak.activations / GIB,
             }
@@ -131,6 +137,39 @@ def traffic_line(label: str, result) -> str:
     return f"{line} (by kind, NVLink + InfiniBand: {parts} GB)" if parts else line
 
 
+def gradient_reduction_costs(graph, result) -> tuple[float, int, int]:
+    """One microbatch's gradient reductions (collectives tagged ``reduce_grad``) in ``result``, the
+    simulation of ``graph``: (bytes this rank sends for them, bytes of the reduced gradients the
+    graph outputs, bytes of the unreduced gradients they read: the reduce-scatters' full inputs, or
+    the all-reduces' where nothing is scattered (DDP), in the reduce dtype)."""
+    from graph_trainer.analysis.memory import estimate_peak_memory
+    from graph_trainer.graph import tags
+    from graph_trainer.graph.collectives import is_collective
+    from graph_trainer.graph.tags import FSDP_ROLE, REDUCE_GRAD
+
+    reductions = {n.name for n in graph.nodes if is_collective(n) and tags.get(n, FSDP_ROLE) == REDUCE_GRAD}
+    records = [c for c in result.collectives if c.name in reductions]
+    # HSDP's all-reduce reads the reduce-scatter's shard: only the reduce-scatters read whole gradients.
+    scattered = [c for c in records if c.kind == "reduce_scatter"]
+    unreduced = sum(c.bytes for c in (scattered or records))
+    return sum(c.bytes_sent for c in records), estimate_peak_memory(graph).total_grad_bytes, unreduced
+
+
+def accumulation_line(label: str, graph, result, microbatches: int) -> str:
+    """Gradient accumulation over ``microbatches`` graphs of ``result``: the step's simulated time
+    (the optimizer step is not simulated), and per step what the gradient reductions send and the
+    accumulation buffer holds (``gradient_reduction_costs``) when each microbatch reduces (the
+    trainer: the buffer is the reduced gradients) against accumulating the unreduced gradients and
+    reducing once."""
+    sent, reduced, unreduced = gradient_reduction_costs(graph, result)
+    return (
+        f"gradient accumulation ({label}): {microbatches} microbatches, simulated step "
+        f"{microbatches} x {result.step_time * 1e3:.1f} = {microbatches * result.step_time * 1e3:.1f} ms; "
+        f"reduced every microbatch: {_gb(microbatches * sent)} GB sent/rank, buffer {reduced / GIB:.2f} GiB; "
+        f"unreduced, reduced once: {_gb(sent)} GB sent/rank, buffer {unreduced / GIB:.2f} GiB"
+    )
+
+
 def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:.3g}"
 
@@ -149,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     from graph_trainer.analysis.simulator import format_table
     from graph_trainer.config_loading import load_config, take_flag
     from graph_trainer.errors import ConfigError
+    from graph_trainer.parallel import ParallelDims, microbatches_per_step, resolve_parallel_degrees
     from graph_trainer.validation import validate_config
 
     try:
@@ -187,19 +227,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     t = cfg.training
+    dp_size = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size)).dp_size
+    microbatches = microbatches_per_step(t.global_batch_size, t.local_batch_size, dp_size)
+    accumulating = f" x {microbatches} microbatches" if microbatches > 1 else ""
     print(
         f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "
-        f"{t.local_batch_size}x{t.seq_len}, param dtype {t.mixed_precision_param}, reduce dtype "
+        f"{t.local_batch_size}x{t.seq_len}{accumulating}, param dtype {t.mixed_precision_param}, reduce dtype "
         f"{t.mixed_precision_reduce}, activation checkpointing {cfg.activation_checkpoint.mode}, "
         f"loss chunks {t.loss_chunks}; simulated on {device.name} ({ranks_per_node} ranks/node)"
     )
-    summary, kinds, traffic_lines, memory_lines = [], [], [], []
+    summary, kinds, traffic_lines, memory_lines, accumulation_lines = [], [], [], [], []
     for c in configs:
         label = ",".join(c.compile.passes) or "none"
         if ac_modes is not None:
             label += f" ac={c.activation_checkpoint.mode}"
         traced, result, trace_s, sim_s = analyze_job(c, world_size, device, ranks_per_node)
-        memory = estimate_step_memory(traced.gm.graph, None, adamw_memory("cpu" if device_name == "cpu" else "cuda"))
+        optimizer = adamw_memory("cpu" if device_name == "cpu" else "cuda")
+        memory = estimate_step_memory(traced.gm.graph, None, optimizer, microbatches=microbatches)
+        if microbatches > 1:
+            accumulation_lines.append(accumulation_line(label, traced.gm.graph, result, microbatches))
         summary.append(summary_row(label, result, trace_s, sim_s, len(traced.gm.graph.nodes), memory))
         memory_lines.append(f"memory per rank ({label}): {memory.summary()}")
         warning = memory_warning(memory, limit, device.name)
@@ -218,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(traffic_lines))
     print()
     print("\n".join(memory_lines))
+    if accumulation_lines:
+        print()
+        print("\n".join(accumulation_lines))
     return 0
 
 

@@ -31,7 +31,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from graph_trainer.config import JobConfig
-from graph_trainer.parallel import ParallelDims, build_mesh, resolve_parallel_degrees
+from graph_trainer.parallel import (
+    ParallelDims,
+    build_mesh,
+    loss_scale,
+    microbatches_per_step,
+    resolve_parallel_degrees,
+)
 from graph_trainer.passes import PassContext, prepare_model_for_passes
 from graph_trainer.simple_fsdp import MixedPrecision
 from models.common import draw_parameter
@@ -84,11 +90,18 @@ def build_model(build_fn, args, device: torch.device, seed: int, parallelize=Non
 
 @dataclass(frozen=True)
 class JobLayout:
-    """Where a job's model lives: degrees, mesh (None for one process), mixed precision."""
+    """Where a job's model lives: degrees, mesh (None for one process), mixed precision, and how
+    many microbatches each data-parallel rank runs per optimizer step."""
 
     dims: ParallelDims
     mesh: DeviceMesh | None
     mp: MixedPrecision
+    microbatches: int = 1
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor each microbatch's loss gets before backward (``parallel.loss_scale``)."""
+        return loss_scale(self.dims.dp_size, self.microbatches)
 
 
 def build_layout(cfg: JobConfig, world_size: int, device_type: str) -> JobLayout:
@@ -98,7 +111,8 @@ def build_layout(cfg: JobConfig, world_size: int, device_type: str) -> JobLayout
     mp = MixedPrecision(
         param_dtype=getattr(torch, t.mixed_precision_param), reduce_dtype=getattr(torch, t.mixed_precision_reduce)
     )
-    return JobLayout(dims, build_mesh(dims, device_type), mp)
+    microbatches = microbatches_per_step(t.global_batch_size, t.local_batch_size, dims.dp_size)
+    return JobLayout(dims, build_mesh(dims, device_type), mp, microbatches)
 
 
 def build_job_model(

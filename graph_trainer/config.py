@@ -60,7 +60,12 @@ class Training:
     steps: int = 10
     """Number of optimizer steps to run (>= 1)."""
     local_batch_size: int = 8
-    """Sequences per data-parallel rank per step."""
+    """Sequences per data-parallel rank per microbatch (one forward and backward)."""
+    global_batch_size: int = 0
+    """Sequences per optimizer step over all data-parallel ranks. 0: local_batch_size x the
+    data-parallel degree (one microbatch per step). A multiple M of that runs M microbatches per
+    rank per step and sums their gradients before one clip, AdamW update and schedule step
+    (gradient accumulation); the loss is the mean over all tokens of the global batch."""
     seq_len: int = 256
     """Tokens per sequence; at most the flavor's max_seq_len."""
     lr: float = 8e-4

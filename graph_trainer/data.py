@@ -17,14 +17,16 @@ Data-parallel sharding rule
 With ``B = local_batch_size`` and ``D = dp_degree``, step ``s`` (0-based) consumes the global
 windows ``s*B*D .. s*B*D + B*D - 1``, and rank ``r`` takes row ``i`` of its batch from window
 ``s*B*D + r*B + i``. So the rows of ranks 0..D-1 concatenated in rank order are exactly the rows of a
-single process run with batch ``B*D``. Every rank reads (tokenises) the whole global stream and skips
+single process run with batch ``B*D``. With gradient accumulation a training step takes M
+consecutive batches (microbatches); the ``M*D`` batches of a step in (microbatch, rank) order are
+then the rows of one process with batch ``M*B*D``. Every rank reads (tokenises) the whole global stream and skips
 the other ranks' windows, which keeps the rule exact for any dataset at the price of D-fold
 tokenisation work (cheap next to a training step).
 
 Resuming
 --------
 ``state_dict()`` is ``{"version", "stream", "step", "doc", "offset"}``: the number of batches
-produced, and the position of the next unread token of the global stream (document index counted
+(microbatches) produced, and the position of the next unread token of the global stream (document index counted
 across epochs, token offset inside that document). After every batch all ranks stand at the same
 global step boundary, so the state is identical on every rank and does not depend on the rank; it can
 be loaded with a different local batch size or dp degree and reading continues at the same token.

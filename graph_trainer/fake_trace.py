@@ -103,7 +103,7 @@ def trace_without_passes(
             batch,
             batch,
             t.loss_chunks,
-            grad_scale=1.0 / layout.dims.dp_size,
+            grad_scale=layout.loss_scale,
             fake_device=torch.device(device_type),
         )
     return traced, pass_context(cfg, layout, model)

@@ -58,15 +58,16 @@ class StepDiff:
 
 
 def _recording(trainer) -> dict:
-    """Wrap ``trainer.step_fn`` so each call's gradients are kept (a copy: clipping scales them in place)."""
-    step_fn, seen = trainer.step_fn, {}
+    """Wrap ``trainer.accumulate_gradients`` so each step's gradients (summed over its
+    microbatches) are kept (a copy: clipping scales them in place)."""
+    accumulate, seen = trainer.accumulate_gradients, {}
 
-    def recorded(tokens, labels):
-        loss, grads = step_fn(tokens, labels)
+    def recorded(microbatches):
+        loss, grads = accumulate(microbatches)
         seen["grads"] = [local_tensor(g).detach().clone() for g in grads]
         return loss, grads
 
-    trainer.step_fn = recorded
+    trainer.accumulate_gradients = recorded
     return seen
 
 
@@ -127,12 +128,12 @@ def lockstep(cfg_a, cfg_b, from_same_state: bool = False, report=None) -> list[S
     diffs = []
     try:
         for step in range(1, cfg_a.training.steps + 1):
-            tokens, labels = next(data)
+            microbatches = [next(data) for _ in range(a.microbatches)]
             if from_same_state:
                 copy_state(a, b)
             a.step = b.step = step
-            loss_a, _ = a.train_step(tokens, labels)
-            loss_b, _ = b.train_step(tokens, labels)
+            loss_a, _ = a.train_step(microbatches)
+            loss_b, _ = b.train_step(microbatches)
             diff = StepDiff(step, loss_a, loss_b, _grad_dev(seen_a["grads"], seen_b["grads"]), _param_dist(a, b))
             diffs.append(diff)
             if report is not None:

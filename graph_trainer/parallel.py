@@ -70,6 +70,30 @@ class ParallelDims:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "ep": self.ep}
 
 
+def microbatches_per_step(global_batch_size: int, local_batch_size: int, dp_size: int) -> int:
+    """Microbatches each data-parallel rank runs per optimizer step: ``global_batch_size`` /
+    (``local_batch_size`` x ``dp_size``); a ``global_batch_size`` of 0 means one. Anything that is
+    not a positive multiple of one pass over the data-parallel ranks is a ``ConfigError``."""
+    per_microbatch = local_batch_size * dp_size
+    if global_batch_size == 0:
+        return 1
+    _require(
+        global_batch_size > 0 and global_batch_size % per_microbatch == 0,
+        f"training.global_batch_size = {global_batch_size} must be a positive multiple of "
+        f"training.local_batch_size x data-parallel degree = {local_batch_size} x {dp_size} = "
+        f"{per_microbatch} (or 0: {per_microbatch}, no accumulation)",
+    )
+    return global_batch_size // per_microbatch
+
+
+def loss_scale(dp_size: int, microbatches: int) -> float:
+    """What each rank scales its microbatch loss by before backward: every rank's loss is the mean
+    over its microbatch's tokens and the gradients are summed over ranks and microbatches, so
+    1 / (dp_size x microbatches) makes the update that of the mean over the global batch's tokens
+    (every microbatch holds the same number of tokens, all of them counted)."""
+    return 1.0 / (dp_size * microbatches)
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)

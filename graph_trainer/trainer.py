@@ -2,9 +2,20 @@
 
 ``Trainer(cfg)`` builds everything from a validated ``JobConfig`` (``graph_trainer.build``);
 ``Trainer.train()`` runs ``training.steps`` steps and returns the per-step losses. In
-``compile.mode = "graph"`` the step is the traced GraphModule (``graph_trainer.tracer.GraphStep``)
-after the stages of ``graph_trainer.pipeline`` (memory policy, passes, backend); in ``"eager"`` it
-is the same model run directly (``eager_step``), the numerics baseline.
+``compile.mode = "graph"`` the forward and backward of a microbatch are the traced GraphModule
+(``graph_trainer.tracer.GraphStep``) after the stages of ``graph_trainer.pipeline`` (memory policy,
+passes, backend); in ``"eager"`` they are the same model run directly (``eager_step``), the
+numerics baseline.
+
+Gradient accumulation (``training.global_batch_size``): an optimizer step runs the layout's
+``microbatches`` (M) forward-and-backward passes on consecutive batches of the data loader, each
+scaled by 1 / (data-parallel degree x M), and sums their gradients in microbatch order into the
+first one's gradient tensors (graph and eager alike, so graph == eager holds bitwise), before
+one clip, AdamW update and schedule step. Under SimpleFSDP every microbatch's backward
+reduce-scatters its gradients, so what accumulates is the local shard (docs/parallelism.md says
+why, with the cost model's figures). The logged loss is the mean of the M microbatch losses
+averaged over the data-parallel ranks: every microbatch has the same number of tokens, all of
+them counted, so that is the mean over the global batch's tokens.
 """
 
 from __future__ import annotations
@@ -134,9 +145,19 @@ class Trainer:
         self.params = [p for p in self.model.parameters()]
         n_params = sum(p.numel() for p in self.params)
         logger.info("model built in %.2fs: %s parameters", time.perf_counter() - start, f"{n_params:,}")
-        # Each data-parallel rank averages over its own batch; gradients are summed over
-        # ranks, so scaling by 1/dp makes the update that of the mean over the global batch.
-        self.grad_scale = 1.0 / self.dims.dp_size
+        # Each data-parallel rank averages over its own microbatch; gradients are summed over
+        # ranks and microbatches (parallel.loss_scale).
+        self.microbatches = self.layout.microbatches
+        self.grad_scale = self.layout.loss_scale
+        if self.microbatches > 1:
+            logger.info(
+                "global batch %d sequences: %d microbatches of %d per data-parallel rank (x%d ranks), "
+                "gradients accumulated",
+                t.global_batch_size,
+                self.microbatches,
+                t.local_batch_size,
+                self.dims.dp_size,
+            )
 
         self.optimizer = build_optimizer(self.params, t)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
@@ -190,7 +211,7 @@ class Trainer:
     def _report_memory(self, graph) -> None:
         """Log the estimated per-rank peak with its parts, and warn before the first step when it
         exceeds the device's memory (CUDA; on CPU no limit is known). ``graph`` None: eager mode."""
-        estimate = estimate_step_memory(graph, self.params, self.optimizer)
+        estimate = estimate_step_memory(graph, self.params, self.optimizer, microbatches=self.microbatches)
         logger.info("estimated memory per rank: %s", estimate.summary())
         device = self.dist.device
         limit = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
@@ -198,14 +219,36 @@ class Trainer:
         if warning:
             logger.warning("%s", warning)
 
-    def train_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-        """One optimizer step on one batch; returns (loss averaged over data-parallel ranks,
-        grad norm before clipping)."""
-        tokens = tokens.to(self.dist.device, non_blocking=True)
-        labels = labels.to(self.dist.device, non_blocking=True)
-        loss, grads = self.step_fn(tokens, labels)
+    def accumulate_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list]:
+        """Forward and backward of each microbatch in turn; (the sum of their losses, the sum of
+        their gradients). The first microbatch's gradients are the accumulation buffer: each later
+        one is added into it in place and dropped, so at most one more set is alive at a time."""
+        loss_sum, accumulated = None, None
+        for tokens, labels in microbatches:
+            tokens = tokens.to(self.dist.device, non_blocking=True)
+            labels = labels.to(self.dist.device, non_blocking=True)
+            loss, grads = self.step_fn(tokens, labels)
+            if accumulated is None:
+                loss_sum, accumulated = loss, list(grads)
+                continue
+            loss_sum = loss_sum + loss
+            for acc, g in zip(accumulated, grads, strict=True):
+                acc.add_(g)
+            del grads
+        return loss_sum, accumulated
+
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step on this rank's ``(tokens, labels)`` microbatches (module docstring);
+        returns (the loss: the mean over the global batch's tokens, grad norm before clipping)."""
+        if len(microbatches) != self.microbatches:  # the traced loss scale assumes this many
+            raise ValueError(
+                f"train_step got {len(microbatches)} microbatches; this job runs {self.microbatches} per step"
+            )
+        loss_sum, grads = self.accumulate_gradients(microbatches)
+        loss = loss_sum / len(microbatches) if len(microbatches) > 1 else loss_sum
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g
+        del grads
         record = None
         if self.step == self.cfg.debug.grad_record_step:  # before clipping scales them
             record = gather_record([(name, p.grad) for name, p in self.model.named_parameters()])
@@ -242,9 +285,9 @@ class Trainer:
         while self.step < t.steps:
             self.step += 1
             start = time.perf_counter()
-            tokens, labels = next(data)
+            microbatches = [next(data) for _ in range(self.microbatches)]
             lr = self.scheduler.get_last_lr()[0]
-            loss, grad_norm = self.train_step(tokens, labels)
+            loss, grad_norm = self.train_step(microbatches)
             elapsed = time.perf_counter() - start
             if not losses:  # the first step of this run (step N+1 after resuming from step N)
                 logger.info("first step (including trace, passes and compile) took %.2fs", elapsed)
@@ -258,7 +301,7 @@ class Trainer:
                 loss=loss,
                 grad_norm=grad_norm,
                 lr=lr,
-                ntokens=tokens.numel(),
+                ntokens=sum(tokens.numel() for tokens, _ in microbatches),
                 step_time_s=elapsed,
             )
             if self.checkpointer.should_save(self.step, t.steps):

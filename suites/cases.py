@@ -19,6 +19,11 @@ HSDP_RTOL = 1e-6
 """Bound on the relative deviation of the HSDP 2x2 losses from one process: the reduce-scatter over
 ``dp_shard`` then the all-reduce of the shard over ``dp_replicate`` sum each element in two steps
 (measured deviations: docs/performance.md)."""
+ACCUMULATION_RTOL = 1e-6
+"""Bound on the relative deviation of gradient accumulation's losses (``training.global_batch_size``:
+M microbatches per step) from one process on the global batch in one pass: the same per-token
+losses and gradient contributions, summed per microbatch then across microbatches instead of
+in one sum (measured deviations: docs/performance.md; causes: docs/numerics.md)."""
 INDUCTOR_RTOL = 5e-6
 """Bound on the relative deviation of losses compiled by Inductor (``--compile.backend inductor``)
 from the op-by-op graph of the same job, fp32 on CPU: fusion rounds differently, and other CPUs'

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from suites.cases import (
+    ACCUMULATION_RTOL,
     BUCKETING,
     DEEPSEEK_DEBUG,
     EP_OVERLAP,
@@ -57,6 +58,28 @@ _CPU_DEEPSEEK_TP_LAYOUTS = {
     "deepseek_2l_fsdp2xtp2": (4, _TP2, "deepseek_2l_single_b4"),
     "deepseek_2l_tp2xep2": (4, [*_TP2, "--parallelism.ep", "2"], "deepseek_2l_single_b4"),
 }
+
+# ---- gradient accumulation: the global batch of 8 (DeepSeek-V3: 4) as microbatches of the
+# layout's local batch, against one process taking it in one pass, and graph == eager bitwise.
+_GLOBAL_8 = ["--training.global_batch_size", "8"]
+_CPU_ACCUMULATION_LAYOUTS = {
+    "single_accum4": (1, _GLOBAL_8, "single_b8"),
+    "fsdp2_accum2": (2, _GLOBAL_8, "single_b8"),
+}
+_CPU_DEEPSEEK_ACCUMULATION_LAYOUTS = {
+    "deepseek_ep2_accum2": (
+        2,
+        ["--parallelism.ep", "2", *batch(1), "--training.global_batch_size", "4"],
+        "deepseek_single_b4",
+    ),
+}
+CPU_ACCUMULATION_CASES = layout_cases(
+    _CPU_ACCUMULATION_LAYOUTS, rtols=dict.fromkeys(_CPU_ACCUMULATION_LAYOUTS, ACCUMULATION_RTOL)
+) + layout_cases(
+    _CPU_DEEPSEEK_ACCUMULATION_LAYOUTS,
+    DEEPSEEK_DEBUG,
+    rtols=dict.fromkeys(_CPU_DEEPSEEK_ACCUMULATION_LAYOUTS, ACCUMULATION_RTOL),
+)
 
 CPU_EP_OVERLAP_CASES: list[Case] = ep_overlap_cases(
     _CPU_DEEPSEEK_LAYOUTS,
@@ -168,6 +191,7 @@ CPU_CASES = (
     + pass_cases(_CPU_DEEPSEEK_LAYOUTS, ["deepseek_ep2", "deepseek_fsdp2xep2"], DEEPSEEK_DEBUG)
     + _CPU_DEEPSEEK_TP_REFERENCES
     + layout_cases(_CPU_DEEPSEEK_TP_LAYOUTS, DEEPSEEK_DEBUG)
+    + CPU_ACCUMULATION_CASES
     + CPU_EP_OVERLAP_CASES
     + CPU_MEMORY_POLICY_CASES
     + CPU_DEEPSEEK_MEMORY_POLICY_CASES

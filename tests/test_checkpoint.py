@@ -222,6 +222,30 @@ def test_eager_resume_bitwise_restores_adamw_steps_lr_and_trims_losses(tmp_path)
         assert torch.equal(a, b), n
 
 
+def test_resume_with_gradient_accumulation_continues_at_the_next_microbatch_bitwise(tmp_path):
+    """A step takes all its microbatches before a save, so the saved data position is the next
+    step's first microbatch: resuming repeats the straight run bitwise. A resume that takes the
+    same global batch in other microbatches (local 4 x 2 instead of 2 x 4) reads the same tokens."""
+    accumulate = ["--training.global_batch_size", "8", "--checkpoint.interval", "2"]  # local 2: 4 microbatches
+    resume = ["--checkpoint.load_step", "2", "--checkpoint.move_aside", "True"]
+    straight = _trainer(tmp_path, "--training.steps", "4", *accumulate)
+    straight_losses = straight.train()
+    assert straight.dataloader.state_dict()["step"] == 4 * 4  # microbatches read
+
+    resumed = _trainer(tmp_path, "--training.steps", "4", *accumulate, *resume)
+    position = resumed.dataloader.state_dict()
+    assert position["step"] == 2 * 4
+    assert [repr(x) for x in resumed.train()] == [repr(x) for x in straight_losses[2:]]
+    for (n, a), b in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+    regrouped = _trainer(tmp_path, "--training.steps", "4", *accumulate, "--training.local_batch_size", "4", *resume)
+    assert regrouped.microbatches == 2
+    resumed.dataloader.load_state_dict(position)
+    as_saved = torch.cat([next(resumed.dataloader)[0] for _ in range(4)])
+    assert torch.equal(torch.cat([next(regrouped.dataloader)[0] for _ in range(2)]), as_saved)
+
+
 @pytest.fixture(scope="module")
 def one_step_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("one_step")

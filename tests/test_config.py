@@ -9,6 +9,7 @@ import pytest
 from graph_trainer.config import JobConfig
 from graph_trainer.config_loading import load_config, take_flag
 from graph_trainer.errors import ConfigError
+from graph_trainer.parallel import ParallelDims, microbatches_per_step, resolve_parallel_degrees
 from graph_trainer.validation import validate_config
 from tests.conftest import ROOT
 
@@ -91,6 +92,41 @@ def test_degrees_that_do_not_fit(degrees, world_size, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "global_batch, world_size, degrees, microbatches",
+    [
+        (0, 1, {}, 1),  # 0: one pass over the data-parallel ranks
+        (32, 1, {}, 4),
+        (32, 2, {}, 2),  # FSDP2: 2 ranks x 8
+        (16, 4, {"tp": 2}, 1),  # tensor-parallel ranks share a batch: dp 2 x 8
+        (48, 4, {"dp_replicate": 2, "dp_shard": 2}, None),  # not a multiple of 4 x 8
+        (16, 4, {}, None),  # less than one pass (32)
+        (-32, 1, {}, None),
+    ],
+)
+def test_global_batch_size_gives_whole_microbatches_or_one_line(global_batch, world_size, degrees, microbatches):
+    from graph_trainer.build import build_layout
+
+    cfg = JobConfig()  # local batch 8
+    cfg.training.global_batch_size = global_batch
+    for name, value in degrees.items():
+        setattr(cfg.parallelism, name, value)
+    if microbatches is None:
+        with pytest.raises(ConfigError) as info:
+            validate_config(cfg, world_size=world_size)
+        (line,) = str(info.value).splitlines()
+        assert line.startswith(f"training.global_batch_size = {global_batch} must be a positive multiple of")
+        assert "(or 0:" in line
+        return
+    validate_config(cfg, world_size=world_size)
+    dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
+    assert microbatches_per_step(global_batch, 8, dims.dp_size) == microbatches
+    if world_size == 1:  # the layout the trainer and fake traces build (no process group needed)
+        layout = build_layout(cfg, 1, "cpu")
+        assert layout.microbatches == microbatches
+        assert layout.loss_scale == 1.0 / microbatches
+
+
 def test_reshard_mode_is_checked():
     with pytest.raises(ConfigError, match="fsdp_reshard_after_forward = 'sometimes' is not allowed"):
         load_config(["--parallelism.fsdp_reshard_after_forward", "sometimes"])
@@ -133,6 +169,7 @@ def _main(capsys, monkeypatch, *args) -> tuple[int, list[str]]:
             "compile.backend = 'inductor' needs compile.mode = 'graph'",
         ),
         (["--compile.inductor_scope", "full"], "compile.inductor_scope = 'full' needs compile.backend = 'inductor'"),
+        (["--training.global_batch_size", "12"], "training.global_batch_size = 12 must be a positive multiple of"),
     ],
 )
 def test_train_main_exits_2_with_one_line(capsys, monkeypatch, args, message):

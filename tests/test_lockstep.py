@@ -51,7 +51,7 @@ def test_copy_state_makes_every_tensor_of_the_state_equal(tmp_path):
     batches = iter(a.dataloader)
     for trainer in (a, b, a):  # different states: A two steps on two batches, B one step
         trainer.step += 1
-        trainer.train_step(*next(batches))
+        trainer.train_step([next(batches)])
     copy_state(a, b)
     for (name, x), (_, y) in zip(
         [*a.model.named_parameters(), *a.model.named_buffers()],

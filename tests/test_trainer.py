@@ -12,7 +12,7 @@ from graph_trainer.validation import validate_config
 from tests.conftest import ROOT
 
 
-def _run(tmp_path, mode: str, steps: int = 10, *extra: str, name: str = ""):
+def _config(tmp_path, mode: str, steps: int, *extra: str, name: str = ""):
     cfg = load_config(
         [
             "--job.config_file",
@@ -35,7 +35,11 @@ def _run(tmp_path, mode: str, steps: int = 10, *extra: str, name: str = ""):
         ]
     )
     validate_config(cfg)
-    trainer = Trainer(cfg)
+    return cfg
+
+
+def _run(tmp_path, mode: str, steps: int = 10, *extra: str, name: str = ""):
+    trainer = Trainer(_config(tmp_path, mode, steps, *extra, name=name))
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     losses = trainer.train()
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -105,3 +109,12 @@ def test_bf16_compute_where_no_data_parallel_dim_exists(world_size, layout):
 
     assert matmul_dtypes("bfloat16") == {torch.bfloat16}
     assert matmul_dtypes("float32") == {torch.float32}
+
+
+def test_a_step_takes_exactly_the_jobs_microbatches(tmp_path):
+    """The traced loss scale is 1 / (dp x microbatches): a step given another count is refused."""
+    cfg = _config(tmp_path, "eager", 1, "--training.global_batch_size", "6")  # local 2: 3 microbatches
+    trainer = Trainer(cfg)
+    assert trainer.microbatches == 3 and trainer.grad_scale == 1 / 3
+    with pytest.raises(ValueError, match="train_step got 2 microbatches; this job runs 3 per step"):
+        trainer.train_step([next(trainer.dataloader) for _ in range(2)])

@@ -45,6 +45,12 @@ Model of time (one steady-state step, i.e. from the second step on, per rank):
    builds that for all parameters of a group at once (counted as all parameters); a ``fused``
    one none.
 
+With gradient accumulation (``microbatches`` M > 1, ``graph_trainer.trainer``) the graph runs M
+times per step; from the second microbatch on, the sum of the earlier microbatches' gradients
+(all gradient outputs' bytes: the accumulation buffer) is resident beside the graph's own, so
+phase 2 counts it as ``accumulated_grads``. Phase 3 is unchanged: each microbatch's gradients
+are added into the buffer and dropped, and the optimizer sees the buffer.
+
 The peak is the larger of phases 2 and 3. The first step is lower: the optimizer state is
 created lazily inside its first ``step()``. In eager mode (no graph) the activations are not
 known: the estimate is phase 3 only, a lower bound (``activations_estimated`` is False).
@@ -275,10 +281,13 @@ class MemoryParts:
     buffers and non-parameter inputs; or the optimizer step's temporaries."""
     peak_node: str = ""
     """The graph node at which the graph's peak is reached."""
+    accumulated_grads: int = 0
+    """The gradient accumulation buffer resident during a later microbatch's graph (0 without
+    accumulation, and in the optimizer step, where the buffer is ``grads``)."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.accumulated_grads
 
 
 @dataclass(frozen=True)
@@ -305,8 +314,9 @@ class StepMemoryEstimate:
         transient = "activations" if p.phase == "graph" else "step temporaries"
         bound = "" if self.activations_estimated else "at least "
         note = "" if self.activations_estimated else "; activations not estimated (no graph)"
+        accumulated = f" + accumulated grads {_gib(p.accumulated_grads)}" if p.accumulated_grads else ""
         return (
-            f"peak {bound}{_gib(p.total)} = params {_gib(p.params)} + grads {_gib(p.grads)} + "
+            f"peak {bound}{_gib(p.total)} = params {_gib(p.params)} + grads {_gib(p.grads)}{accumulated} + "
             f"optimizer {_gib(p.optimizer)} + {transient} {_gib(p.activations)} ({where}{note})"
         )
 
@@ -345,7 +355,11 @@ def _step_temporary_bytes(params: Sequence[torch.Tensor], opt: OptimizerMemory) 
 
 
 def estimate_step_memory(
-    graph: fx.Graph | None, params: Iterable[torch.Tensor] | None = None, optimizer=None, sizes: SizeHints | None = None
+    graph: fx.Graph | None,
+    params: Iterable[torch.Tensor] | None = None,
+    optimizer=None,
+    sizes: SizeHints | None = None,
+    microbatches: int = 1,
 ) -> StepMemoryEstimate:
     """Per-rank peak memory of a training step, with its parts (module docstring).
 
@@ -353,8 +367,11 @@ def estimate_step_memory(
     then unknown). ``params``: the model's parameters (DTensors count their local shard);
     None takes them from the graph's parameter inputs. ``optimizer``: see
     ``optimizer_memory`` (default: the project's AdamW). ``sizes``: concrete values for
-    data-dependent sizes (default: balanced routing).
+    data-dependent sizes (default: balanced routing). ``microbatches``: graph runs per
+    optimizer step (gradient accumulation when > 1).
     """
+    if microbatches < 1:
+        raise ValueError(f"estimate_step_memory: microbatches = {microbatches} must be >= 1")
     local = _param_tensors(graph, params)
     opt = optimizer_memory(optimizer)
     param_bytes = sum(_nbytes(p) for p in local)
@@ -374,6 +391,7 @@ def estimate_step_memory(
                 state_bytes,
                 g.peak_bytes - g.param_bytes - g.grad_bytes,
                 g.peak_node,
+                accumulated_grads=g.total_grad_bytes if microbatches > 1 else 0,
             )
         )
     phases.append(

@@ -68,11 +68,25 @@ def test_parts_add_up_and_optimizer_is_two_fp32_moments():
     params = (64 * 64 + 64 * 32) * FP32
     assert [p.phase for p in est.phases] == ["graph", "optimizer step"]
     for p in est.phases:
-        assert p.total == p.params + p.grads + p.optimizer + p.activations
+        assert p.total == p.params + p.grads + p.optimizer + p.activations and p.accumulated_grads == 0
         assert p.params == params and p.optimizer == 2 * params
     assert est.peak_bytes == max(p.total for p in est.phases) == est.peak.total
     graph_phase = est.phases[0]
     assert graph_phase.total == estimate_peak_memory(graph).peak_bytes + 2 * params
+
+
+def test_accumulation_buffer_is_resident_during_a_later_microbatchs_graph():
+    graph, _ = _step_graph()
+    one, four = estimate_step_memory(graph), estimate_step_memory(graph, microbatches=4)
+    all_grads = estimate_peak_memory(graph).total_grad_bytes
+    assert all_grads > 0
+    assert four.phases[0] == dataclasses.replace(one.phases[0], accumulated_grads=all_grads)
+    assert four.phases[0].total == one.phases[0].total + all_grads
+    assert four.phases[1] == one.phases[1]  # the optimizer sees the buffer as its gradients
+    assert estimate_step_memory(graph, microbatches=2) == four  # one buffer, however many microbatches
+    assert ("accumulated grads" in four.summary()) == (four.peak.phase == "graph")
+    with pytest.raises(ValueError, match="microbatches = 0 must be >= 1"):
+        estimate_step_memory(graph, microbatches=0)
 
 
 def test_eager_estimate_is_model_state_and_a_lower_bound():

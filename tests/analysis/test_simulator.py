@@ -249,6 +249,40 @@ def test_analyze_cli_ranks_per_node(capsys):
         assert err.startswith("error: --ranks_per_node") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("layout", ["fsdp2", "ddp2"])
+def test_gradient_accumulation_costs_of_reducing_every_microbatch_or_once(layout, capsys):
+    """What ``analyze`` reports for gradient accumulation: reducing every microbatch (the trainer)
+    keeps the reduced gradients as the buffer, reducing once would keep the unreduced ones."""
+    from graph_trainer.analyze import analyze_job, gradient_reduction_costs, main
+    from graph_trainer.config_loading import load_config
+    from graph_trainer.validation import validate_config
+    from models.registry import MODEL_SPECS, model_args
+
+    flags = ["--job.config_file", "configs/llama3_debug.toml", "--training.local_batch_size", "2"]
+    flags += ["--training.global_batch_size", "8"]  # 2 microbatches on 2 ranks
+    if layout == "ddp2":
+        flags += ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"]
+    cfg = load_config(flags)
+    validate_config(cfg, 2)
+    traced, result, _, _ = analyze_job(cfg, 2, D)
+    sent, reduced, unreduced = gradient_reduction_costs(traced.gm.graph, result)
+    with torch.device("meta"):
+        full = 4 * sum(p.numel() for p in MODEL_SPECS["llama3"].build(model_args(cfg.model)).parameters())
+    assert unreduced == full  # the whole fp32 gradient, whatever the layout
+    if layout == "fsdp2":  # a ring reduce-scatter over 2 ranks sends half its input, keeps half
+        assert reduced == full // 2 and sent == full // 2
+    else:  # a ring all-reduce over 2 ranks sends its input once, keeps all of it
+        assert reduced == full and sent == full
+
+    assert main(["--world_size", "2", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "per-rank batch 2x128 x 2 microbatches" in out
+    (line,) = [x for x in out.splitlines() if x.startswith("gradient accumulation (none): 2 microbatches")]
+    assert f"reduced every microbatch: {2 * sent / 1e9:.3g} GB sent/rank" in line
+    assert f"reduced once: {sent / 1e9:.3g} GB sent/rank" in line
+    assert "accumulated grads" in next(x for x in out.splitlines() if x.startswith("memory per rank (none)"))
+
+
 def test_unbacked_all_to_all_graph_simulates():
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
