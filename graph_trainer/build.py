@@ -69,17 +69,21 @@ def init_parameters(model: nn.Module, rules: dict, seed: int) -> None:
             param.copy_(full)
 
 
-def build_model(build_fn, args, device: torch.device, seed: int, parallelize=None) -> nn.Module:
+def build_model(build_fn, args, device: torch.device, seed: int, parallelize=None, check=None) -> nn.Module:
     """Construct on meta, apply ``parallelize(model)`` (may be None), materialise on ``device``, init.
 
-    ``device`` meta stops before materialising: the model is then only good for tracing on
-    fake tensors (``graph_trainer.fake_trace``), at any size, with no memory.
+    ``check(model)`` (may be None) sees the parallelised model still on the meta device, before
+    anything is allocated (the trainer refuses a model state that cannot fit there). ``device``
+    meta stops before materialising: the model is then only good for tracing on fake tensors
+    (``graph_trainer.fake_trace``), at any size, with no memory.
     """
     with torch.device("meta"):
         model = build_fn(args)
     rules = model.init_rules()
     if parallelize is not None:
         model = parallelize(model)
+    if check is not None:
+        check(model)
     if torch.device(device).type == "meta":
         return model
     model.to_empty(device=device)
@@ -116,12 +120,18 @@ def build_layout(cfg: JobConfig, world_size: int, device_type: str) -> JobLayout
 
 
 def build_job_model(
-    cfg: JobConfig, layout: JobLayout, device: torch.device, args=None, param_dtype: torch.dtype | None = None
+    cfg: JobConfig,
+    layout: JobLayout,
+    device: torch.device,
+    args=None,
+    param_dtype: torch.dtype | None = None,
+    check=None,
 ) -> nn.Module:
     """The job's model on ``layout``, ready to trace (module docstring, step 2).
 
     ``args`` overrides the flavor's (e.g. fewer layers); ``param_dtype`` casts the floating-point
-    parameters after building (``cast_parameters``: analyses of pure low-precision runs)."""
+    parameters after building (``cast_parameters``: analyses of pure low-precision runs);
+    ``check``: see ``build_model``."""
     spec = MODEL_SPECS[cfg.model.name]
     args = args if args is not None else model_args(cfg.model)
     model = build_model(
@@ -130,6 +140,7 @@ def build_job_model(
         device,
         cfg.training.seed,
         parallelize=lambda m: spec.parallelize(m, layout.mesh, layout.dims, layout.mp),
+        check=check,
     )
     if param_dtype is not None:
         cast_parameters(model, param_dtype)

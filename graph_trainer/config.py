@@ -235,6 +235,9 @@ class Debug:
     """At this step (>= 1) write <dump_folder>/grad_record_step<N>.pt: the gradient norm before clipping and,
     per parameter, the norm and a fixed sample of the full (gathered) gradient, to compare layouts
     (graph_trainer/grad_record.py); 0: off."""
+    skip_memory_check: bool = False
+    """Go on when the estimated memory per rank exceeds what the device has (a warning instead of the
+    one-line refusal; graph_trainer/preflight.py, "Memory")."""
 
 
 @dataclass

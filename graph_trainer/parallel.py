@@ -31,6 +31,26 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def largest_local_numel(t: torch.Tensor) -> int:
+    """Elements of the largest local piece of ``t`` on any rank (a plain tensor: its own): every
+    ``Shard(d)`` over a mesh dim of size n splits dim d as ``torch.chunk`` does, the first piece
+    the largest (ceil), so the rank at coordinate 0 of every mesh dim holds the largest piece.
+    The same number on every rank, where ``local_tensor(t).numel()`` may differ between ranks."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):
+        return t.numel()
+    shape = list(t.shape)
+    for mesh_dim, placement in enumerate(t.placements):
+        if isinstance(placement, Shard):
+            n = t.device_mesh.size(mesh_dim)
+            shape[placement.dim] = -(-shape[placement.dim] // n)
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp_replicate: int = 1

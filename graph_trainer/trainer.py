@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer import comm
-from graph_trainer.analysis.memory import estimate_step_memory, memory_warning
+from graph_trainer.analysis.memory import estimate_step_memory
 from graph_trainer.build import build_job_model, build_layout, pass_context
 from graph_trainer.checkpoint import Checkpointer
 from graph_trainer.config import JobConfig
@@ -41,6 +41,7 @@ from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_n
 from graph_trainer.parallel import ParallelDims, average_over_dp, dp_rank, sum_over_dp
 from graph_trainer.passes.runner import PassRunner
 from graph_trainer.pipeline import apply_memory_policy, apply_passes, compile_graph
+from graph_trainer.preflight import check_model_state_fits, check_step_fits
 from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.torch_compat import cpu_backend
 from graph_trainer.tracer import GraphStep, TracedStep, eager_step
@@ -140,7 +141,13 @@ class Trainer:
             _describe(self.dims),
             t.mixed_precision_param,
         )
-        self.model = build_job_model(cfg, self.layout, self.dist.device, self.model_args)
+        self.model = build_job_model(
+            cfg,
+            self.layout,
+            self.dist.device,
+            self.model_args,
+            check=lambda model: check_model_state_fits(cfg, model.parameters(), self.dist.device.type),
+        )
         self.pass_context = pass_context(cfg, self.layout, self.model)
         self.params = [p for p in self.model.parameters()]
         n_params = sum(p.numel() for p in self.params)
@@ -209,15 +216,15 @@ class Trainer:
         return traced
 
     def _report_memory(self, graph) -> None:
-        """Log the estimated per-rank peak with its parts, and warn before the first step when it
-        exceeds the device's memory (CUDA; on CPU no limit is known). ``graph`` None: eager mode."""
+        """Log the estimated per-rank peak with its parts, and refuse the job before its first step
+        when the largest over the ranks exceeds the device's memory (``preflight.check_step_fits``).
+        ``graph`` None: eager mode (a lower bound)."""
         estimate = estimate_step_memory(graph, self.params, self.optimizer, microbatches=self.microbatches)
         logger.info("estimated memory per rank: %s", estimate.summary())
-        device = self.dist.device
-        limit = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        warning = memory_warning(estimate, limit, str(device))
-        if warning:
-            logger.warning("%s", warning)
+        peak = torch.tensor([float(estimate.peak_bytes)], dtype=torch.float64, device=self.dist.device)
+        if self.dist.world_size > 1:  # the same decision on every rank: uneven shards differ a little
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        check_step_fits(self.cfg, estimate, int(peak.item()), self.dist.device.type)
 
     def accumulate_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list]:
         """Forward and backward of each microbatch in turn; (the sum of their losses, the sum of
