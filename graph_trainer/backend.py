@@ -34,10 +34,11 @@ compute to Inductor, in one of two scopes (``--compile.inductor_scope``):
     The whole step, collectives included, is one Inductor graph. Inductor's scheduler may move
     compute and waits: the order of the collectives and waits in the code Inductor generated is
     compared with ours and reported (``collective_order_kept``, ``in_flight``), not enforced.
-    On CPU, without passes the order is ours; after ``transformer_block_bucketing`` the
-    collectives are issued in our order but each wait is moved up to right after its collective,
-    so fewer are in flight at once: the prefetch is undone (``tests/test_backend.py`` asserts it;
-    measured: docs/performance.md).
+    On CPU, without passes the order is ours; after ``transformer_block_bucketing`` Inductor 2.13
+    issues the collectives in our order but moves each wait up to right after its collective, so
+    fewer are in flight at once (the prefetch is undone), and 2.14 reorders the collectives and
+    keeps more in flight than we did (``tests/test_backend.py`` asserts both; measured:
+    docs/performance.md).
 
 Numerics: Inductor fuses ops and may compute reductions in another order, so ``inductor`` is
 NOT bitwise ``none``; the bound is ``INDUCTOR_RTOL`` (``suites/cases.py``), asserted in

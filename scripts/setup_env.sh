@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Create ./.venv with everything graph_trainer needs. Idempotent.
 #
-# torch: a machine with an NVIDIA driver gets a CUDA build (>= 2.13, pip's choice); a
-# machine without one gets the CPU build torch==2.13.0. An already installed torch >= 2.13
-# in the venv is kept. torch is installed first so that nothing below pulls another build.
+# torch: a machine with an NVIDIA driver gets the CUDA build torch==2.14.1 (the release the
+# project tested for GPU users: its unit tests and default job on CPU, with
+# scripts/test_torch_version.sh); a machine without one gets the CPU build torch==2.13.0 (CI).
+# An already installed torch >= 2.13 in the venv is kept. torch is installed first so that
+# nothing below pulls another build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,7 +21,7 @@ PYEOF
 )
 if [ "$have_torch" != "yes" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-    "$VPY" -m pip install -q "torch>=2.13"
+    "$VPY" -m pip install -q "torch==2.14.1"
   else
     "$VPY" -m pip install -q "torch==2.13.0"
   fi

@@ -69,7 +69,7 @@ def dcp_reader(path: str, read_metadata):
     for the folder's ``.metadata`` file instead of ``pickle.load``-ing it.
 
     ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with plain ``pickle`` (torch
-    2.11 to 2.13), so whoever can write a checkpoint folder could run code in the job that
+    2.11 to 2.14), so whoever can write a checkpoint folder could run code in the job that
     resumes from it. The subclass keeps what the original does besides unpickling: it stamps
     the reader's ``load_id`` into ``metadata.storage_meta``. Per-rank metadata files
     (``read_metadata(rank=r)``, a fallback DCP tries when the global file cannot be read) are
