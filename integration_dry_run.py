@@ -282,7 +282,7 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
     from graph_trainer.config_loading import load_config
     from graph_trainer.fake_trace import fake_world, trace_without_passes
     from graph_trainer.graph.collectives import collective_name
-    from graph_trainer.parallel import ParallelDims, microbatches_per_step, resolve_parallel_degrees
+    from graph_trainer.parallel import job_microbatches, resolve_parallel_degrees
     from graph_trainer.pipeline import transform_graph
     from graph_trainer.validation import validate_config
 
@@ -315,8 +315,7 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
                     degrees = resolve_parallel_degrees(cfg.parallelism, nproc)
                     problems = check_graph(gm, reference, cfg, degrees, context.extras["bucket_plan"])
                     t = cfg.training
-                    dp_size = ParallelDims.from_degrees(degrees).dp_size
-                    microbatches = microbatches_per_step(t.global_batch_size, t.local_batch_size, dp_size)
+                    microbatches = job_microbatches(cfg.parallelism, t.global_batch_size, t.local_batch_size, nproc)
                     optimizer = adamw_memory("cuda" if suite.gpus else "cpu")
                     memory = estimate_step_memory(gm.graph, None, optimizer, microbatches=microbatches)
                     problems += check_backend(gm, cfg, row)  # (last: it cuts gm into regions)

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     from graph_trainer.analysis.simulator import format_table
     from graph_trainer.config_loading import load_config, take_flag
     from graph_trainer.errors import ConfigError
-    from graph_trainer.parallel import ParallelDims, microbatches_per_step, resolve_parallel_degrees
+    from graph_trainer.parallel import job_microbatches
     from graph_trainer.validation import validate_config
 
     try:
@@ -227,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     t = cfg.training
-    dp_size = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size)).dp_size
-    microbatches = microbatches_per_step(t.global_batch_size, t.local_batch_size, dp_size)
+    microbatches = job_microbatches(cfg.parallelism, t.global_batch_size, t.local_batch_size, world_size)
     accumulating = f" x {microbatches} microbatches" if microbatches > 1 else ""
     print(
         f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "

@@ -106,6 +106,12 @@ def microbatches_per_step(global_batch_size: int, local_batch_size: int, dp_size
     return global_batch_size // per_microbatch
 
 
+def job_microbatches(parallelism: Parallelism, global_batch_size: int, local_batch_size: int, world_size: int) -> int:
+    """``microbatches_per_step`` of a job at ``world_size`` (its degrees resolved first)."""
+    dims = ParallelDims.from_degrees(resolve_parallel_degrees(parallelism, world_size))
+    return microbatches_per_step(global_batch_size, local_batch_size, dims.dp_size)
+
+
 def loss_scale(dp_size: int, microbatches: int) -> float:
     """What each rank scales its microbatch loss by before backward: every rank's loss is the mean
     over its microbatch's tokens and the gradients are summed over ranks and microbatches, so

@@ -21,7 +21,7 @@ import torch
 from graph_trainer.config import JobConfig
 from graph_trainer.config_loading import choices, field_types, not_allowed
 from graph_trainer.errors import ConfigError
-from graph_trainer.parallel import ParallelDims, microbatches_per_step, resolve_parallel_degrees
+from graph_trainer.parallel import job_microbatches, resolve_parallel_degrees
 from graph_trainer.passes import PASS_REGISTRY
 from models.registry import MODEL_SPECS, model_args
 
@@ -111,7 +111,7 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
 
     degrees = resolve_parallel_degrees(cfg.parallelism, world_size)
     spec.validate_parallelism(args, degrees)
-    microbatches_per_step(t.global_batch_size, t.local_batch_size, ParallelDims.from_degrees(degrees).dp_size)
+    job_microbatches(cfg.parallelism, t.global_batch_size, t.local_batch_size, world_size)
 
     for name in c.passes:
         _require(
