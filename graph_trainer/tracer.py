@@ -10,7 +10,7 @@ The graph boundary is flat and plain. Tensor subclasses (DTensor) are unwrapped 
 inner tensors with ``__tensor_flatten__`` before tracing; inside the traced function they
 are rebuilt with ``__tensor_unflatten__``, so DTensor dispatch happens during tracing and
 the graph sees only plain tensors and collectives. Gradients are unwrapped the same way on
-the way out and rewrapped by ``TracedStep.__call__`` (``TensorLayout`` records how).
+the way out and rewrapped by ``TracedStep.__call__`` (``graph_trainer.flat_tensors``).
 
 Graph inputs, in order: the inner tensors of every parameter (``named_parameters`` order),
 of every buffer, then ``tokens`` and ``labels``. Outputs: the loss, then the inner tensors of
@@ -26,7 +26,8 @@ Node metadata written here (the contract passes rely on; keys and values in ``gr
   module owning the parameter or buffer (``""`` for tokens and labels); the output node gets
   ``""``. Parametrization modules are never named: their ops belong to the owning module.
 - ``input_fqn`` (placeholders only): the parameter or buffer name (``"layers.0.attention.wq.weight"``),
-  or ``"tokens"`` / ``"labels"``.
+  or ``"tokens"`` / ``"labels"`` (a pipeline stage's: ``"stage_input"`` / ``"output_grad"``, see
+  ``trace_train_step``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graph_trainer import torch_compat
+from graph_trainer.flat_tensors import TensorLayout, flatten_tensor, split_flat, unflatten_tensor
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts, format_counts, is_collective, waits_among_users
 from graph_trainer.graph.tags import (
@@ -67,67 +69,6 @@ from graph_trainer.graph.tags import (
 from graph_trainer.loss import token_cross_entropy
 
 logger = logging.getLogger("graph_trainer")
-
-
-# --------------------------------------------------------------------------------------
-# The flat boundary
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    """How a user-level tensor maps onto its flat graph tensors.
-
-    Plain tensors have ``subclass=None`` and one inner tensor. Traceable wrapper subclasses
-    (DTensor) record their class, flatten context and outer size/stride, enough to rebuild
-    the wrapper around new inner tensors. Inner attributes that are not tensors (DTensor
-    flattens its ``device_mesh`` this way) are not graph inputs: they are kept here, in
-    ``opaque_inners``, and handed back unchanged when the wrapper is rebuilt.
-    """
-
-    subclass: type | None
-    inner_names: tuple[str, ...]
-    context: Any
-    outer_size: torch.Size
-    outer_stride: tuple[int, ...]
-    opaque_inners: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def num_inner(self) -> int:
-        return len(self.inner_names)
-
-
-def flatten_tensor(t: torch.Tensor) -> tuple[list[torch.Tensor], TensorLayout]:
-    """Inner plain tensors of ``t`` and the layout to rebuild it (one level of subclass)."""
-    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
-        plain = t.data if isinstance(t, nn.Parameter) else t
-        return [plain], TensorLayout(None, ("",), None, t.shape, t.stride())
-    names, context = t.__tensor_flatten__()
-    tensor_names = tuple(n for n in names if isinstance(getattr(t, n), torch.Tensor))
-    opaque = tuple((n, getattr(t, n)) for n in names if n not in tensor_names)
-    inners = [getattr(t, name) for name in tensor_names]
-    if any(hasattr(i, "__tensor_flatten__") and type(i) is not torch.Tensor for i in inners):
-        raise NotImplementedError(f"nested tensor subclasses are not supported: {type(t).__name__}")
-    return inners, TensorLayout(type(t), tensor_names, context, t.shape, t.stride(), opaque)
-
-
-def unflatten_tensor(inners: list[torch.Tensor], layout: TensorLayout) -> torch.Tensor:
-    """Rebuild a tensor from its inner tensors (the inverse of ``flatten_tensor``)."""
-    if layout.subclass is None:
-        return inners[0]
-    return layout.subclass.__tensor_unflatten__(
-        {**dict(zip(layout.inner_names, inners, strict=True)), **dict(layout.opaque_inners)},
-        layout.context,
-        layout.outer_size,
-        layout.outer_stride,
-    )
-
-
-def _split(flat: list[Any], layouts: list[TensorLayout]) -> list[list[Any]]:
-    out, i = [], 0
-    for layout in layouts:
-        out.append(flat[i : i + layout.num_inner])
-        i += layout.num_inner
-    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -263,7 +204,7 @@ def _finalize_meta(gm: fx.GraphModule, input_fqns: list[str]) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(input_fqns), (len(placeholders), len(input_fqns))
     for node, fqn in zip(placeholders, input_fqns, strict=True):
-        owner = "" if fqn in ("tokens", "labels") else _owner_fqn(fqn)
+        owner = "" if fqn in BATCH_INPUTS else _owner_fqn(fqn)
         tags.replace(node, {PHASE: INPUT, MODULE_FQN: owner, INPUT_FQN: fqn})
     _copy_forward_meta_to_backward(gm)
     for node in gm.graph.nodes:
@@ -277,8 +218,14 @@ def _finalize_meta(gm: fx.GraphModule, input_fqns: list[str]) -> None:
 # --------------------------------------------------------------------------------------
 # Tracing
 
+STAGE_INPUT_NAMES = {True: "tokens", False: "stage_input"}
+"""``input_fqn`` of the graph input the stage starts from, keyed by whether it is the first stage."""
+STAGE_TARGET_NAMES = {True: "labels", False: "output_grad"}
+"""``input_fqn`` of the last graph input, keyed by whether the stage is the last (ends in the loss)."""
+BATCH_INPUTS = frozenset((*STAGE_INPUT_NAMES.values(), *STAGE_TARGET_NAMES.values()))
 
-def _loss_head(labels: torch.Tensor, chunks: int) -> Callable[[torch.Tensor, nn.Module], torch.Tensor]:
+
+def loss_head(labels: torch.Tensor, chunks: int) -> Callable[[torch.Tensor, nn.Module], torch.Tensor]:
     """The models' ``head``: the mean token cross-entropy (``graph_trainer.loss``)."""
     return lambda hidden, output: token_cross_entropy(hidden, output, labels, chunks)
 
@@ -321,7 +268,7 @@ class TracedStep:
         loss, flat_grads = outs[0], list(outs[1:])
         grads = [
             unflatten_tensor(inner, layout)
-            for inner, layout in zip(_split(flat_grads, self.grad_layouts), self.grad_layouts, strict=True)
+            for inner, layout in zip(split_flat(flat_grads, self.grad_layouts), self.grad_layouts, strict=True)
         ]
         return loss, grads
 
@@ -333,6 +280,17 @@ def _fake_like(t: torch.Tensor, mode, device: torch.device | None) -> torch.Tens
         with mode:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
     return mode.from_tensor(t)
+
+
+def is_first_stage(model: nn.Module) -> bool:
+    """Whether ``model`` starts from tokens: the whole model, or the first pipeline stage
+    (``models.common.keep_stage``: later stages have no embedding and take hidden states)."""
+    return getattr(model, "tok_embeddings", True) is not None
+
+
+def is_last_stage(model: nn.Module) -> bool:
+    """Whether ``model`` ends in the loss: the whole model, or the last pipeline stage."""
+    return getattr(model, "norm", True) is not None
 
 
 def trace_train_step(
@@ -349,7 +307,17 @@ def trace_train_step(
     Gradients are those of ``loss * grad_scale`` (data parallelism passes 1/dp_size); the
     returned loss is unscaled. Parameters and buffers may be real, meta (then ``fake_device``
     says which device the graph is for) or DTensors of either. Nothing is computed on real data.
+
+    A pipeline stage (``models.common.keep_stage``) traces the same way, with its own ends: a
+    stage after the first takes the previous stage's hidden state in place of ``tokens`` (input
+    ``"stage_input"``) and also returns its gradient, after the parameters' (the joint graph
+    differentiates it too); a stage before the last returns its hidden state in place of the loss
+    and takes that hidden state's gradient in place of ``labels`` (input ``"output_grad"``, the
+    only input of the backward). ``graph_trainer.pipelining.split`` cuts such a joint graph into
+    the callables a pipeline schedule runs.
     """
+    if tokens is labels:  # (make_fx would trace both inputs as one: a stage's input and output gradient)
+        raise ValueError("trace_train_step needs two different tensors for its two batch inputs")
     start = time.perf_counter()
     named_params = list(model.named_parameters())
     named_buffers = list(model.named_buffers())
@@ -365,9 +333,11 @@ def trace_train_step(
     param_layouts, buffer_layouts = layouts[: len(named_params)], layouts[len(named_params) :]
     grad_layouts: list[TensorLayout] = []
 
+    first, last = is_first_stage(model), is_last_stage(model)
+
     def step(*flat_args: torch.Tensor) -> list[torch.Tensor]:
-        *state, tok, lab = flat_args
-        groups = _split(list(state), layouts)
+        *state, stage_in, target = flat_args
+        groups = split_flat(list(state), layouts)
         params = []
         for inner, layout in zip(groups[: len(param_layouts)], param_layouts, strict=True):
             p = unflatten_tensor([i.detach() for i in inner], layout)
@@ -377,14 +347,20 @@ def trace_train_step(
             for inner, layout in zip(groups[len(param_layouts) :], buffer_layouts, strict=True)
         ]
         tensors = {**dict(zip(param_names, params, strict=True)), **dict(zip(buffer_names, buffers, strict=True))}
+        wrt = params if first else [*params, stage_in.detach().requires_grad_(True)]
         with tags.annotate({PHASE: FORWARD}):  # the loss head tags its own nodes "loss"
-            loss = torch.func.functional_call(model, tensors, (tok,), {"head": _loss_head(lab, loss_chunks)})
-        with tags.annotate({PHASE: LOSS, MODULE_FQN: LOSS_MODULE}):
-            scaled = loss * grad_scale if grad_scale != 1.0 else loss
-        torch_compat.tag_backward_with_forward_seq_nr(scaled)
+            head = {"head": loss_head(target, loss_chunks)} if last else {}
+            result = torch.func.functional_call(model, tensors, (wrt[-1] if not first else stage_in,), head)
+        if last:
+            with tags.annotate({PHASE: LOSS, MODULE_FQN: LOSS_MODULE}):
+                scaled = result * grad_scale if grad_scale != 1.0 else result
+            seed, seed_grad = scaled, None
+        else:  # the loss scale is in the output gradient the next stage hands back
+            seed, seed_grad = result, target
+        torch_compat.tag_backward_with_forward_seq_nr(seed)
         with tags.annotate({PHASE: BACKWARD}):
-            grads = torch.autograd.grad(scaled, params)
-        out = [loss]
+            grads = torch.autograd.grad(seed, wrt, grad_outputs=seed_grad)
+        out = [result]
         grad_layouts.clear()
         for g in grads:
             inners, layout = flatten_tensor(g)
@@ -407,7 +383,7 @@ def trace_train_step(
     input_fqns = []
     for (name, _), layout in zip((*named_params, *named_buffers), layouts, strict=True):
         input_fqns.extend([name] * layout.num_inner)
-    _finalize_meta(gm, input_fqns + ["tokens", "labels"])
+    _finalize_meta(gm, input_fqns + [STAGE_INPUT_NAMES[first], STAGE_TARGET_NAMES[last]])
     _read_collective_sizes_from_waits(gm)
     gm.graph.lint()
     gm.recompile()
@@ -474,7 +450,7 @@ def eager_step(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The same step without tracing: the numerics baseline for ``GraphStep``."""
     params = [p for _, p in model.named_parameters()]
-    loss = model(tokens, head=_loss_head(labels, loss_chunks))
+    loss = model(tokens, head=loss_head(labels, loss_chunks))
     scaled = loss * grad_scale if grad_scale != 1.0 else loss
     grads = torch.autograd.grad(scaled, params)
     return loss.detach(), list(grads)

@@ -13,6 +13,7 @@ parameters are visited.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass
 
@@ -88,8 +89,68 @@ def rotary_table(freqs: torch.Tensor, max_seq_len: int, device: torch.device | s
 
 def block_bucket_plan(model: nn.Module) -> list[list[str]]:
     """Module FQN groups that form one communication bucket each (for bucketing passes): the
-    embeddings, each transformer block ``layers.<i>``, the final norm with the output."""
-    return [["tok_embeddings"], *[[f"layers.{i}"] for i in model.layers], ["norm", "output"]]
+    embeddings, each transformer block ``layers.<i>``, the final norm with the output (those a
+    pipeline stage holds)."""
+    first = [["tok_embeddings"]] if model.tok_embeddings is not None else []
+    last = [["norm", "output"]] if model.norm is not None else []
+    return [*first, *[[f"layers.{i}"] for i in model.layers], *last]
+
+
+# --------------------------------------------------------------------------------------
+# Pipeline stages
+
+
+def keep_stage(model: nn.Module, blocks, first: bool, last: bool) -> nn.Module:
+    """Cut ``model`` (both families' layout: ``tok_embeddings``, ``layers`` keyed "0".."N-1",
+    ``norm``, ``output``) down to what one pipeline rank holds, in place: the blocks whose indices
+    are in ``blocks`` (one stage's range, or the union of a rank's stages), the embedding if
+    ``first``, the final norm and output if ``last``. Kept modules keep their FQNs ("layers.5..."
+    stays "layers.5..."), so the state dict is a slice of the model's. Call it on the meta model,
+    before parallelising; ``stage_view`` then gives each stage of the rank its own module."""
+    keep = set(blocks)
+    n = len(model.layers)
+    if not keep or not keep <= set(range(n)):
+        raise ValueError(f"a pipeline rank holds some of the {n} blocks, got {sorted(keep)}")
+    for name in list(model.layers):
+        if int(name) not in keep:
+            del model.layers[name]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def block_costs(model: nn.Module) -> tuple[list[float], float]:
+    """(each block's cost, the output projection's) for balancing pipeline stages: the parameters a
+    token multiplies by (matmul FLOPs per token are twice that), with routed experts counted at the
+    share a token activates (``n_activated_experts / n_routed_experts``). Works on the meta model."""
+    args = model.args
+    active = getattr(args, "n_activated_experts", 1) / max(getattr(args, "n_routed_experts", 1), 1)
+    costs = []
+    for block in model.layers.values():
+        routed = getattr(getattr(block, "moe", None), "experts", None)
+        routed_ids = {id(p) for p in routed.parameters()} if routed is not None else set()
+        costs.append(sum(p.numel() * (active if id(p) in routed_ids else 1.0) for p in block.parameters()))
+    return costs, float(model.output.weight.numel())
+
+
+def stage_view(model: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:
+    """One pipeline stage of ``model`` (a rank's ``keep_stage`` model) as a module of the same class
+    that shares ``model``'s submodules, parameters and buffers: its forward runs the blocks in
+    ``blocks`` (after the embedding if ``first``; ending in the norm and the loss head if ``last``),
+    and its parameters keep their FQNs. A stage without the embedding takes the previous stage's
+    hidden state [B, S, dim]; one without the norm returns its own."""
+    view = copy.copy(model)  # (a new object whose own tables are replaced below: nothing is copied)
+    view._parameters, view._buffers, view._modules = dict(model._parameters), dict(model._buffers), dict(model._modules)
+    view.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in blocks})
+    if not first:
+        view.tok_embeddings = None
+    if not last:
+        view.norm = None
+        view.output = None
+    return view
 
 
 # --------------------------------------------------------------------------------------
@@ -169,14 +230,13 @@ def split_vocabulary(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Tensor parallel on the vocabulary, as both models use it: ``tok_embeddings`` row-parallel
     (each rank looks up its rows, the sum is all-reduced), ``output`` column-parallel with the
     logits gathered (Replicate) for the loss."""
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        },
-    )
+    plan = {}
+    if model.tok_embeddings is not None:  # (a pipeline stage may hold neither: keep_stage)
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(output_layouts=Replicate())
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
 
 
 def feed_forward_plan(fqn: str) -> dict:
@@ -191,11 +251,14 @@ __all__ = [
     "RMSNorm",
     "apply_rope",
     "block_bucket_plan",
+    "block_costs",
     "draw_parameter",
     "feed_forward_plan",
     "init_plain_parameters",
+    "keep_stage",
     "materialize_init",
     "rotary_table",
     "split_vocabulary",
+    "stage_view",
     "stable_seed",
 ]

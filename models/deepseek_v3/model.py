@@ -390,9 +390,13 @@ class DeepSeekV3(nn.Module):
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {self.args.max_seq_len}")
         rope = self.rope_cache[:seq]
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage without the embedding gets the previous stage's hidden state [B, S, dim];
+        # one without the norm hands its own on (models.common.keep_stage).
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h, rope)
+        if self.norm is None:
+            return h
         if head is not None:  # the loss computes the logits itself (e.g. in chunks: graph_trainer.loss)
             return head(self.norm(h), self.output)
         return self.output(self.norm(h))
