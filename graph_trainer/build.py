@@ -5,8 +5,11 @@ The sequence is the same for the trainer (real tensors) and for fake traces at a
 model:
 
 1. ``build_layout(cfg, world_size, device_type)``: the parallel degrees resolved against the
-   world size, the device mesh (None for one process), the mixed-precision dtypes;
-2. ``build_job_model(cfg, layout, device)``: construct on the meta device, apply the model's
+   world size, the device mesh (None for one process), the mixed-precision dtypes, the
+   microbatches per step and the pipeline (schedule plan, stages' blocks, this rank's stages);
+2. ``build_job_model(cfg, layout, device)``: construct on the meta device, cut it to this rank's
+   pipeline stages (``parallelism.pp`` > 1: ``models.common.keep_stage``; ``stage_modules`` gives
+   each local stage its own module), apply the model's
    parallel plan (``models.<name>.parallelize``: TP, EP, SimpleFSDP), materialise on ``device``
    and initialise (not for ``meta``), then let the listed passes prepare it for tracing
    (``PassSpec.prepare_model``, e.g. ``ep_overlap``'s chunking);
@@ -36,11 +39,14 @@ from graph_trainer.parallel import (
     build_mesh,
     loss_scale,
     microbatches_per_step,
+    pp_rank,
     resolve_parallel_degrees,
 )
 from graph_trainer.passes import PassContext, prepare_model_for_passes
+from graph_trainer.pipelining.schedule import PipelineLayout, plan_pipeline
+from graph_trainer.pipelining.stages import stage_ranges
 from graph_trainer.simple_fsdp import MixedPrecision
-from models.common import draw_parameter
+from models.common import block_costs, draw_parameter, keep_stage, stage_view
 from models.registry import MODEL_SPECS, model_args
 
 
@@ -101,6 +107,8 @@ class JobLayout:
     mesh: DeviceMesh | None
     mp: MixedPrecision
     microbatches: int = 1
+    pipeline: PipelineLayout | None = None
+    """The pipeline (``parallelism.pp`` > 1): schedule, stages' blocks, this rank's stages."""
 
     @property
     def loss_scale(self) -> float:
@@ -115,8 +123,30 @@ def build_layout(cfg: JobConfig, world_size: int, device_type: str) -> JobLayout
     mp = MixedPrecision(
         param_dtype=getattr(torch, t.mixed_precision_param), reduce_dtype=getattr(torch, t.mixed_precision_reduce)
     )
-    microbatches = microbatches_per_step(t.global_batch_size, t.local_batch_size, dims.dp_size)
-    return JobLayout(dims, build_mesh(dims, device_type), mp, microbatches)
+    microbatches = microbatches_per_step(
+        t.global_batch_size, t.local_batch_size, dims.dp_size, cfg.parallelism.pp_microbatches
+    )
+    mesh = build_mesh(dims, device_type)
+    pipeline = pipeline_layout(cfg, dims.pp, microbatches, pp_rank(mesh, dims)) if dims.pp > 1 else None
+    return JobLayout(dims, mesh, mp, microbatches, pipeline)
+
+
+def pipeline_layout(cfg: JobConfig, pp: int, microbatches: int, rank: int) -> PipelineLayout:
+    """The job's pipeline seen from pipeline rank ``rank``: the schedule's plan and every stage's
+    blocks (``parallelism.pp_stage_blocks``, or balanced by the blocks' costs on the meta model)."""
+    p = cfg.parallelism
+    plan = plan_pipeline(p.pp_schedule, pp, microbatches)
+    with torch.device("meta"):
+        model = MODEL_SPECS[cfg.model.name].build(model_args(cfg.model))
+    costs, output_cost = block_costs(model)
+    return PipelineLayout(plan, stage_ranges(p.pp_stage_blocks, plan.num_stages, costs, output_cost), rank)
+
+
+def stage_modules(model: nn.Module, pipeline: PipelineLayout) -> dict[int, nn.Module]:
+    """This rank's stages as modules sharing ``model``'s parameters (``models.common.stage_view``)."""
+    return {
+        s: stage_view(model, pipeline.stage_blocks[s], s == 0, s == pipeline.last_stage) for s in pipeline.local_stages
+    }
 
 
 def build_job_model(
@@ -134,14 +164,14 @@ def build_job_model(
     ``check``: see ``build_model``."""
     spec = MODEL_SPECS[cfg.model.name]
     args = args if args is not None else model_args(cfg.model)
-    model = build_model(
-        spec.build,
-        args,
-        device,
-        cfg.training.seed,
-        parallelize=lambda m: spec.parallelize(m, layout.mesh, layout.dims, layout.mp),
-        check=check,
-    )
+    pipeline = layout.pipeline
+
+    def parallelize(m: nn.Module) -> nn.Module:
+        if pipeline is not None:  # this rank's stages only, before anything is sharded or allocated
+            m = keep_stage(m, pipeline.rank_blocks(), pipeline.holds_first(), pipeline.holds_last())
+        return spec.parallelize(m, layout.mesh, layout.dims, layout.mp)
+
+    model = build_model(spec.build, args, device, cfg.training.seed, parallelize=parallelize, check=check)
     if param_dtype is not None:
         cast_parameters(model, param_dtype)
     prepare_model_for_passes(model, cfg)
@@ -176,4 +206,6 @@ __all__ = [
     "clean_fqn",
     "init_parameters",
     "pass_context",
+    "pipeline_layout",
+    "stage_modules",
 ]

@@ -45,6 +45,7 @@ from graph_trainer.atomic_files import clean_leftovers, move_aside, replace_dir,
 from graph_trainer.checkpoint_state import (
     check_model,
     load_tensors,
+    param_shapes,
     read_metadata,
     restore_rng,
     restore_train_state,
@@ -369,9 +370,10 @@ class Checkpointer:
         """(all ranks) Every file of the checkpoint but the manifest; returns DCP's index."""
         index = save_tensors(tmp, state, self.distributed)
         save_rng(tmp, self.rank, self.device)
+        shapes = param_shapes(model, self.distributed)  # (every rank joins: pipeline ranks hold parts)
         if self.rank == 0:
             write_train_state(tmp, step, scheduler, dataloader)
-            write_metadata(tmp, step, self.cfg.model, self.degrees, self.world_size, model)
+            write_metadata(tmp, step, self.cfg.model, self.degrees, self.world_size, shapes)
         return index
 
     def _seal(self, tmp: str, final: str, hashed: list[dict], index) -> None:

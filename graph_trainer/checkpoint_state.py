@@ -41,6 +41,7 @@ import warnings
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -54,9 +55,16 @@ FORMAT_VERSION = 1
 _ADAMW_STATE = ("exp_avg", "exp_avg_sq", "step")
 
 
-def param_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
-    """Clean FQN -> global shape (a DTensor's ``shape`` is the global one)."""
-    return {clean_fqn(n): list(p.shape) for n, p in model.named_parameters()}
+def param_shapes(model: torch.nn.Module, distributed: bool = False) -> dict[str, list[int]]:
+    """Clean FQN -> global shape (a DTensor's ``shape`` is the global one) of the job's model:
+    ``distributed``, the union over every rank's (a pipeline rank holds only its stages'
+    parameters; a collective every rank joins)."""
+    shapes = {clean_fqn(n): list(p.shape) for n, p in model.named_parameters()}
+    if not distributed:
+        return shapes
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, shapes)
+    return {name: shape for rank_shapes in every for name, shape in rank_shapes.items()}
 
 
 def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, create: bool) -> dict:
@@ -165,7 +173,7 @@ def write_train_state(folder: str, step: int, scheduler, dataloader) -> None:
 
 
 def write_metadata(
-    folder: str, step: int, model_cfg: Model, degrees: dict[str, int], world_size: int, model: torch.nn.Module
+    folder: str, step: int, model_cfg: Model, degrees: dict[str, int], world_size: int, shapes: dict[str, list[int]]
 ) -> None:
     """(rank 0) ``metadata.json``: format, model name and flavor, step, layout, parameter shapes."""
     _write_json(
@@ -176,7 +184,7 @@ def write_metadata(
             "step": step,
             "degrees": degrees,
             "world_size": world_size,
-            "params": param_shapes(model),
+            "params": shapes,
         },
     )
 
@@ -207,16 +215,18 @@ def check_model(folder: str, model_cfg: Model) -> None:
 
 def load_tensors(folder: str, meta: dict, model_cfg: Model, model, optimizer, distributed: bool) -> None:
     """(all ranks) Parameters, persistent buffers and AdamW state in place from the DCP files, after
-    checking that ``metadata.json`` and DCP's index fit this run's model and optimizer."""
-    problem = shape_diff(meta.get("params", {}), param_shapes(model))
+    checking that ``metadata.json`` and DCP's index fit this run's model and optimizer (the job's
+    whole model: pipeline ranks load their stages' part of a checkpoint any layout wrote)."""
+    problem = shape_diff(meta.get("params", {}), param_shapes(model, distributed))
     if problem:
         raise ConfigError(f"checkpoint {folder} does not fit {model_cfg.name} {model_cfg.flavor}: {problem}")
     state = tensor_state(model, optimizer, create=True)
     # metadata.json describes parameters only; DCP's own index must also hold every optimizer
     # key with the right global shape, otherwise dcp.load fails with a long planner traceback.
+    # (only what this rank loads: under pipeline parallelism the other stages' keys are not its)
     saved = load_dcp_metadata(metadata_path(folder)).state_dict_metadata
     problem = shape_diff(
-        {k: list(v.size) for k, v in saved.items() if isinstance(v, TensorStorageMetadata)},
+        {k: list(v.size) for k, v in saved.items() if isinstance(v, TensorStorageMetadata) and k in state},
         {k: list(v.shape) for k, v in state.items()},
     )
     if problem:

@@ -27,6 +27,7 @@ Backend = Literal["none", "inductor"]
 InductorScope = Literal["regional", "full"]
 AcMode = Literal["none", "selective", "full"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"]
 
 SELECTIVE_OPS = [*MATMUL_OP_NAMES, *ATTENTION_FORWARD_OP_NAMES]
 """``activation_checkpoint.selective_ops`` by default: matmuls, grouped and scaled matmuls, attention."""
@@ -123,6 +124,22 @@ class Parallelism:
     """Expert-parallel degree (MoE models only)."""
     fsdp_reshard_after_forward: ReshardAfterForward = "always"
     """'always': backward re-gathers parameters instead of keeping them from forward; 'never': keep them."""
+    pp: int = 1
+    """Pipeline-parallel degree: the transformer blocks are split into stages over this many ranks
+    (the outermost mesh dim; data, tensor and expert parallelism run inside each stage)."""
+    pp_schedule: PipelineSchedule = "1F1B"
+    """'1F1B' and 'GPipe': one stage per rank; 'Interleaved1F1B': two stages per rank (stage s on
+    rank s % pp); 'ZBVZeroBubble': two stages per rank in a V, backward split into input- and
+    weight-gradient halves that fill the bubbles (graph_trainer/pipelining/schedule.py)."""
+    pp_microbatches: int = 0
+    """Microbatches per step through the pipeline (each of training.local_batch_size sequences);
+    0: as many as training.global_batch_size makes (one without it). Set, it makes the global batch
+    local_batch_size x data-parallel degree x pp_microbatches; global_batch_size must then be 0 or that
+    (with pp = 1 it sets the gradient-accumulation microbatches the same way)."""
+    pp_stage_blocks: str = ""
+    """How many transformer blocks each pipeline stage holds, comma-separated in stage order (e.g.
+    '3,3,2'; one number per stage, adding up to the model's blocks); '': balanced by each block's
+    cost, the last stage's output projection counted (graph_trainer/pipelining/stages.py)."""
 
 
 @dataclass
@@ -149,7 +166,7 @@ class Compile:
     space-separated, e.g. 'a,b'): transformer_block_bucketing, auto_bucketing, ep_overlap."""
     dump_graphs: str = ""
     """If set, a folder where the readable code of the graph is written before and after every pass
-    (one subfolder rank<r> per process in multi-process jobs)."""
+    (one subfolder rank<r> per process in multi-process jobs, inside one stage<s> per pipeline stage)."""
     ep_overlap: EpOverlap = field(default_factory=EpOverlap)
     """Settings of the ep_overlap pass."""
     backend: Backend = "none"

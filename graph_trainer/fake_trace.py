@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from graph_trainer.build import build_job_model, build_layout, pass_context
 from graph_trainer.config import JobConfig
+from graph_trainer.errors import ConfigError
 from graph_trainer.passes import PassContext
 from graph_trainer.pipeline import transform_graph
 from graph_trainer.torch_compat import clear_dtensor_sharding_caches, fake_store
@@ -93,6 +94,11 @@ def trace_without_passes(
     """The job's training step at ``world_size`` traced on fake tensors, and the pass context
     the trainer would give its passes. ``model_args`` overrides the flavor's (e.g. fewer layers);
     ``param_dtype`` and ``gpu_attention`` are described in the module docstring."""
+    if cfg.parallelism.pp > 1:
+        raise ConfigError(
+            f"parallelism.pp = {cfg.parallelism.pp}: fake traces (the dry run, analyze) trace a job as one graph "
+            f"and do not trace pipeline stages yet; run the job itself, or analyse it with parallelism.pp = 1"
+        )
     layout = build_layout(cfg, world_size, device_type)
     model = build_job_model(cfg, layout, torch.device("meta"), model_args, param_dtype)
     t = cfg.training

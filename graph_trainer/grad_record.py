@@ -74,6 +74,16 @@ def gather_record(named_grads: list[tuple[str, torch.Tensor]]) -> dict:
     return {"params": params}
 
 
+def merge_over(record: dict, group) -> dict:
+    """``record`` with the ``params`` of every rank of ``group`` (the pipeline: each rank recorded
+    its own stages' parameters); every rank of the group must call it."""
+    import torch.distributed as dist
+
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, record["params"], group=group)
+    return {**record, "params": {name: entry for params in every for name, entry in params.items()}}
+
+
 def save_record(record: dict, path: str) -> None:
     torch.save(record, path)
 

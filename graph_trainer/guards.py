@@ -34,20 +34,17 @@ def _is_finite(t: torch.Tensor | None) -> bool:
     return bool(torch.isfinite(local).all()) if local.is_floating_point() else True
 
 
-def _first_over_ranks(index: int) -> int:
-    """The smallest ``index`` any rank found (len(...) when none)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return index
-    found = [0] * dist.get_world_size()
-    dist.all_gather_object(found, index)
-    return min(found)
-
-
 def first_non_finite(items: list[tuple[str, torch.Tensor | None]]) -> str | None:
-    """The name of the first item whose (local) tensor is non-finite on any rank; collective."""
-    index = next((i for i, (_, t) in enumerate(items) if not _is_finite(t)), len(items))
-    index = _first_over_ranks(index)
-    return items[index][0] if index < len(items) else None
+    """The name of the first item whose (local) tensor is non-finite on any rank (first in item
+    order; ranks may hold different items, as pipeline ranks do); collective."""
+    index = next((i for i, (_, t) in enumerate(items) if not _is_finite(t)), None)
+    mine = (index, items[index][0]) if index is not None else None
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine[1] if mine else None
+    found: list = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    bad = [f for f in found if f is not None]
+    return min(bad)[1] if bad else None
 
 
 def check_step(step: int, loss: float, grad_norm: float, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:

@@ -10,6 +10,7 @@ import math
 from collections import defaultdict
 
 import torch
+import torch.distributed
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from graph_trainer.config import Training
@@ -85,13 +86,17 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
     """Scale gradients in place so their global L2 norm is at most ``max_norm`` (0: no clipping).
 
-    Returns the norm before clipping (a 0-d float32 tensor).
+    ``pp_group``: the pipeline's process group, whose ranks hold different parameters (their sums
+    of squares add up). Returns the norm before clipping (a 0-d float32 tensor).
     """
     grads = [p.grad for p in params if p.grad is not None]
-    norm = _sum_of_squares(grads).sqrt()
+    squares = _sum_of_squares(grads)
+    if pp_group is not None:
+        torch.distributed.all_reduce(squares, group=pp_group)
+    norm = squares.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:

@@ -2,7 +2,9 @@
 
 The world is laid out as a mesh with dims ``("dp_replicate", "dp_shard", "tp")`` (row-major,
 so tp neighbours are adjacent ranks). Data-parallel ranks are the (dp_replicate, dp_shard)
-coordinates; ranks that differ only in tp see the same batch.
+coordinates; ranks that differ only in tp see the same batch. With pipeline parallelism
+(``pp > 1``) a ``"pp"`` dim comes first (outermost): ranks that differ only in pp hold different
+stages of the same model replica and see the same batch.
 
 With expert parallelism (``ep > 1``) the data-parallel shard dim is split in two,
 ``dp_shard = efsdp x ep``: the world mesh is ``("dp_replicate", "efsdp", "ep", "tp")`` and
@@ -57,14 +59,15 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     ep: int = 1
+    pp: int = 1
 
     @classmethod
     def from_degrees(cls, degrees: dict[str, int]) -> ParallelDims:
-        return cls(**{k: degrees[k] for k in ("dp_replicate", "dp_shard", "tp", "ep")})
+        return cls(**{k: degrees.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "ep", "pp")})
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp_size(self) -> int:
@@ -87,16 +90,28 @@ class ParallelDims:
         return _fsdp_mode(self.dp_replicate, self.efsdp)
 
     def as_dict(self) -> dict[str, int]:
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "ep": self.ep}
+        """The degrees by name (``pp`` only when > 1, so single-stage jobs read as before)."""
+        degrees = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "ep": self.ep}
+        return {**degrees, "pp": self.pp} if self.pp > 1 else degrees
 
 
-def microbatches_per_step(global_batch_size: int, local_batch_size: int, dp_size: int) -> int:
+def microbatches_per_step(global_batch_size: int, local_batch_size: int, dp_size: int, pp_microbatches: int = 0) -> int:
     """Microbatches each data-parallel rank runs per optimizer step: ``global_batch_size`` /
-    (``local_batch_size`` x ``dp_size``); a ``global_batch_size`` of 0 means one. Anything that is
-    not a positive multiple of one pass over the data-parallel ranks is a ``ConfigError``."""
+    (``local_batch_size`` x ``dp_size``); a ``global_batch_size`` of 0 means one, or
+    ``pp_microbatches`` when that is set (``parallelism.pp_microbatches``). Anything that is not a
+    positive multiple of one pass over the data-parallel ranks, or that disagrees with a set
+    ``pp_microbatches``, is a ``ConfigError``."""
     per_microbatch = local_batch_size * dp_size
+    _require(pp_microbatches >= 0, f"parallelism.pp_microbatches = {pp_microbatches} must be >= 0 (0: from the batch)")
+    if pp_microbatches and global_batch_size:
+        _require(
+            global_batch_size == per_microbatch * pp_microbatches,
+            f"training.global_batch_size = {global_batch_size} disagrees with parallelism.pp_microbatches = "
+            f"{pp_microbatches} x local_batch_size x data-parallel degree = {per_microbatch * pp_microbatches}; "
+            f"set one of them",
+        )
     if global_batch_size == 0:
-        return 1
+        return pp_microbatches or 1
     _require(
         global_batch_size > 0 and global_batch_size % per_microbatch == 0,
         f"training.global_batch_size = {global_batch_size} must be a positive multiple of "
@@ -109,7 +124,7 @@ def microbatches_per_step(global_batch_size: int, local_batch_size: int, dp_size
 def job_microbatches(parallelism: Parallelism, global_batch_size: int, local_batch_size: int, world_size: int) -> int:
     """``microbatches_per_step`` of a job at ``world_size`` (its degrees resolved first)."""
     dims = ParallelDims.from_degrees(resolve_parallel_degrees(parallelism, world_size))
-    return microbatches_per_step(global_batch_size, local_batch_size, dims.dp_size)
+    return microbatches_per_step(global_batch_size, local_batch_size, dims.dp_size, parallelism.pp_microbatches)
 
 
 def loss_scale(dp_size: int, microbatches: int) -> float:
@@ -127,21 +142,20 @@ def _require(ok: bool, message: str) -> None:
 
 def resolve_parallel_degrees(p: Parallelism, world_size: int) -> dict[str, int]:
     """Fill in dp_shard=-1 and check that the degrees multiply to the world size."""
-    for name in ("dp_replicate", "tp", "ep"):
+    for name in ("dp_replicate", "tp", "ep", "pp"):
         _require(getattr(p, name) >= 1, f"parallelism.{name} = {getattr(p, name)} must be >= 1")
     _require(p.dp_shard == -1 or p.dp_shard >= 1, f"parallelism.dp_shard = {p.dp_shard} must be >= 1 or -1")
-    others = p.dp_replicate * p.tp
+    others = p.pp * p.dp_replicate * p.tp
     dp_shard = p.dp_shard
     if dp_shard == -1:
-        _require(
-            world_size % others == 0,
-            f"world size {world_size} is not divisible by dp_replicate*tp = {others}",
-        )
+        named = "pp*dp_replicate*tp" if p.pp > 1 else "dp_replicate*tp"
+        _require(world_size % others == 0, f"world size {world_size} is not divisible by {named} = {others}")
         dp_shard = world_size // others
-    product = p.dp_replicate * dp_shard * p.tp
+    product = p.pp * p.dp_replicate * dp_shard * p.tp
+    pp = f"pp={p.pp} x " if p.pp > 1 else ""
     _require(
         product == world_size,
-        f"parallelism degrees dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x tp={p.tp} = {product} "
+        f"parallelism degrees {pp}dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x tp={p.tp} = {product} "
         f"do not match the world size {world_size}",
     )
     # Experts are split over a sub-group of the data-parallel shard ranks (see graph_trainer.parallel).
@@ -150,7 +164,7 @@ def resolve_parallel_degrees(p: Parallelism, world_size: int) -> dict[str, int]:
         f"parallelism.ep = {p.ep} must divide parallelism.dp_shard = {dp_shard} (experts are split over "
         f"data-parallel shard ranks)",
     )
-    return {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "ep": p.ep}
+    return {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "ep": p.ep, "pp": p.pp}
 
 
 def _fsdp_mode(replicate: int, shard: int) -> str | None:
@@ -169,19 +183,34 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
         return None
     if not dist.is_initialized() or dist.get_world_size() != dims.world_size:
         raise RuntimeError(f"the process group must be initialised with {dims.world_size} ranks")
+    outer = (("pp", dims.pp),) if dims.pp > 1 else ()
     if dims.ep == 1:
-        return init_device_mesh(
-            device_type,
-            (dims.dp_replicate, dims.dp_shard, dims.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
-        )
+        inner = (("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard), ("tp", dims.tp))
+    else:
+        inner = (("dp_replicate", dims.dp_replicate), ("efsdp", dims.efsdp), ("ep", dims.ep), ("tp", dims.tp))
+    named = (*outer, *inner)
     mesh = init_device_mesh(
-        device_type,
-        (dims.dp_replicate, dims.efsdp, dims.ep, dims.tp),
-        mesh_dim_names=("dp_replicate", "efsdp", "ep", "tp"),
+        device_type, tuple(size for _, size in named), mesh_dim_names=tuple(name for name, _ in named)
     )
-    flatten_mesh_dims(mesh, ("efsdp", "ep"), "dp_shard")
+    if dims.ep > 1:
+        flatten_mesh_dims(mesh, ("efsdp", "ep"), "dp_shard")
+    if dims.pp > 1:  # the ranks of one pipeline stage: what sums over "every rank but the pipeline" use
+        flatten_mesh_dims(mesh, tuple(name for name, _ in inner), STAGE_RANKS)
     return mesh
+
+
+STAGE_RANKS = "stage_ranks"
+"""Mesh dim (pp > 1 only) flattening every dim but ``pp``: the ranks that hold the same stages."""
+
+
+def pp_group(mesh: DeviceMesh | None, dims: ParallelDims):
+    """The pipeline's process group (None without pipeline parallelism)."""
+    return mesh["pp"].get_group() if dims.pp > 1 else None
+
+
+def pp_rank(mesh: DeviceMesh | None, dims: ParallelDims) -> int:
+    """This rank's pipeline coordinate (0 without pipeline parallelism)."""
+    return mesh["pp"].get_local_rank() if dims.pp > 1 else 0
 
 
 def _mode_dims(mode: str | None, shard_dim: str) -> tuple[str, ...]:
@@ -215,8 +244,8 @@ def dp_rank(mesh: DeviceMesh | None, dims: ParallelDims) -> int:
 def average_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     """Mean of a scalar over the data-parallel ranks (for logging the global loss).
 
-    Ranks that differ only in tp hold the same value, so the mean over the whole world is
-    the mean over data-parallel ranks.
+    Ranks that differ only in tp (or pp, once the pipeline has shared the last stage's loss) hold
+    the same value, so the mean over the whole world is the mean over data-parallel ranks.
     """
     if dims.world_size == 1:
         return value
@@ -225,11 +254,12 @@ def average_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     return out / dims.world_size
 
 
-def sum_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+def sum_over_dp(value: torch.Tensor, dims: ParallelDims, mesh: DeviceMesh | None = None) -> torch.Tensor:
     """Sum of a tensor over the data-parallel ranks (ranks that differ only in tp hold the same
-    value, so it is the world sum divided by tp; exact for integer-valued counts)."""
-    if dims.world_size == 1:
+    value, so it is the sum over the ranks of this pipeline stage divided by tp; exact for
+    integer-valued counts). ``mesh`` is needed when pp > 1: each stage sums its own tensors."""
+    if dims.world_size == 1 or dims.world_size == dims.pp:
         return value
     out = value.detach().clone()
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=mesh[STAGE_RANKS].get_group() if dims.pp > 1 else None)
     return out / dims.tp if dims.tp > 1 else out

@@ -316,8 +316,6 @@ def trace_train_step(
     only input of the backward). ``graph_trainer.pipelining.split`` cuts such a joint graph into
     the callables a pipeline schedule runs.
     """
-    if tokens is labels:  # (make_fx would trace both inputs as one: a stage's input and output gradient)
-        raise ValueError("trace_train_step needs two different tensors for its two batch inputs")
     start = time.perf_counter()
     named_params = list(model.named_parameters())
     named_buffers = list(model.named_buffers())
@@ -371,7 +369,9 @@ def trace_train_step(
     # Static shapes: a graph is made for one batch shape (see GraphStep). The ShapeEnv is still
     # needed for data-dependent sizes (unbacked symbols), e.g. expert-parallel split sizes.
     fake_mode = torch_compat.new_fake_mode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=False)
-    fake_inputs = [_fake_like(t, fake_mode, fake_device) for t in (*flat, tokens, labels)]
+    # (one tensor passed as both batch inputs would become one fake tensor, one graph input)
+    second = labels.clone() if labels is tokens and labels.device.type != "meta" else labels
+    fake_inputs = [_fake_like(t, fake_mode, fake_device) for t in (*flat, tokens, second)]
     with (
         torch.fx.traceback.preserve_node_meta(),
         annotate_module_fqns(model),

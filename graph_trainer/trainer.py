@@ -7,6 +7,12 @@
 passes, backend); in ``"eager"`` they are the same model run directly (``eager_step``), the
 numerics baseline.
 
+Pipeline parallel (``parallelism.pp`` > 1): the microbatches of a step go through the pipeline
+schedule instead of the loop below (``graph_trainer.pipelining.step.PipelineStep``: this rank's
+stages, traced per stage in graph mode, each stage graph through the same memory policy, passes
+and backend); the last stage's loss is shared with every pipeline rank, and the gradient norm adds
+the stages' parts over the pipeline group.
+
 Gradient accumulation (``training.global_batch_size``): an optimizer step runs the layout's
 ``microbatches`` (M) forward-and-backward passes on consecutive batches of the data loader, each
 scaled by 1 / (data-parallel degree x M), and sums their gradients in microbatch order into the
@@ -30,17 +36,18 @@ import torch.distributed as dist
 
 from graph_trainer import comm
 from graph_trainer.analysis.memory import estimate_step_memory
-from graph_trainer.build import build_job_model, build_layout, pass_context
+from graph_trainer.build import build_job_model, build_layout, pass_context, stage_modules
 from graph_trainer.checkpoint import Checkpointer
 from graph_trainer.config import JobConfig
 from graph_trainer.data import build_dataloader
-from graph_trainer.grad_record import gather_record, record_path, save_record
+from graph_trainer.grad_record import gather_record, merge_over, record_path, save_record
 from graph_trainer.guards import check_step
 from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
 from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from graph_trainer.parallel import ParallelDims, average_over_dp, dp_rank, sum_over_dp
+from graph_trainer.parallel import ParallelDims, average_over_dp, dp_rank, pp_group, sum_over_dp
 from graph_trainer.passes.runner import PassRunner
 from graph_trainer.pipeline import apply_memory_policy, apply_passes, compile_graph
+from graph_trainer.pipelining.step import PipelineStep
 from graph_trainer.preflight import check_model_state_fits, check_step_fits
 from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.torch_compat import cpu_backend
@@ -95,7 +102,7 @@ def _set_determinism(cfg: JobConfig) -> None:
 
 def _describe(dims: ParallelDims) -> str:
     parts = [f"{k}={v}" for k, v in dims.as_dict().items() if v > 1]
-    return ", ".join(parts) + f" ({dims.fsdp_mode or 'tensor parallel only'})" if parts else "none (1 process)"
+    return ", ".join(parts) + f" ({dims.fsdp_mode or 'no data parallel'})" if parts else "none (1 process)"
 
 
 class Trainer:
@@ -160,7 +167,7 @@ class Trainer:
             logger.info(
                 "global batch %d sequences: %d microbatches of %d per data-parallel rank (x%d ranks), "
                 "gradients accumulated",
-                t.global_batch_size,
+                self.microbatches * t.local_batch_size * self.dims.dp_size,
                 self.microbatches,
                 t.local_batch_size,
                 self.dims.dp_size,
@@ -182,11 +189,26 @@ class Trainer:
             device=self.dist.device,
             flops_per_token=spec.flops_per_token(self.model_args, t.seq_len),
             peak_flops=peak_flops_per_device(self.dist.device, cfg.metrics.peak_tflops or None),
-            num_devices_per_replica=self.dims.tp,
+            num_devices_per_replica=self.dims.tp * self.dims.pp,
             logger=self.logger,
             append_losses=resume_step is not None,  # losses.txt continues the resumed run's file
         )
-        if cfg.compile.mode == "graph":
+        self.pipeline, self.pp_group = self.layout.pipeline, pp_group(self.mesh, self.dims)
+        if self.pipeline is not None:
+            self._report_memory(None)  # (parameters, gradients, optimizer state; no stage graph estimate yet)
+            self.pipeline_step = PipelineStep(
+                self.pipeline,
+                self.model,
+                stage_modules(self.model, self.pipeline),
+                self.pp_group,
+                graph=cfg.compile.mode == "graph",
+                hidden_dim=self.model_args.dim,
+                hidden_dtype=self.layout.mp.param_dtype,
+                loss_chunks=t.loss_chunks,
+                grad_scale=self.grad_scale,
+                post_trace=self._prepare_stage_graph,
+            )
+        elif cfg.compile.mode == "graph":
             self.step_fn = GraphStep(
                 self.model, t.loss_chunks, grad_scale=self.grad_scale, post_trace=self._prepare_graph
             )
@@ -196,13 +218,23 @@ class Trainer:
                 self.model, tokens, labels, t.loss_chunks, grad_scale=self.grad_scale
             )
 
-    def _prepare_graph(self, traced: TracedStep) -> TracedStep:
+    def _prepare_stage_graph(self, traced: TracedStep, stage: int) -> TracedStep:
+        """``_prepare_graph`` for one pipeline stage's graph: the passes see that stage's modules."""
+        module = self.pipeline_step.modules[stage]
+        dumps = self.cfg.compile.dump_graphs and os.path.join(self.cfg.compile.dump_graphs, f"stage{stage}")
+        return self._prepare_graph(traced, pass_context(self.cfg, self.layout, module), dumps, report_memory=False)
+
+    def _prepare_graph(
+        self, traced: TracedStep, context=None, dump_folder: str | None = None, report_memory: bool = True
+    ) -> TracedStep:
         """The stages after tracing (``graph_trainer.pipeline``): memory policy, passes, backend."""
         self.metrics.log_event("trace", trace_seconds=traced.trace_seconds, graph_nodes=len(traced.gm.graph.nodes))
-        runner = PassRunner(self.pass_context, self.cfg.compile.dump_graphs)
+        dumps = self.cfg.compile.dump_graphs if dump_folder is None else dump_folder
+        runner = PassRunner(context or self.pass_context, dumps)
         gm = apply_memory_policy(traced.gm, runner)
         gm = apply_passes(gm, runner)
-        self._report_memory(gm.graph)
+        if report_memory:
+            self._report_memory(gm.graph)
         deterministic = self.dist.device.type == "cpu" or self.cfg.debug.deterministic
         traced.gm, report = compile_graph(gm, self.cfg.compile, deterministic)
         if report.backend != "none":
@@ -244,6 +276,18 @@ class Trainer:
             del grads
         return loss_sum, accumulated
 
+    def _pipeline_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list]:
+        """``accumulate_gradients`` through the pipeline schedule (``graph_trainer.pipelining``): the
+        last stage's loss sum is shared with every pipeline rank, so every rank logs and checks it."""
+        device = self.dist.device
+        moved = [(tok.to(device, non_blocking=True), lab.to(device, non_blocking=True)) for tok, lab in microbatches]
+        loss_sum, grads = self.pipeline_step(moved)
+        if loss_sum is None:
+            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        loss_sum = loss_sum.detach().clone()
+        dist.all_reduce(loss_sum, group=self.pp_group)  # (one rank holds the last stage: the others add 0)
+        return loss_sum, grads
+
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step on this rank's ``(tokens, labels)`` microbatches (module docstring);
         returns (the loss: the mean over the global batch's tokens, grad norm before clipping)."""
@@ -251,7 +295,10 @@ class Trainer:
             raise ValueError(
                 f"train_step got {len(microbatches)} microbatches; this job runs {self.microbatches} per step"
             )
-        loss_sum, grads = self.accumulate_gradients(microbatches)
+        if self.pipeline is not None:
+            loss_sum, grads = self._pipeline_gradients(microbatches)
+        else:
+            loss_sum, grads = self.accumulate_gradients(microbatches)
         loss = loss_sum / len(microbatches) if len(microbatches) > 1 else loss_sum
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g
@@ -259,7 +306,9 @@ class Trainer:
         record = None
         if self.step == self.cfg.debug.grad_record_step:  # before clipping scales them
             record = gather_record([(name, p.grad) for name, p in self.model.named_parameters()])
-        grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm)
+            if self.pp_group is not None:
+                record = merge_over(record, self.pp_group)
+        grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm, self.pp_group)
         if record is not None and self.dist.rank == 0:
             record["norm"] = grad_norm.item()
             save_record(record, record_path(self.cfg.job.dump_folder, self.step))
@@ -271,7 +320,7 @@ class Trainer:
         if hasattr(self.model, "update_expert_bias"):
             # MoE load balancing (outside the gradient): every rank sees the global counts,
             # so every rank applies the same bias update.
-            self.model.update_expert_bias(lambda counts: sum_over_dp(counts, self.dims))
+            self.model.update_expert_bias(lambda counts: sum_over_dp(counts, self.dims, self.mesh))
         return loss, grad_norm
 
     def train(self) -> list[float]:

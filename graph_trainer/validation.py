@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from graph_trainer.build import pipeline_layout
 from graph_trainer.config import JobConfig
 from graph_trainer.config_loading import choices, field_types, not_allowed
 from graph_trainer.errors import ConfigError
@@ -71,6 +72,28 @@ def check_device(requested: str) -> None:
             )
 
 
+def _check_pipeline(cfg: JobConfig, degrees: dict[str, int], microbatches: int) -> None:
+    """Pipeline parallelism (``parallelism.pp`` > 1): the schedule, the stages' blocks, and what
+    cannot run per stage."""
+    p, c = cfg.parallelism, cfg.compile
+    _require(
+        degrees["tp"] == 1,
+        f"parallelism.pp = {p.pp} with parallelism.tp = {degrees['tp']}: tensor parallelism inside pipeline "
+        f"stages is not supported yet; use dp_shard, dp_replicate or ep with pp",
+    )
+    _require(
+        not (c.backend == "inductor" and c.inductor_scope == "full"),
+        f"compile.inductor_scope = 'full' compiles a stage's forward and backward as one graph, which a "
+        f"pipeline schedule (parallelism.pp = {p.pp}) runs apart; use compile.inductor_scope regional",
+    )
+    try:
+        pipeline_layout(cfg, degrees["pp"], microbatches, rank=0)
+    except ValueError as e:
+        where = "parallelism.pp_stage_blocks" if p.pp_stage_blocks.strip() else "parallelism.pp"
+        plan = f"pp = {p.pp}, schedule {p.pp_schedule}, {microbatches} microbatches"
+        raise ConfigError(f"{where} ({plan}): {e}") from None
+
+
 def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     """Check every field before anything is built; raise ConfigError on the first problem."""
     t, c = cfg.training, cfg.compile
@@ -111,7 +134,9 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
 
     degrees = resolve_parallel_degrees(cfg.parallelism, world_size)
     spec.validate_parallelism(args, degrees)
-    job_microbatches(cfg.parallelism, t.global_batch_size, t.local_batch_size, world_size)
+    microbatches = job_microbatches(cfg.parallelism, t.global_batch_size, t.local_batch_size, world_size)
+    if degrees["pp"] > 1:
+        _check_pipeline(cfg, degrees, microbatches)
 
     for name in c.passes:
         _require(

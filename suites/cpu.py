@@ -84,6 +84,46 @@ CPU_ACCUMULATION_CASES = layout_cases(
     rtols=dict.fromkeys(_CPU_DEEPSEEK_ACCUMULATION_LAYOUTS, ACCUMULATION_RTOL),
 )
 
+
+# ---- pipeline parallel: the global batch of 8 (DeepSeek-V3: 4) as microbatches through 2 pipeline
+# ranks, every schedule, against one process taking it in one pass; graph == eager bitwise per
+# schedule; GPipe and a bucketing pass per stage graph bitwise their references.
+def _pp(schedule: str) -> list[str]:
+    return ["--parallelism.pp", "2", "--parallelism.pp_schedule", schedule, *_GLOBAL_8]
+
+
+_CPU_PIPELINE_LAYOUTS = {
+    "pp2_1f1b": (2, _pp("1F1B"), "single_b8"),
+    "pp2_interleaved": (2, _pp("Interleaved1F1B"), "single_b8"),
+    "pp2_zbv": (2, _pp("ZBVZeroBubble"), "single_b8"),
+    "pp2xfsdp2_zbv": (4, _pp("ZBVZeroBubble"), "single_b8"),
+}
+_CPU_DEEPSEEK_PIPELINE_LAYOUTS = {
+    "deepseek_pp2xep2": (
+        4,
+        [*_DEEPSEEK_3_LAYERS, "--parallelism.ep", "2", "--parallelism.pp", "2", *batch(1)]
+        + ["--training.global_batch_size", "4"],
+        "deepseek_single_b4",
+    ),
+}
+CPU_PIPELINE_CASES = (
+    layout_cases(_CPU_PIPELINE_LAYOUTS, rtols=dict.fromkeys(_CPU_PIPELINE_LAYOUTS, ACCUMULATION_RTOL))
+    + layout_cases(
+        _CPU_DEEPSEEK_PIPELINE_LAYOUTS,
+        DEEPSEEK_DEBUG,
+        rtols=dict.fromkeys(_CPU_DEEPSEEK_PIPELINE_LAYOUTS, ACCUMULATION_RTOL),
+    )
+    + [
+        Case("pp2_gpipe", 2, _pp("GPipe"), same_as="pp2_1f1b_graph"),
+        Case(
+            "pp2xfsdp2_zbv_tbb",
+            4,
+            [*_pp("ZBVZeroBubble"), "--compile.passes", BUCKETING["tbb"]],
+            same_as="pp2xfsdp2_zbv_graph",
+        ),
+    ]
+)
+
 # Each bucketing pass alone on every layout; the two composed (auto_bucketing on a graph already
 # bucketed per block: value-preserving for the reasons each is) on Llama FSDP=2 and DeepSeek-V3
 # FSDP=2 x EP=2, and with ep_overlap below; the h100 dry run checks the composition's collectives
@@ -197,6 +237,7 @@ CPU_CASES = (
     + _CPU_DEEPSEEK_TP_REFERENCES
     + layout_cases(_CPU_DEEPSEEK_TP_LAYOUTS, DEEPSEEK_DEBUG)
     + CPU_ACCUMULATION_CASES
+    + CPU_PIPELINE_CASES
     + CPU_EP_OVERLAP_CASES
     + CPU_MEMORY_POLICY_CASES
     + CPU_DEEPSEEK_MEMORY_POLICY_CASES

@@ -117,6 +117,48 @@ def test_fsdp2_checkpoint_resumes_at_fsdp4(tmp_path, straight, first_half):
         assert got == pytest.approx(want, rel=1e-4), step
 
 
+def test_fsdp2_checkpoint_resumes_in_a_pipeline_and_the_pipeline_checkpoint_in_one_process(
+    tmp_path, straight, first_half, straight_run
+):
+    """Across pp both ways. FSDP=2's global batch of 4 is 2 microbatches of 2 through PP=2 (every
+    gradient the same 2-term sum); the gradient norm adds the stages' sums of squares in another
+    grouping, so the bound is ACCUMULATION_RTOL's, not bitwise (docs/numerics.md, Pipeline parallel)."""
+    from suites.cases import ACCUMULATION_RTOL
+
+    checkpoints = tmp_path / "checkpoint"  # (a copy: first_half's folder stays as the other tests expect it)
+    shutil.copytree(first_half / "checkpoint", checkpoints)
+    result = run_train(
+        2,
+        tmp_path,
+        "--training.steps",
+        "10",
+        "--parallelism.pp",
+        "2",
+        "--parallelism.pp_microbatches",
+        "2",
+        "--checkpoint.folder",
+        str(checkpoints),
+        "--checkpoint.load_step",
+        "5",
+        "--checkpoint.interval",
+        "5",
+    )
+    assert "loaded checkpoint" in result.stderr
+    losses = read_losses(tmp_path)
+    assert [s for s, _ in losses] == list(range(6, 11))
+    for (step, got), (_, want) in zip(losses, straight[5:], strict=True):
+        assert got == pytest.approx(want, rel=ACCUMULATION_RTOL), step
+    # The pipeline's step-10 checkpoint (each rank saved its stages) loads whole in one process.
+    piped, plain = (
+        _trainer(
+            tmp_path / name, "--training.steps", "10", "--checkpoint.folder", str(root), "--checkpoint.load_step", "10"
+        )
+        for name, root in (("piped", checkpoints), ("plain", straight_run / "checkpoint"))
+    )
+    for (name, a), b in zip(piped.model.named_parameters(), plain.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
+
+
 def test_missing_step_is_one_line_error_under_torchrun(tmp_path, first_half):
     root = first_half / "checkpoint"
     result = run_train(2, tmp_path, "--checkpoint.folder", str(root), "--checkpoint.load_step", "7", check=False)

@@ -321,3 +321,58 @@ def test_model_names_are_the_registry_and_help_lists_choices(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "{none,inductor}" in out and "{graph,eager}" in out, out[:2000]
+
+
+@pytest.mark.parametrize(
+    "flags, world_size, message",
+    [
+        ({"pp": 2}, 3, "world size 3 is not divisible by pp*dp_replicate*tp = 2"),
+        ({"pp": 4, "pp_schedule": "1F1B"}, 4, "4 pipeline stages need at least 4 blocks; the model has 3"),
+        ({"pp": 2, "pp_schedule": "ZBVZeroBubble"}, 2, "4 pipeline stages need at least 4 blocks; the model has 3"),
+        (
+            {"pp": 2, "pp_stage_blocks": "2,2"},
+            2,
+            "must give 2 positive block counts (one per pipeline stage) adding up",
+        ),
+        ({"pp": 2, "pp_stage_blocks": "two,one"}, 2, "'two,one' is not a comma-separated list of block counts"),
+        ({"pp": 2, "tp": 2}, 4, "tensor parallelism inside pipeline stages is not supported yet"),
+        ({"pp": 2, "pp_microbatches": 3, "global": 32}, 2, "disagrees with parallelism.pp_microbatches = 3"),
+        ({"pp": 2, "full_scope": True}, 2, "compile.inductor_scope = 'full' compiles a stage's forward and backward"),
+    ],
+)
+def test_pipeline_settings_that_do_not_fit_are_one_line(flags, world_size, message):
+    cfg = JobConfig()
+    cfg.model.n_layers = 3
+    if flags.pop("full_scope", False):
+        cfg.compile.backend, cfg.compile.inductor_scope = "inductor", "full"
+    cfg.training.global_batch_size = flags.pop("global", 0)
+    for name, value in flags.items():
+        setattr(cfg.parallelism, name, value)
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg, world_size=world_size)
+    (line,) = str(info.value).splitlines()
+    assert message in line
+
+
+def test_a_pipeline_layout_is_planned_from_the_settings():
+    from graph_trainer.build import pipeline_layout
+
+    cfg = JobConfig()  # llama3 debugmodel: 6 blocks
+    cfg.parallelism.pp, cfg.parallelism.pp_schedule, cfg.parallelism.pp_microbatches = 2, "ZBVZeroBubble", 4
+    validate_config(cfg, world_size=4)
+    layout = pipeline_layout(cfg, 2, 4, rank=1)
+    assert layout.plan.num_stages == 4 and layout.local_stages == [1, 2]
+    assert [b for r in layout.stage_blocks for b in r] == list(range(6))
+    assert layout.rank_blocks() == [*layout.stage_blocks[1], *layout.stage_blocks[2]]
+    assert not layout.holds_first() and not layout.holds_last()
+    cfg.parallelism.pp_stage_blocks = "1,2,2,1"
+    assert pipeline_layout(cfg, 2, 4, rank=0).stage_blocks == [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
+
+
+def test_fake_traces_refuse_a_pipeline_in_one_line():
+    from graph_trainer.fake_trace import trace_without_passes
+
+    cfg = JobConfig()
+    cfg.parallelism.pp = 2
+    with pytest.raises(ConfigError, match="fake traces .* do not trace pipeline stages yet"):
+        trace_without_passes(cfg, 2)

@@ -6,7 +6,8 @@ this is, ``private_api``), ``fx`` (tracing metadata hooks, autograd node sequenc
 tensor modes, ``torch._grouped_mm``), ``distributed`` (``_StridedShard``, the dp-over-tp placement
 SimpleFSDP needs; mesh flattening; process groups by name and their timeouts; the fake process
 group's store; functional all_to_all; gloo's worker-thread count), ``checkpoint`` (DCP internals:
-the classes a checkpoint's metadata pickle holds, a reader that unpickles it safely) and
+the classes a checkpoint's metadata pickle holds, a reader that unpickles it safely),
+``pipelining`` (the action order of PyTorch's pipeline schedules), and
 ``inductor`` (the overlap scheduler, whose roofline estimate is swapped for ours inside one context
 manager, and its counters; partition fusing; standalone compilation; its logs and caches).
 Import them from this package; the import-linter contract in pyproject.toml keeps every other
@@ -62,6 +63,7 @@ from graph_trainer.torch_compat.inductor import (
     overlap_scheduling_module,
     roofline_estimate,
 )
+from graph_trainer.torch_compat.pipelining import COMPUTE_KINDS, schedule_compute_order
 from graph_trainer.torch_compat.versions import (
     SUPPORTED_TORCH,
     TORCH_VERSION,
@@ -70,6 +72,7 @@ from graph_trainer.torch_compat.versions import (
 )
 
 __all__ = [
+    "COMPUTE_KINDS",
     "DCP_METADATA_FILE",
     "ONE_THREAD_GLOO",
     "OVERLAP_SCHEDULER_ARGS",
@@ -106,6 +109,7 @@ __all__ = [
     "process_groups",
     "resolve_process_group",
     "roofline_estimate",
+    "schedule_compute_order",
     "set_group_timeout",
     "sym_expr",
     "sym_has_hint",

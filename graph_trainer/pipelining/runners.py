@@ -1,0 +1,149 @@
+"""A pipeline stage's work per microbatch: from its traced graphs, or eagerly (the numerics baseline).
+
+Both runners keep what a microbatch's backward needs from its forward until that backward (the
+graph runner: the forward graph's saved values; the eager runner: the autograd graph), and
+accumulate the stage's parameter gradients over the step's microbatches in the order the
+schedule runs their backwards (the first one's gradients are the buffer, later ones are added
+in place, as ``Trainer.accumulate_gradients`` does without a pipeline). ``take_grads()`` hands
+the sums over and starts the next step.
+
+The last stage's loss is scaled by ``grad_scale`` (``JobLayout.loss_scale``: 1 / (dp x
+microbatches)) before its backward; earlier stages differentiate with the gradient they receive,
+which carries the scale. ``forward`` returns the unscaled loss on the last stage.
+
+Numerics: the graph runner's pieces are the stage's joint graph cut in two (or three), bitwise
+the joint graph (``graph_trainer.pipelining.split``); the eager runner's dI and dW are two
+``torch.autograd.grad`` calls on one autograd graph (the first keeps it), which compute each
+gradient with the same ops on the same values as one call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from graph_trainer.flat_tensors import split_flat, unflatten_tensor
+from graph_trainer.pipelining.split import StageGraphs, split_stage
+from graph_trainer.tracer import TracedStep, loss_head
+
+
+class _Accumulator:
+    def __init__(self) -> None:
+        self.sums: list[torch.Tensor] | None = None
+
+    def add(self, grads: list[torch.Tensor]) -> None:
+        if self.sums is None:
+            self.sums = list(grads)
+            return
+        for acc, g in zip(self.sums, grads, strict=True):
+            acc.add_(g)
+
+    def take(self) -> list[torch.Tensor]:
+        if self.sums is None:
+            raise RuntimeError("no backward ran on this stage in this step")
+        sums, self.sums = self.sums, None
+        return sums
+
+
+class GraphStageRunner:
+    """Runs a stage's traced joint graph, cut by ``split.split_stage``, on live tensors."""
+
+    def __init__(self, traced: TracedStep, module: nn.Module):
+        self.traced, self.module = traced, module
+        self.num_flat_grads = sum(layout.num_inner for layout in traced.grad_layouts[: len(traced.param_names)])
+        self.graphs: StageGraphs = split_stage(traced.gm, self.num_flat_grads)
+        self.saved: dict[int, list[torch.Tensor]] = {}
+        self.for_weight: dict[int, list[torch.Tensor]] = {}
+        self.grads = _Accumulator()
+
+    def _inputs(self, stage_input: torch.Tensor, labels: torch.Tensor | None) -> list[torch.Tensor]:
+        params = [p for _, p in self.module.named_parameters()]
+        buffers = [b for _, b in self.module.named_buffers()]
+        flat = self.traced.flat_inputs(params, buffers, stage_input, labels)
+        return flat[:-1] if self.graphs.takes_output_grad else flat  # (output_grad is the backward's)
+
+    def forward(self, microbatch: int, stage_input: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        with torch.no_grad():
+            out, *saved = self.graphs.forward(*self._inputs(stage_input, labels))
+        self.saved[microbatch] = saved
+        return out
+
+    def _output_grad(self, output_grad: torch.Tensor | None) -> list[torch.Tensor]:
+        return [output_grad] if self.graphs.takes_output_grad else []
+
+    def backward(self, microbatch: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        with torch.no_grad():
+            outs = self.graphs.backward(*self.saved.pop(microbatch), *self._output_grad(output_grad))
+        self.grads.add(list(outs[: self.num_flat_grads]))
+        return outs[self.num_flat_grads] if self.graphs.has_input_grad else None
+
+    def backward_input(self, microbatch: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        with torch.no_grad():
+            outs = self.graphs.backward_input(*self.saved[microbatch], *self._output_grad(output_grad))
+        input_grad, kept = (outs[0], outs[1:]) if self.graphs.has_input_grad else (None, outs)
+        self.for_weight[microbatch] = [*self._output_grad(output_grad), *kept]
+        return input_grad
+
+    def backward_weight(self, microbatch: int) -> None:
+        with torch.no_grad():
+            grads = self.graphs.backward_weight(*self.saved.pop(microbatch), *self.for_weight.pop(microbatch))
+        self.grads.add(list(grads))
+
+    def take_grads(self) -> list[torch.Tensor]:
+        """The step's summed gradients, one per parameter (DTensors rewrapped)."""
+        layouts = self.traced.grad_layouts[: len(self.traced.param_names)]
+        flat = self.grads.take()
+        groups = split_flat(flat, layouts)
+        return [unflatten_tensor(inner, layout) for inner, layout in zip(groups, layouts, strict=True)]
+
+
+class EagerStageRunner:
+    """Runs a stage module op by op with autograd (``compile.mode eager``)."""
+
+    def __init__(self, module: nn.Module, first: bool, last: bool, loss_chunks: int, grad_scale: float):
+        self.module, self.first, self.last = module, first, last
+        self.loss_chunks, self.grad_scale = loss_chunks, grad_scale
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.output_grads: dict[int, torch.Tensor | None] = {}
+        self.grads = _Accumulator()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for _, p in self.module.named_parameters()]
+
+    def forward(self, microbatch: int, stage_input: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        x = stage_input if self.first else stage_input.detach().requires_grad_(True)
+        if self.last:
+            loss = self.module(x, head=loss_head(labels, self.loss_chunks))
+            seed = loss * self.grad_scale if self.grad_scale != 1.0 else loss
+            self.pending[microbatch] = (seed, None if self.first else x)
+            return loss.detach()
+        out = self.module(x)
+        self.pending[microbatch] = (out, None if self.first else x)
+        return out.detach()
+
+    def backward(self, microbatch: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        seed, x = self.pending.pop(microbatch)
+        wrt = self._params() + ([x] if x is not None else [])
+        grads = torch.autograd.grad(seed, wrt, grad_outputs=output_grad)
+        params = len(wrt) - (1 if x is not None else 0)
+        self.grads.add(list(grads[:params]))
+        return grads[params] if x is not None else None
+
+    def backward_input(self, microbatch: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        seed, x = self.pending[microbatch]
+        self.output_grads[microbatch] = output_grad
+        if x is None:
+            return None
+        (input_grad,) = torch.autograd.grad(seed, [x], grad_outputs=output_grad, retain_graph=True)
+        return input_grad
+
+    def backward_weight(self, microbatch: int) -> None:
+        seed, _ = self.pending.pop(microbatch)
+        grads = torch.autograd.grad(seed, self._params(), grad_outputs=self.output_grads.pop(microbatch))
+        self.grads.add(list(grads))
+
+    def take_grads(self) -> list[torch.Tensor]:
+        return self.grads.take()
+
+
+__all__ = ["EagerStageRunner", "GraphStageRunner"]

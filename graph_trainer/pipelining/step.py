@@ -1,0 +1,119 @@
+"""One optimizer step's forwards and backwards through the pipeline, on this rank.
+
+``PipelineStep(layout, modules, ...)`` is the pipeline's counterpart of the trainer's
+microbatch loop (``Trainer.accumulate_gradients``): called with the step's microbatches, it runs
+this rank's actions of the schedule (``executor.run_pipeline``) with one runner per local stage
+and returns (the sum of the last stage's microbatch losses, or None on a rank without it; the
+step's gradients, one per parameter of the rank's model, in ``named_parameters`` order).
+
+Graph mode traces each local stage on the first step (``tracer.trace_train_step`` on the stage
+module: a joint forward + backward graph with the stage's own ends), hands it to ``post_trace``
+(the trainer's memory policy, passes and backend, so the user's passes run per stage graph),
+then cuts it into the pieces the schedule runs (``split.split_stage``). Eager mode runs the same
+schedule with ``EagerStageRunner``: the numerics baseline.
+
+The tensor passed between stages is the hidden state [local batch, seq, dim] in the compute
+dtype; a stage output of another shape or dtype raises ``RuntimeError`` naming both
+(``executor``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from graph_trainer.graph.collectives import collective_counts, format_counts
+from graph_trainer.pipelining.executor import run_pipeline
+from graph_trainer.pipelining.runners import EagerStageRunner, GraphStageRunner
+from graph_trainer.pipelining.schedule import PipelineLayout
+from graph_trainer.tracer import TracedStep, trace_train_step
+
+logger = logging.getLogger("graph_trainer")
+
+
+class PipelineStep:
+    def __init__(
+        self,
+        layout: PipelineLayout,
+        model: nn.Module,
+        modules: dict[int, nn.Module],
+        group,
+        *,
+        graph: bool,
+        hidden_dim: int,
+        hidden_dtype: torch.dtype,
+        loss_chunks: int,
+        grad_scale: float,
+        post_trace: Callable[[TracedStep, int], TracedStep] | None = None,
+    ):
+        self.layout, self.model, self.modules, self.group = layout, model, modules, group
+        self.graph, self.hidden_dim, self.hidden_dtype = graph, hidden_dim, hidden_dtype
+        self.loss_chunks, self.grad_scale, self.post_trace = loss_chunks, grad_scale, post_trace
+        self.runners: dict[int, GraphStageRunner | EagerStageRunner] = {}
+        self.traced: dict[int, TracedStep] = {}
+        if not graph:
+            last = layout.last_stage
+            self.runners = {
+                s: EagerStageRunner(m, s == 0, s == last, loss_chunks, grad_scale) for s, m in modules.items()
+            }
+
+    def _hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.empty(*tokens.shape, self.hidden_dim, dtype=self.hidden_dtype, device=tokens.device)
+
+    def _trace(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        """Trace, transform and cut every local stage (the first step)."""
+        last = self.layout.last_stage
+        for stage, module in self.modules.items():
+            logger.info("tracing pipeline stage %d (blocks %s) ...", stage, _blocks(self.layout.stage_blocks[stage]))
+            traced = trace_train_step(
+                module,
+                tokens if stage == 0 else self._hidden(tokens),
+                labels if stage == last else self._hidden(tokens),  # (another tensor: see trace_train_step)
+                self.loss_chunks,
+                grad_scale=self.grad_scale,
+            )
+            logger.info(
+                "stage %d traced in %.2fs: %d nodes, collectives: %s",
+                stage,
+                traced.trace_seconds,
+                len(traced.gm.graph.nodes),
+                format_counts(collective_counts(traced.gm.graph)),
+            )
+            if self.post_trace is not None:
+                traced = self.post_trace(traced, stage)
+            self.traced[stage] = traced
+            self.runners[stage] = GraphStageRunner(traced, module)
+
+    def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor | None, list]:
+        tokens = [t for t, _ in microbatches]
+        labels = [lab for _, lab in microbatches]
+        if self.graph and not self.runners:
+            self._trace(tokens[0], labels[0])
+        losses = run_pipeline(
+            self.layout.plan,
+            self.layout.rank,
+            self.runners,
+            tokens,
+            labels,
+            self.group,
+            lambda: self._hidden(tokens[0]),
+        )
+        grads: dict[str, torch.Tensor] = {}
+        for stage, runner in self.runners.items():
+            names = [n for n, _ in self.modules[stage].named_parameters()]
+            grads.update(zip(names, runner.take_grads(), strict=True))
+        ordered = [grads[name] for name, _ in self.model.named_parameters()]
+        loss_sum = None
+        for loss in losses:  # (in microbatch order, as the loop without a pipeline sums them)
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+        return loss_sum, ordered
+
+
+def _blocks(blocks: range) -> str:
+    return f"{blocks.start}..{blocks.stop - 1}"
+
+
+__all__ = ["PipelineStep"]
