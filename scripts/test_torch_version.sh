@@ -18,4 +18,4 @@ echo "=== the default debug job (output: $out/default)"
 OMP_NUM_THREADS=1 "$venv/bin/torchrun" --standalone --nproc_per_node 1 train.py \
     --job.config_file configs/llama3_debug.toml --job.device cpu --job.dump_folder "$out/default"
 echo "=== the test command"
-"$venv/bin/python" -m pytest -q tests
+"$venv/bin/python" -m pytest -q -n 2 tests

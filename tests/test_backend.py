@@ -176,15 +176,16 @@ def _max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("config, scopes", [(LLAMA, ("regional", "full"))], ids=["llama3"])
+@pytest.mark.parametrize("config, scopes", [(LLAMA, ("regional",))], ids=["llama3"])
 def test_inductor_is_within_the_stated_bound_of_none_and_repeats_bitwise(tmp_path, monkeypatch, config, scopes):
-    """The numerics contract. Each scope compiles cold into its own --compile.cache_dir, and the
-    repeat, a warm start from that cache, must give the same losses bit for bit. (DeepSeek-V3,
-    4.6e-6 regional / 7.0e-7 full over 20 steps when measured, is held to the bound by the cpu suite's EP=2 jobs, 10
-    steps in both scopes: one more cold compile here would cost CI a minute and a half.)"""
+    """The numerics contract. The scope compiles cold into its own --compile.cache_dir, and the
+    repeat, a warm start from that cache, must give the same losses bit for bit. (The full scope,
+    and DeepSeek-V3 in both scopes, are held to the bound by the cpu suite's FSDP=2 and EP=2 jobs,
+    10 steps each; their 20-step deviations when measured: docs/performance.md. Each more cold
+    compile here costs CI about a minute.)"""
     # (the option sets the variable Inductor reads; restore it after the test)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()))
-    steps = 20
+    steps = 10
     reference, regions = _losses(config, steps, tmp_path, "none")
     assert regions == 0
     for scope in scopes:

@@ -27,16 +27,22 @@ from tests.numerics.curves import (
 )
 from tests.numerics.machine import fingerprint
 
+# The curve run twice for the determinism test: the multi-process one (gloo's collectives are where
+# run-to-run differences would come from). Every curve's losses are compared bit for bit with the
+# stored curve on every run, which a run-to-run difference in the losses fails as well; the second
+# run adds the final parameters and AdamW state (costs CI a run of 20 steps per curve).
+TWICE = ("llama3_debug_fsdp2",)
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """name -> [(losses text, final state hashes)] of two runs, made on first use."""
+    """name -> [(losses text, final state hashes)] of its runs (two for ``TWICE``), made on first use."""
     cache: dict[str, list] = {}
 
     def get(name: str):
         if name not in cache:
             cache[name] = []
-            for attempt in (1, 2):
+            for attempt in (1, 2) if name in TWICE else (1,):
                 folder = tmp_path_factory.mktemp(f"{name}_run{attempt}")
                 cache[name].append((run_curve(name, folder), final_state_hashes(folder)))
         return cache[name]
@@ -81,7 +87,7 @@ def test_losses_match_the_stored_curve(name, runs, machine):
         )
 
 
-@pytest.mark.parametrize("name", list(CURVES))
+@pytest.mark.parametrize("name", TWICE)
 def test_same_command_twice_gives_identical_losses_and_final_state(name, runs):
     (losses1, state1), (losses2, state2) = runs(name)
     assert losses1 == losses2
