@@ -125,8 +125,9 @@ def test_fsdp2_checkpoint_resumes_in_a_pipeline_and_the_pipeline_checkpoint_in_o
     grouping, so the bound is ACCUMULATION_RTOL's, not bitwise (docs/numerics.md, Pipeline parallel)."""
     from suites.cases import ACCUMULATION_RTOL
 
-    checkpoints = tmp_path / "checkpoint"  # (a copy: first_half's folder stays as the other tests expect it)
-    shutil.copytree(first_half / "checkpoint", checkpoints)
+    # (a copy of step-5 alone: first_half's folder stays as the other tests leave it, step-10 included)
+    checkpoints = tmp_path / "checkpoint"
+    shutil.copytree(first_half / "checkpoint" / "step-5", checkpoints / "step-5")
     result = run_train(
         2,
         tmp_path,
