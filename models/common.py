@@ -122,6 +122,25 @@ def keep_stage(model: nn.Module, blocks, first: bool, last: bool) -> nn.Module:
     return model
 
 
+def run_stack(model: nn.Module, tokens: torch.Tensor, head=None) -> torch.Tensor:
+    """Both families' forward after their own checks: embedding, blocks, final norm, then the
+    output projection or ``head(normed hidden state, output module)`` (the loss, which computes the
+    logits itself, e.g. in chunks: ``graph_trainer.loss``). A pipeline stage without the embedding
+    takes the previous stage's hidden state [B, S, dim]; one without the norm returns its own."""
+    seq = tokens.shape[1]
+    if seq > model.args.max_seq_len:
+        raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {model.args.max_seq_len}")
+    rope = model.rope_cache[:seq]
+    h = model.tok_embeddings(tokens) if model.tok_embeddings is not None else tokens
+    for block in model.layers.values():
+        h = block(h, rope)
+    if model.norm is None:
+        return h
+    if head is not None:
+        return head(model.norm(h), model.output)
+    return model.output(model.norm(h))
+
+
 def block_costs(model: nn.Module) -> tuple[list[float], float]:
     """(each block's cost, the output projection's) for balancing pipeline stages: the parameters a
     token multiplies by (matmul FLOPs per token are twice that), with routed experts counted at the
@@ -258,6 +277,7 @@ __all__ = [
     "keep_stage",
     "materialize_init",
     "rotary_table",
+    "run_stack",
     "split_vocabulary",
     "stage_view",
     "stable_seed",

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from graph_trainer.graph.tags import EP_ROLE, EXPERT_COMPUTE, annotate
 from graph_trainer.torch_compat import grouped_mm
-from models.common import FeedForward, InitRule, RMSNorm, apply_rope, init_plain_parameters, rotary_table
+from models.common import FeedForward, InitRule, RMSNorm, apply_rope, init_plain_parameters, rotary_table, run_stack
 from models.deepseek_v3.flavors import DeepSeekV3Args
 
 # --------------------------------------------------------------------------------------
@@ -386,20 +386,7 @@ class DeepSeekV3(nn.Module):
         """``tokens`` [B, S] int64 at positions 0..S-1 -> logits [B, S, vocab] in the output
         weight's dtype, or with ``head`` ``head(final normed hidden state, output module)``
         (see LLaMA-3). Also adds this batch's routing counts to every ``tokens_per_expert``."""
-        seq = tokens.shape[1]
-        if seq > self.args.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {self.args.max_seq_len}")
-        rope = self.rope_cache[:seq]
-        # A pipeline stage without the embedding gets the previous stage's hidden state [B, S, dim];
-        # one without the norm hands its own on (models.common.keep_stage).
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for block in self.layers.values():
-            h = block(h, rope)
-        if self.norm is None:
-            return h
-        if head is not None:  # the loss computes the logits itself (e.g. in chunks: graph_trainer.loss)
-            return head(self.norm(h), self.output)
-        return self.output(self.norm(h))
+        return run_stack(self, tokens, head)
 
     @torch.no_grad()
     def update_expert_bias(self, all_reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.common import FeedForward, InitRule, RMSNorm, apply_rope, init_plain_parameters, rotary_table
+from models.common import FeedForward, InitRule, RMSNorm, apply_rope, init_plain_parameters, rotary_table, run_stack
 from models.llama3.flavors import Llama3Args
 
 # --------------------------------------------------------------------------------------
@@ -166,20 +166,7 @@ class Transformer(nn.Module):
         output weight's dtype (callers upcast for the loss); with ``head``,
         ``head(final normed hidden state, output module)`` instead (the loss, which then
         computes the logits itself: ``graph_trainer.loss``)."""
-        seq = tokens.shape[1]
-        if seq > self.args.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {self.args.max_seq_len}")
-        rope = self.rope_cache[:seq]
-        # A pipeline stage without the embedding gets the previous stage's hidden state [B, S, dim];
-        # one without the norm hands its own on (models.common.keep_stage).
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for block in self.layers.values():
-            h = block(h, rope)
-        if self.norm is None:
-            return h
-        if head is not None:  # the loss computes the logits itself (e.g. in chunks: graph_trainer.loss)
-            return head(self.norm(h), self.output)
-        return self.output(self.norm(h))
+        return run_stack(self, tokens, head)
 
     def init_rules(self) -> dict[str, InitRule]:
         """How every parameter (FQN of the unwrapped model) is initialised.
