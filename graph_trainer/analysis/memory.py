@@ -56,7 +56,10 @@ created lazily inside its first ``step()``. In eager mode (no graph) the activat
 known: the estimate is phase 3 only, a lower bound (``activations_estimated`` is False).
 
 Assumptions and what is ignored: allocations are counted, not nodes (a view, a
-``wait_tensor``, a ``getitem`` share their source's memory); the caching allocator's
+``wait_tensor`` share their source's memory; each output of a multi-output kernel, taken by
+its ``getitem``, is an allocation of its own, freed after its own last reader, as the caching
+allocator frees it: attention's small logsumexp saved for backward does not keep its large
+output alive); the caching allocator's
 fragmentation and rounding, kernels' workspaces (cuBLAS, attention), the CUDA context and
 the memory a collective library keeps for itself are not counted: the estimate compares with
 ``torch.cuda.max_memory_allocated``, and the device needs somewhat more. The graph's
@@ -76,6 +79,7 @@ docs/performance.md).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -145,16 +149,45 @@ def _allocations(nodes: list[fx.Node], sizes: SizeHints) -> tuple[dict[fx.Node, 
     """(owner of every value: the node that allocated its memory, bytes of every owner)."""
     owner: dict[fx.Node, fx.Node] = {}
     size: dict[fx.Node, int] = {}
+    picked: dict[tuple[fx.Node, object], fx.Node] = {}
     for node in nodes:
         if node.op == "output":
             continue
         source = node.args[0] if node.args else None
-        if _aliases_input(node) and isinstance(source, fx.Node) and source in owner:
+        if _picks_kernel_output(node, owner):  # (each output of a kernel is an allocation of its own)
+            first = picked.setdefault((source, node.args[1]), node)
+            owner[node] = first
+            if first is not node:
+                continue
+            size[node] = sizes.nbytes(node.meta.get("val"))
+            size[source] -= size[node]
+        elif _aliases_input(node) and isinstance(source, fx.Node) and source in owner:
             owner[node] = owner[source]
         else:
             owner[node] = node
             size[node] = sizes.nbytes(node.meta.get("val"))
     return owner, size
+
+
+def _picks_kernel_output(node: fx.Node, owner: dict[fx.Node, fx.Node]) -> bool:
+    """A ``getitem`` taking one output of a multi-output kernel that allocated its outputs (not of
+    a view op such as ``split``, whose outputs share their input's memory)."""
+    source = node.args[0] if node.args else None
+    return (
+        node.target is operator.getitem
+        and isinstance(source, fx.Node)
+        and owner.get(source) is source
+        and isinstance(source.meta.get("val"), (tuple, list))
+        and isinstance(node.meta.get("val"), torch.Tensor)
+    )
+
+
+def allocation_owners(
+    nodes: list[fx.Node], sizes: SizeHints | None = None
+) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, int]]:
+    """The node that allocated every value's memory (views, getitems and waits resolve to their
+    source), and the bytes of every such allocation; ``sizes`` as ``estimate_peak_memory``'s."""
+    return _allocations(nodes, sizes or SizeHints.from_graph(nodes[0].graph))
 
 
 def _frees(nodes: list[fx.Node], owner: dict[fx.Node, fx.Node], pinned: set[fx.Node]) -> dict[int, list[fx.Node]]:
@@ -272,7 +305,8 @@ class MemoryParts:
     """Bytes resident at one phase's peak, by kind (see the module docstring)."""
 
     phase: str
-    """"graph" or "optimizer step"."""
+    """"graph", "pipeline" (a pipeline rank's stage graphs over its schedule:
+    ``graph_trainer.pipelining.timeline``) or "optimizer step"."""
     params: int
     grads: int
     optimizer: int
@@ -310,8 +344,9 @@ class StepMemoryEstimate:
     def summary(self) -> str:
         """One line: the peak, its parts and where it happens."""
         p = self.peak
-        where = p.phase + (f", at node {p.peak_node}" if p.peak_node else "")
-        transient = "activations" if p.phase == "graph" else "step temporaries"
+        at = "during" if p.phase == "pipeline" else "at node"  # (a pipeline's peak is an action)
+        where = p.phase + (f", {at} {p.peak_node}" if p.peak_node else "")
+        transient = "step temporaries" if p.phase == "optimizer step" else "activations"
         bound = "" if self.activations_estimated else "at least "
         note = "" if self.activations_estimated else "; activations not estimated (no graph)"
         accumulated = f" + accumulated grads {_gib(p.accumulated_grads)}" if p.accumulated_grads else ""
@@ -420,6 +455,7 @@ __all__ = [
     "DEVICE_MEMORY_BYTES",
     "MemoryEstimate",
     "MemoryParts",
+    "allocation_owners",
     "OptimizerMemory",
     "StepMemoryEstimate",
     "estimate_peak_memory",

@@ -19,7 +19,8 @@ forward value the region's backward reads is tagged ``custom["activation"] = "sa
   activations, RoPE, views) from them.
 - Never recomputed, whatever the mode: collectives and their waits (a tensor-parallel
   all-reduce or an expert-parallel all_to_all is issued once per step: token routing is
-  computed once), ops with side effects (the MoE token counter's in-place add), random ops,
+  computed once), ops with side effects (the MoE token counter's in-place add), random ops
+  (a fused attention kernel with ``dropout_p`` 0 draws no random numbers: it is recomputed),
   reads of data-dependent sizes (``_local_scalar_dense``), non-tensor values, SimpleFSDP's
   gather chains (``reshard_after_forward``, which runs after this, re-gathers parameters for
   every backward reader, recomputations included: one gather per block for backward), and
@@ -52,7 +53,7 @@ import torch.fx as fx
 
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_name
-from graph_trainer.graph.ops import SCALAR_READ, aliases_input, is_matmul, name_of
+from graph_trainer.graph.ops import SCALAR_READ, aliases_input, is_attention, is_matmul, name_of, named_args
 from graph_trainer.graph.tags import (
     ACTIVATION,
     BACKWARD,
@@ -68,7 +69,7 @@ from graph_trainer.graph.tags import (
     unit_of,
 )
 from graph_trainer.passes.registry import PassContext
-from graph_trainer.torch_compat import is_op_overload, op_schema
+from graph_trainer.torch_compat import has_side_effects, is_op_overload, op_schema
 
 
 def _is_tensor(node: fx.Node) -> bool:
@@ -82,14 +83,22 @@ def _may_run_twice(node: fx.Node) -> bool:
     """Whether copying ``node`` is safe: a pure, deterministic tensor op that is not a collective."""
     if node.op != "call_function" or not _is_tensor(node):
         return False
-    if collective_name(node) is not None or node.target is SCALAR_READ or node.is_impure():
+    if collective_name(node) is not None or node.target is SCALAR_READ or has_side_effects(node):
         return False
     if tags.get(node, FSDP_ROLE):
         return False  # parameter gathers: reshard_after_forward re-gathers them for backward
     if is_op_overload(node.target):
-        if torch.Tag.nondeterministic_seeded in node.target.tags or op_schema(node.target).is_mutable:
+        if op_schema(node.target).is_mutable:
+            return False
+        if torch.Tag.nondeterministic_seeded in node.target.tags and not _draws_no_random_numbers(node):
             return False
     return node.target is operator.getitem or is_op_overload(node.target)
+
+
+def _draws_no_random_numbers(node: fx.Node) -> bool:
+    """A fused attention kernel without dropout: its schema is tagged random (it can drop out),
+    but with ``dropout_p`` 0 it computes the same values every time it runs."""
+    return is_attention(node) and named_args(node).get("dropout_p", 0.0) == 0.0
 
 
 def decide_region(nodes: list[fx.Node], region: str, mode: str, saved_ops: set[str]) -> dict[fx.Node, str]:

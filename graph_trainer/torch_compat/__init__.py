@@ -40,6 +40,7 @@ from graph_trainer.torch_compat.distributed import (
 from graph_trainer.torch_compat.fx import (
     fake_mode_of,
     grouped_mm,
+    has_side_effects,
     is_op_overload,
     is_view_op,
     new_fake_mode,
@@ -93,6 +94,7 @@ __all__ = [
     "flatten_mesh_dims",
     "fuse_partitions",
     "grouped_mm",
+    "has_side_effects",
     "inductor_compile",
     "inductor_counters",
     "inductor_graph_pass",

@@ -48,6 +48,17 @@ def is_view_op(node: fx.Node) -> bool:
     return is_op_overload(node.target) and node.target.is_view
 
 
+def has_side_effects(node: fx.Node) -> bool:
+    """Whether ``node`` has side effects other than drawing random numbers
+    (``Node.is_impure(impure_random=False)``, marked not backward compatible: callers judge
+    random ops themselves, e.g. attention whose dropout is 0)."""
+    with private_api("fx.Node.is_impure(impure_random=...)"):
+        try:
+            return node.is_impure(impure_random=False)
+        except TypeError as e:  # (a signature without the flag)
+            raise AttributeError(str(e)) from None
+
+
 def op_name(target) -> str:
     """The op's name without namespace and overload (``OpOverload._opname``)."""
     with private_api("OpOverload._opname"):

@@ -2,6 +2,7 @@
 the CLI (the 8B FSDP=8 acceptance command and the one point measured on an H100)."""
 
 import dataclasses
+import operator
 
 import pytest
 import torch
@@ -48,6 +49,33 @@ def _step_graph() -> tuple[fx.Graph, str]:
     gw1 = call(aten.mul.Tensor, (reduced, reduced), _meta(64, 64))
     g.output((loss, gw1, gw2))
     return g, reduced.name
+
+
+def test_each_output_of_a_multi_output_kernel_is_its_own_allocation():
+    """Keeping attention's small logsumexp (here: layer norm's rstd) does not keep the large
+    output alive: once the output's last reader ran, only the kept output counts."""
+    g = fx.Graph()
+
+    def call(target, args, val):
+        n = g.call_function(target, args)
+        n.meta["val"] = val
+        return n
+
+    x = g.placeholder("x")
+    x.meta["val"] = _meta(64, 128)
+    outs = call(
+        aten.native_layer_norm.default, (x, [128], None, None, 1e-5), (_meta(64, 128), _meta(64, 1), _meta(64, 1))
+    )
+    out = call(operator.getitem, (outs, 0), _meta(64, 128))
+    rstd = call(operator.getitem, (outs, 2), _meta(64, 1))
+    total = call(aten.sum.default, (out,), _meta(()))
+    big = call(aten.mul.Tensor, (x, x), _meta(64, 128))  # after out's last reader
+    g.output((call(aten.add.Tensor, (total, call(aten.sum.default, (big,), _meta(()))), _meta(())), rstd))
+    estimate = estimate_peak_memory(g)
+    x_bytes, rows = 64 * 128 * FP32, 64 * FP32
+    # the peak: x, out and both statistics (the kernel's outputs), before out is freed; were the
+    # tuple one allocation, rstd would keep out alive beside big: 3 x_bytes + 2 rows
+    assert estimate.peak_bytes == 2 * x_bytes + 2 * rows
 
 
 def test_graph_replay_splits_params_and_grads_alive_at_the_peak():

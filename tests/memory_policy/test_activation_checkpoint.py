@@ -21,6 +21,7 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts, is_collective
+from graph_trainer.graph.ops import is_attention
 from graph_trainer.graph.tags import ACTIVATION, LOSS_CHUNK, RECOMPUTE, RECOMPUTED
 from graph_trainer.memory_policy.activation_checkpoint import recompute_counts
 from graph_trainer.validation import validate_config
@@ -105,6 +106,22 @@ def test_full_recomputes_more_than_selective_and_the_tags_are_the_decision():
     # exactly the tagged values were copied (an original only the backward read is gone: dead after the copy)
     names = {n.name for n in gm.graph.nodes}
     assert {n.name for n in tagged} == copies & names
+
+
+@pytest.mark.parametrize("gpu_attention", [False, True], ids=["cpu_flash", "cudnn"])
+def test_full_recomputes_attention_without_dropout(gpu_attention):
+    """Fused attention ops are tagged random (they can drop out); with dropout_p 0 they compute the
+    same values every run, so ``full`` recomputes them and keeps only the blocks' inputs (selective
+    saves them: they are in ``selective_ops``)."""
+    cfg = load_config([*SMALL, *_ac("full")])
+    model_args = dataclasses.replace(MODEL_SPECS["llama3"].flavors[cfg.model.flavor], n_layers=LLAMA_BLOCKS)
+    with fake_world(2):
+        gm = trace_job(cfg, 2, model_args=model_args, gpu_attention=gpu_attention).gm
+    forward = [n for n in gm.graph.nodes if is_attention(n) and tags.get(n, "phase") == "forward"]
+    assert len(forward) == LLAMA_BLOCKS
+    assert all(tags.get(n, ACTIVATION) == RECOMPUTE for n in forward)
+    copies = [n for n in gm.graph.nodes if is_attention(n) and tags.get(n, RECOMPUTED)]
+    assert len(copies) == LLAMA_BLOCKS
 
 
 @NEEDS_TORCH_2_13

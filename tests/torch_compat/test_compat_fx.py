@@ -178,3 +178,21 @@ def test_fake_mode_functional_all_to_all_and_grouped_mm_entries():
     b = torch.randn(2, 16, 8, generator=g).bfloat16()
     out = grouped_mm(a, b, offs=torch.tensor([2, 5], dtype=torch.int32))
     torch.testing.assert_close(out.float(), torch.cat([a[:2] @ b[0], a[2:] @ b[1]]).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_side_effects_leave_random_ops_to_the_caller():
+    # activation checkpointing recomputes attention without dropout: fx's purity check must be
+    # able to leave random ops out (Node.is_impure(impure_random=False)) and still flag mutation.
+    import torch.fx as fx
+
+    from graph_trainer.torch_compat import has_side_effects
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    q = g.placeholder("q")
+    attention = g.call_function(aten._scaled_dot_product_cudnn_attention.default, (q, q, q, None, True, 0.0, True))
+    rand = g.call_function(aten.rand.default, ([2],))
+    mutation = g.call_function(aten.add_.Tensor, (q, q))
+    assert not has_side_effects(attention) and not has_side_effects(rand)
+    assert has_side_effects(mutation)
+    assert rand.is_impure()  # (the default still counts random ops: why the flag is needed)
