@@ -47,6 +47,24 @@ def _fsdp(nodes, op: tuple[str, ...], phase: str) -> list:
     return [n for n in nodes if collective_name(n) in op and tags.get(n, FSDP_ROLE) and tags.get(n, PHASE) == phase]
 
 
+def _data_parallel_problems(nodes, degrees: dict[str, int]) -> list[str]:
+    """FSDP all-gathers and reduce-scatters (tagged ``fsdp_role``) iff ``dp_shard > 1``; gradient
+    all-reduces (tagged ``reduce_grad``) iff ``dp_replicate > 1``."""
+    problems = []
+    gathers = _fsdp(nodes, FSDP_GATHER, "forward")
+    reduces = _fsdp(nodes, ("reduce_scatter_tensor",), "backward")
+    if bool(gathers and reduces) != (degrees["dp_shard"] > 1):
+        problems.append(
+            f"dp_shard={degrees['dp_shard']} but {len(gathers)} FSDP all-gathers, {len(reduces)} reduce-scatters"
+        )
+    all_reduces = _fsdp(nodes, _KINDS["AR"], "backward")
+    if bool(all_reduces) != (degrees["dp_replicate"] > 1):
+        problems.append(
+            f"dp_replicate={degrees['dp_replicate']} but {len(all_reduces)} gradient all-reduces (reduce_grad)"
+        )
+    return problems
+
+
 def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str]]) -> list[str]:
     """What is wrong with a traced (and passed) graph; ``reference`` is its layout's graph after the
     default passes only. Checks, from the config and the model's flavor:
@@ -84,17 +102,7 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
     def ops(ns, kind):
         return [n for n in ns if collective_name(n) in _KINDS[kind]]
 
-    fsdp_gathers = _fsdp(nodes, FSDP_GATHER, "forward")
-    fsdp_reduces = _fsdp(nodes, ("reduce_scatter_tensor",), "backward")
-    need(
-        bool(fsdp_gathers and fsdp_reduces) == (degrees["dp_shard"] > 1),
-        f"dp_shard={degrees['dp_shard']} but {len(fsdp_gathers)} FSDP all-gathers, {len(fsdp_reduces)} reduce-scatters",
-    )
-    grad_all_reduces = _fsdp(nodes, _KINDS["AR"], "backward")
-    need(
-        bool(grad_all_reduces) == (degrees["dp_replicate"] > 1),
-        f"dp_replicate={degrees['dp_replicate']} but {len(grad_all_reduces)} gradient all-reduces (reduce_grad)",
-    )
+    problems += _data_parallel_problems(nodes, degrees)
     need(
         not _full_gradient_all_reduces(ref_nodes),
         f"HSDP all-reduces before reduce-scattering: {_full_gradient_all_reduces(ref_nodes)[:3]}",
@@ -276,8 +284,144 @@ def check_backend(gm, cfg, row: dict[str, object]) -> list[str]:
     return problems
 
 
-def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
-    """Trace each layout once per world size, run each graph case's passes on a copy, check it."""
+def check_stage_graph(gm, cfg, degrees: dict[str, int], blocks: range, first: bool, last: bool) -> list[str]:
+    """What is wrong with one pipeline stage's graph (after its passes): FSDP all-gathers and
+    reduce-scatters iff ``dp_shard > 1``, gradient all-reduces iff ``dp_replicate > 1``;
+    all_to_alls iff ``ep > 1`` and the stage holds MoE blocks, each tagged, every MoE block of the
+    stage with its dispatch and combine both ways and nothing of another stage's; with
+    ``transformer_block_bucketing`` alone, one forward all-gather bucket per block plus the
+    embedding's (first stage) and the norm and output's (last); with ``ep_overlap``, a forward
+    and a backward chunked region per MoE block of the stage."""
+    from graph_trainer.graph.collectives import collective_name
+    from graph_trainer.passes.ep_overlap import find_regions
+    from models.registry import model_args
+
+    args = model_args(cfg.model)
+    nodes, problems = _launches(gm), []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    problems += _data_parallel_problems(nodes, degrees)
+    gathers = _fsdp(nodes, FSDP_GATHER, "forward")
+    n_dense = getattr(args, "n_dense_layers", None)  # (None: a model without MoE blocks)
+    moe = [] if n_dense is None else [b for b in blocks if b >= n_dense]
+    a2a = [n for n in nodes if collective_name(n) in _KINDS["A2A"]]
+    need(bool(a2a) == (degrees.get("ep", 1) > 1 and bool(moe)), f"ep={degrees.get('ep', 1)}: {len(a2a)} all_to_alls")
+    roles = Counter((tags.get(n, MOE_FQN), tags.get(n, PHASE), tags.get(n, EP_ROLE)) for n in a2a)
+    layers = {fqn for fqn, _, _ in roles}
+    expected_layers = {f"layers.{b}.moe" for b in moe} if a2a else set()
+    need(layers == expected_layers, f"all_to_alls in MoE layers {sorted(layers)[:3]}, the stage holds {len(moe)}")
+    missing = [
+        key
+        for fqn in layers
+        for key in ((fqn, p, r) for p in (FORWARD, BACKWARD) for r in (DISPATCH, COMBINE))
+        if not roles[key]
+    ]
+    need(not missing, f"MoE layers without an all_to_all for {missing[:3]}")
+    passes = list(cfg.compile.passes)
+    if passes == [BUCKETING["tbb"]] and degrees["dp_shard"] > 1:
+        buckets = {tags.get(n, FSDP_BUCKET) for n in gathers}
+        want = len(blocks) + first + last
+        unbucketed = [n.name for n in gathers if not tags.has(n, FSDP_BUCKET)]
+        need(len(buckets) == want and not unbucketed, f"forward all-gathers in {len(buckets)} buckets, expected {want}")
+    if "ep_overlap" in passes:
+        regions = find_regions(gm.graph)
+        need(len(regions) == 2 * len(moe), f"ep_overlap: {len(regions)} chunked regions for {len(moe)} MoE blocks")
+    return problems
+
+
+def dry_run_pipelines(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
+    """The pipeline cases: trace each stage (cases differing in the staging alone share traces),
+    check every stage graph, estimate the step (``graph_trainer.pipelining.timeline``), and print
+    each case's simulated step, bubble fraction, throughput and worst rank's memory."""
+    from graph_trainer.analysis.devices import DEVICES
+    from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, memory_warning
+    from graph_trainer.analyze import pipeline_rows
+    from graph_trainer.config_loading import load_config
+    from graph_trainer.fake_trace import fake_world, trace_pipeline
+    from graph_trainer.graph.collectives import collective_name
+    from graph_trainer.parallel import resolve_parallel_degrees
+    from graph_trainer.pipelining.timeline import estimate_pipeline
+    from graph_trainer.validation import validate_config
+
+    device = DEVICES["h100" if suite.gpus else "cpu"]
+    limit = DEVICE_MEMORY_BYTES["h100"] if suite.gpus else None
+    shared: dict[tuple, dict] = {}
+    rows = []
+    for case in cases:
+        row: dict[str, object] = {"case": case.name, "world": case.nproc, "regions": "-"}
+        start = time.perf_counter()
+        memory, graphs, line = None, [], ""
+        try:
+            cfg = load_config(job_args(suite, case, suite.dry_run_overrides))
+            validate_config(cfg, case.nproc)
+            degrees = resolve_parallel_degrees(cfg.parallelism, case.nproc)
+            # (a stage's graph depends on its blocks and ends, which trace_pipeline's keys hold)
+            layout_args = _without_flag(
+                _without_flag(case.args, "--parallelism.pp_schedule"), "--parallelism.pp_stage_blocks"
+            )
+            traces = shared.setdefault((case.nproc, case.config, *layout_args), {})
+            with fake_world(case.nproc):
+                traced = trace_pipeline(cfg, case.nproc, gpu_attention=suite.gpus, traces=traces)
+                pipeline = traced.layout.pipeline
+                optimizer = adamw_memory("cuda" if suite.gpus else "cpu")
+                estimate = estimate_pipeline(pipeline.plan, traced.stages, device, case.nproc, 8, optimizer)
+            problems, checked = [], set()
+            for s in range(pipeline.plan.num_stages):
+                gm = traced.stages[s].gm
+                if id(gm) not in checked:  # (a trace shared by stages of one signature: checked once)
+                    checked.add(id(gm))
+                    ends = (s == 0, s == pipeline.last_stage)
+                    found = check_stage_graph(gm, cfg, degrees, traced.traced_blocks[s], *ends)
+                    problems += [f"stage {s}: {p}" for p in found]
+            graphs = [traced.stages[s].gm for s in range(pipeline.plan.num_stages)]
+            summary, _ = pipeline_rows(case.name, cfg, case.nproc, estimate, pipeline.stage_blocks)
+            rank, memory = estimate.worst_memory()
+            line = (
+                f"{summary['schedule']}, {summary['stages']} stages x {summary['microbatches']} microbatches: "
+                f"simulated step {summary['step ms'] / 1e3:.2f} s, bubble {summary['bubble %']:.1f}%, "
+                f"{summary['tokens/s/GPU']:.0f} tokens/s/GPU ({summary['TFLOP/s/GPU']:.0f} TFLOP/s/GPU), "
+                f"peak {summary['peak GiB']:.1f} GiB on pipeline rank {rank}"
+            )
+        except Exception as e:  # the config, a trace or a check failed: that is this case's result
+            problems = [f"{type(e).__name__}: {e}"]
+        nodes = [n for gm in graphs for n in _launches(gm)]
+        fsdp_ag = [len(_fsdp(nodes, FSDP_GATHER, p)) for p in ("forward", "backward")]
+        row.update({k: sum(collective_name(n) in v for n in nodes) for k, v in _KINDS.items()})
+        row.update(
+            {
+                "FSDP AG fwd+bwd": f"{fsdp_ag[0]}+{fsdp_ag[1]}",
+                **memory_columns(memory, limit),
+                "trace s": f"{time.perf_counter() - start:.1f}",
+                "passes s": "-",
+                "status": "FAIL: " + "; ".join(problems) if problems else "PASS",
+            }
+        )
+        rows.append(row)
+        print(f"[dry-run] {case.name:34s} {row['status']}", flush=True)
+        if line:
+            print(f"[dry-run] {case.name:34s} {line}", flush=True)
+        warning = memory_warning(memory, limit, "an H100") if memory is not None else None
+        if warning:
+            print(f"[dry-run] {case.name:34s} WARNING: {warning}", flush=True)
+    return rows
+
+
+def _pipeline_key(case: Case) -> tuple:
+    """What a pipeline case's stage traces depend on besides the stages' blocks and ends."""
+    staging = ("--parallelism.pp_schedule", "--parallelism.pp_stage_blocks")
+    args = case.args
+    for flag in staging:
+        args = _without_flag(args, flag)
+    return (case.nproc, case.config, *args)
+
+
+def dry_run(suite: Suite, cases: list[Case], shard: tuple[int, int] = (0, 1)) -> list[dict[str, object]]:
+    """Trace each layout once per world size, run each graph case's passes on a copy, check it;
+    pipeline cases go to ``dry_run_pipelines`` (their rows come last). ``shard`` (K, N): only every
+    N-th group of cases that share a trace, from the K-th (N processes then split the dry run)."""
     from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, estimate_step_memory, memory_warning
     from graph_trainer.config_loading import load_config
     from graph_trainer.fake_trace import fake_world, trace_without_passes
@@ -287,9 +431,19 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
     from graph_trainer.validation import validate_config
 
     groups: dict[tuple, list[Case]] = {}
+    pipeline_groups: dict[tuple, list[Case]] = {}
     for case in cases:
-        if not case.eager:
+        if case.eager:
+            continue
+        if load_config(job_args(suite, case, suite.dry_run_overrides)).parallelism.pp > 1:
+            pipeline_groups.setdefault(_pipeline_key(case), []).append(case)
+        else:
             groups.setdefault((case.nproc, case.config, _trace_key(case.args)), []).append(case)
+    index, count = shard
+    keys = [*groups, *pipeline_groups]
+    mine = {key for i, key in enumerate(keys) if i % count == index}
+    groups = {key: group for key, group in groups.items() if key in mine}
+    pipelines = [case for key, group in pipeline_groups.items() if key in mine for case in group]
     limit = DEVICE_MEMORY_BYTES["h100"] if suite.gpus else None
     rows = []
     for (nproc, _, key), group in groups.items():
@@ -339,4 +493,4 @@ def dry_run(suite: Suite, cases: list[Case]) -> list[dict[str, object]]:
                 warning = memory_warning(memory, limit, "an H100") if memory is not None else None
                 if warning:
                     print(f"[dry-run] {case.name:34s} WARNING: {warning}", flush=True)
-    return rows
+    return rows + dry_run_pipelines(suite, pipelines)

@@ -1,7 +1,7 @@
 """End-to-end suites: every case is a real ``torchrun train.py`` job, checked from its outputs.
 
     python integration_tests.py OUTPUT_DIR --suite cpu|h100|gpu [--test_name NAME[,NAME]] [--ngpu N]
-                                [--dry-run] [--list]
+                                [--dry-run [--shard K/N]] [--list]
 
 ``cpu`` runs on gloo with the debug LLaMA-3 and DeepSeek-V3, 1 to 4 processes (what CI can run:
 2 cores, no GPU). ``h100`` runs real flavors with NCCL on 8 GPUs (4 where a case says so).
@@ -28,7 +28,14 @@ group in this one CPU process (``graph_trainer.fake_trace``, as ``analyze`` does
 passes run, and the graph is checked (``integration_dry_run.check_graph``): the collectives its layout needs, EP
 tags, transformer-block bucket counts. Cases of one layout share one trace: its graph is copied
 for each pass list (``tests/test_integration_tests.py`` checks that a copy gives the same graph
-as a fresh trace). The exit code is the number of failed cases (2 for bad command-line input).
+as a fresh trace). A pipeline case (``--parallelism.pp`` > 1) is traced stage by stage, each stage
+graph checked (``integration_dry_run.check_stage_graph``), and its step estimated
+(``graph_trainer.pipelining.timeline``: simulated step, bubble fraction, tokens/s per GPU, every
+pipeline rank's memory with its schedule's in-flight microbatches). Cases marked
+``dry_run_only`` (cluster layouts: the h100 suite's 405B on 512 GPUs, 671B on 256) are checked
+by the dry run alone; a run skips them. The exit code is the number of failed cases (2 for bad
+command-line input). ``--shard K/N`` takes every N-th group of cases that share a trace, from
+the K-th: N processes split a dry run (CI runs two beside pytest).
 """
 
 from __future__ import annotations
@@ -200,9 +207,15 @@ def run_case(
     return result
 
 
-def select(cases: list[Case], names: list[str], ngpu: int) -> tuple[list[Case], dict[str, str]]:
+def default_ngpu(cases: list[Case]) -> int:
+    """The processes of the largest case a run (not a dry run) can take."""
+    return max((c.nproc for c in cases if not c.dry_run_only), default=1)
+
+
+def select(cases: list[Case], names: list[str], ngpu: int, dry_run: bool = False) -> tuple[list[Case], dict[str, str]]:
     """The named cases (all if none) plus everything they are compared with, in table order; and
-    the cases skipped because they (or a reference) need more than ``ngpu`` processes."""
+    the cases skipped because they (or a reference) need more than ``ngpu`` processes, or only a
+    dry run can check them."""
     by_name = {c.name: c for c in cases}
     unknown = [n for n in names if n not in by_name]
     if unknown:
@@ -217,7 +230,9 @@ def select(cases: list[Case], names: list[str], ngpu: int) -> tuple[list[Case], 
     chosen = [c for c in cases if c.name in wanted]
     skipped: dict[str, str] = {}
     for c in chosen:  # table order: a reference comes before its dependents
-        if c.nproc > ngpu:
+        if c.dry_run_only and not dry_run:
+            skipped[c.name] = f"a {c.nproc}-GPU layout: checked by --dry-run only"
+        elif c.nproc > ngpu and not (dry_run and c.dry_run_only):
             skipped[c.name] = f"needs {c.nproc} > --ngpu {ngpu}"
         elif any(r in skipped for r in c.references):
             skipped[c.name] = "its reference is skipped"
@@ -229,7 +244,7 @@ def run_suite(
 ) -> list[Result]:
     """Run (the selected cases of) a suite; the Python API behind the command line."""
     suite = SUITES[suite_name]
-    cases, skipped = select(suite.cases, list(names), ngpu if ngpu is not None else max(c.nproc for c in suite.cases))
+    cases, skipped = select(suite.cases, list(names), ngpu if ngpu is not None else default_ngpu(suite.cases))
     os.makedirs(output_dir, exist_ok=True)
     done: dict[str, Finished] = {}
     results = []
@@ -258,6 +273,15 @@ def format_table(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def _parse_shard(text: str) -> tuple[int, int] | None:
+    """'K/N' -> (K, N) with 0 <= K < N; None if it is not that."""
+    parts = text.split("/")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        return None
+    index, count = int(parts[0]), int(parts[1])
+    return (index, count) if 0 <= index < count else None
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit code 2
         print(f"error: {message} (see --help)", file=sys.stderr)
@@ -271,6 +295,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--test_name", default="", help="comma-separated case names (their references run too)")
     parser.add_argument("--ngpu", type=int, default=None, help="most processes a case may use (default: all)")
     parser.add_argument("--dry_run", action="store_true", help="trace each graph case on the fake process group")
+    parser.add_argument(
+        "--shard",
+        default="0/1",
+        help="K/N: with --dry-run, only every N-th group of cases sharing a trace, from the K-th",
+    )
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     from graph_trainer.config_loading import normalize_flags
 
@@ -278,10 +307,15 @@ def main(argv: list[str]) -> int:
     suite = SUITES[opts.suite]
     if opts.ngpu is not None and opts.ngpu < 1:
         parser.error(f"--ngpu must be >= 1, got {opts.ngpu}")
-    ngpu = opts.ngpu if opts.ngpu is not None else max(c.nproc for c in suite.cases)
+    shard = _parse_shard(opts.shard)
+    if shard is None:
+        parser.error(f"--shard {opts.shard!r} must be K/N with 0 <= K < N, e.g. 0/2")
+    if shard != (0, 1) and not opts.dry_run:
+        parser.error("--shard splits a dry run (--dry-run); a run of jobs takes --test_name")
+    ngpu = opts.ngpu if opts.ngpu is not None else default_ngpu(suite.cases)
     names = [n for n in opts.test_name.split(",") if n]
     try:
-        cases, skipped = select(suite.cases, names, ngpu)
+        cases, skipped = select(suite.cases, names, ngpu, dry_run=opts.dry_run)
     except ValueError as e:
         parser.error(str(e))
     if opts.list:
@@ -290,7 +324,7 @@ def main(argv: list[str]) -> int:
             print(f"{c.name}: {c.nproc} proc, {c.config or suite.config} {' '.join(c.args)}{refs}")
         return 0
     if opts.dry_run:
-        rows = dry_run(suite, [c for c in cases if c.name not in skipped])
+        rows = dry_run(suite, [c for c in cases if c.name not in skipped], shard)
         print(format_table(rows))
         failures = sum(r["status"] != "PASS" for r in rows)
         print(

@@ -24,6 +24,15 @@ warning where the peak exceeds the device's memory (``--device_memory_gib``, def
 device's: 79.1 GiB for ``h100``, none for ``cpu``). ``--trace_out`` writes a Chrome/Perfetto
 timeline (one file per pass list with ``--compare``).
 
+A pipeline job (``--parallelism.pp`` P > 1) is traced stage by stage (``fake_trace.trace_pipeline``)
+and estimated by ``graph_trainer.pipelining.timeline``: each stage's pieces are simulated, the
+schedule is replayed with point-to-point transfers between stages, and every pipeline rank's memory
+counts the microbatches its schedule keeps in flight. ``--pp_schedules a,b`` compares schedules
+(default: ``parallelism.pp_schedule``). Prints one row per pass list and schedule (simulated step,
+bubble fraction, tokens/s and model TFLOP/s per GPU, the highest rank's peak memory and its parts),
+then per stage its blocks, rank and the seconds of its pieces (F, B, I, W) and what one microbatch
+holds, then the memory line of every pipeline rank.
+
 With ``--training.global_batch_size`` giving M > 1 microbatches per step, the simulated graph is
 one microbatch; the memory estimate counts the gradient accumulation buffer, and one line per pass
 list (``accumulation_line``) gives the step (M graphs), and what the gradient reductions send and
@@ -69,6 +78,68 @@ def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
         # Groups are resolved while the fake process group is alive.
         result = simulate(traced.gm.graph, device, ranks_per_node=ranks_per_node)
     return traced, result, traced_s, time.perf_counter() - start - traced_s
+
+
+def analyze_pipeline(cfg, world_size: int, device, ranks_per_node: int = 8, optimizer=None):
+    """Trace a pipeline job stage by stage on the fake process group and estimate its step.
+
+    Returns (``timeline.PipelineEstimate``, the stages' blocks, seconds tracing + passes, seconds estimating).
+    """
+    from graph_trainer.fake_trace import fake_world, trace_pipeline
+    from graph_trainer.pipelining.timeline import estimate_pipeline
+
+    start = time.perf_counter()
+    with fake_world(world_size):
+        traced = trace_pipeline(cfg, world_size, gpu_attention=device.fused_attention)
+        traced_s = time.perf_counter() - start
+        pipeline = traced.layout.pipeline
+        estimate = estimate_pipeline(pipeline.plan, traced.stages, device, world_size, ranks_per_node, optimizer)
+    return estimate, pipeline.stage_blocks, traced_s, time.perf_counter() - start - traced_s
+
+
+def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> tuple[dict, list[dict]]:
+    """(The summary row of one pipeline estimate, one row per stage.) Tokens per step are the global
+    batch's (local batch x seq x microbatches x data-parallel ranks); model TFLOP/s count the
+    model's FLOPs per token (``flops_per_token``, as the trainer's MFU does)."""
+    from graph_trainer.parallel import resolve_parallel_degrees
+    from models.registry import MODEL_SPECS, model_args
+
+    t, plan, timeline = cfg.training, estimate.plan, estimate.timeline
+    degrees = resolve_parallel_degrees(cfg.parallelism, world_size)
+    tokens = t.local_batch_size * t.seq_len * plan.microbatches * degrees["dp_replicate"] * degrees["dp_shard"]
+    per_gpu = tokens / timeline.step_seconds / world_size
+    flops = MODEL_SPECS[cfg.model.name].flops_per_token(model_args(cfg.model), t.seq_len)
+    rank, memory = estimate.worst_memory()
+    p = memory.peak
+    summary = {
+        "passes": label,
+        "schedule": plan.schedule,
+        "stages": plan.num_stages,
+        "microbatches": plan.microbatches,
+        "step ms": timeline.step_seconds * 1e3,
+        "bubble %": 100 * timeline.bubble_fraction,
+        "tokens/s/GPU": per_gpu,
+        "TFLOP/s/GPU": per_gpu * flops / 1e12,
+        "peak GiB": p.total / GIB,
+        "at rank": rank,
+        "params GiB": p.params / GIB,
+        "grads GiB": (p.grads + p.accumulated_grads) / GIB,
+        "optim GiB": p.optimizer / GIB,
+        "activ GiB": p.activations / GIB,
+    }
+    stages = [
+        {
+            "passes": label,
+            "schedule": plan.schedule,
+            "stage": s,
+            "blocks": f"{blocks.start}..{blocks.stop - 1}",
+            "rank": plan.stage_to_rank[s],
+            **{f"{k} ms": estimate.costs[s].seconds[k] * 1e3 for k in ("F", "B", "I", "W")},
+            "held/mb GiB": estimate.costs[s].saved_bytes / GIB,
+        }
+        for s, blocks in enumerate(stage_blocks)
+    ]
+    return summary, stages
 
 
 def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int, memory=None) -> dict[str, object]:
@@ -199,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, compare = take_flag(argv, "--compare", None)
         argv, device_memory_gib = take_flag(argv, "--device_memory_gib", None, float)
         argv, ac_modes = take_flag(argv, "--ac_modes", None)
+        argv, pp_schedules = take_flag(argv, "--pp_schedules", None)
         if ranks_per_node < 1:
             raise ConfigError(f"--ranks_per_node {ranks_per_node} must be >= 1 (GPUs per node)")
         if device_name not in DEVICES:
@@ -214,14 +286,23 @@ def main(argv: list[str] | None = None) -> int:
             if ac_modes is not None
             else [cfg.activation_checkpoint.mode]
         )
+        schedules = (
+            [x.strip() for x in pp_schedules.split(",") if x.strip()]
+            if pp_schedules is not None
+            else [cfg.parallelism.pp_schedule]
+        )
+        if pp_schedules is not None and cfg.parallelism.pp == 1:
+            raise ConfigError("--pp_schedules compares pipeline schedules: it needs --parallelism.pp > 1")
         configs = []
         for passes in pass_lists:
             for mode in modes:
-                c = load_config(argv)
-                c.compile.passes = passes
-                c.activation_checkpoint.mode = mode
-                validate_config(c, world_size)
-                configs.append(c)
+                for schedule in schedules:
+                    c = load_config(argv)
+                    c.compile.passes = passes
+                    c.activation_checkpoint.mode = mode
+                    c.parallelism.pp_schedule = schedule
+                    validate_config(c, world_size)
+                    configs.append(c)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -235,13 +316,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{t.mixed_precision_reduce}, activation checkpointing {cfg.activation_checkpoint.mode}, "
         f"loss chunks {t.loss_chunks}; simulated on {device.name} ({ranks_per_node} ranks/node)"
     )
-    summary, kinds, traffic_lines, memory_lines, accumulation_lines = [], [], [], [], []
+    optimizer = adamw_memory("cpu" if device_name == "cpu" else "cuda")
+    labels = []
     for c in configs:
         label = ",".join(c.compile.passes) or "none"
-        if ac_modes is not None:
-            label += f" ac={c.activation_checkpoint.mode}"
+        labels.append(label + (f" ac={c.activation_checkpoint.mode}" if ac_modes is not None else ""))
+    if cfg.parallelism.pp > 1:
+        return _print_pipelines(configs, labels, world_size, device, ranks_per_node, optimizer, limit)
+    summary, kinds, traffic_lines, memory_lines, accumulation_lines = [], [], [], [], []
+    for c, label in zip(configs, labels, strict=True):
         traced, result, trace_s, sim_s = analyze_job(c, world_size, device, ranks_per_node)
-        optimizer = adamw_memory("cpu" if device_name == "cpu" else "cuda")
         memory = estimate_step_memory(traced.gm.graph, None, optimizer, microbatches=microbatches)
         if microbatches > 1:
             accumulation_lines.append(accumulation_line(label, traced.gm.graph, result, microbatches))
@@ -266,6 +350,31 @@ def main(argv: list[str] | None = None) -> int:
     if accumulation_lines:
         print()
         print("\n".join(accumulation_lines))
+    return 0
+
+
+def _print_pipelines(configs, labels, world_size, device, ranks_per_node, optimizer, limit) -> int:
+    """``main``'s output for a pipeline job (module docstring)."""
+    from graph_trainer.analysis.memory import memory_warning
+    from graph_trainer.analysis.simulator import format_table
+
+    summary, stages, memory_lines = [], [], []
+    for c, label in zip(configs, labels, strict=True):
+        estimate, stage_blocks, trace_s, estimate_s = analyze_pipeline(c, world_size, device, ranks_per_node, optimizer)
+        row, stage_rows = pipeline_rows(label, c, world_size, estimate, stage_blocks)
+        summary.append({**row, "trace s": trace_s, "sim s": estimate_s})
+        stages.extend(stage_rows)
+        name = f"{label}, {estimate.plan.schedule}"
+        for rank, memory in sorted(estimate.memory.items()):
+            memory_lines.append(f"memory of pipeline rank {rank} ({name}): {memory.summary()}")
+        warning = memory_warning(estimate.worst_memory()[1], limit, device.name)
+        if warning:
+            memory_lines.append(f"WARNING ({name}, pipeline rank {estimate.worst_memory()[0]}): {warning}")
+    print(format_table(summary))
+    print()
+    print(format_table(stages))
+    print()
+    print("\n".join(memory_lines))
     return 0
 
 

@@ -25,20 +25,24 @@ traces exactly what the trainer traces on this machine):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from graph_trainer.build import build_job_model, build_layout, pass_context
+from graph_trainer.build import JobLayout, build_job_model, build_layout, pass_context, stage_modules
 from graph_trainer.config import JobConfig
 from graph_trainer.errors import ConfigError
 from graph_trainer.passes import PassContext
 from graph_trainer.pipeline import transform_graph
 from graph_trainer.torch_compat import clear_dtensor_sharding_caches, fake_store
 from graph_trainer.tracer import TracedStep, trace_train_step
+from models.common import block_costs
+from models.registry import MODEL_SPECS, model_args
 
 
 @contextlib.contextmanager
@@ -96,8 +100,7 @@ def trace_without_passes(
     ``param_dtype`` and ``gpu_attention`` are described in the module docstring."""
     if cfg.parallelism.pp > 1:
         raise ConfigError(
-            f"parallelism.pp = {cfg.parallelism.pp}: fake traces (the dry run, analyze) trace a job as one graph "
-            f"and do not trace pipeline stages yet; run the job itself, or analyse it with parallelism.pp = 1"
+            f"parallelism.pp = {cfg.parallelism.pp}: a pipeline is traced stage by stage (trace_pipeline)"
         )
     layout = build_layout(cfg, world_size, device_type)
     model = build_job_model(cfg, layout, torch.device("meta"), model_args, param_dtype)
@@ -136,4 +139,89 @@ def trace_job(
     return traced
 
 
-__all__ = ["fake_world", "trace_job", "trace_without_passes"]
+def _stage_signatures(cfg: JobConfig, layout: JobLayout) -> dict[int, tuple]:
+    """Per stage, what its graph depends on: whether it is first or last, and its blocks' costs
+    (equal costs: equal blocks, e.g. DeepSeek's dense and MoE blocks differ). Stages of one
+    signature trace to the same graph up to parameter names."""
+    with torch.device("meta"):
+        costs, _ = block_costs(MODEL_SPECS[cfg.model.name].build(model_args(cfg.model)))
+    pipeline = layout.pipeline
+    return {
+        s: (s == 0, s == pipeline.last_stage, tuple(costs[b] for b in blocks))
+        for s, blocks in enumerate(pipeline.stage_blocks)
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedPipeline:
+    """A pipeline job traced stage by stage (``trace_pipeline``)."""
+
+    layout: JobLayout
+    """The layout of pipeline rank 0 (its ``pipeline`` holds the plan and every stage's blocks)."""
+    stages: dict[int, TracedStep]
+    """Every stage's joint graph; stages of one signature share one ``TracedStep``."""
+    traced_blocks: dict[int, range]
+    """Per stage, the blocks its graph was traced with: its own, or those of the stage of equal
+    signature it shares the trace with (its parameter and module names are that stage's)."""
+
+
+def trace_pipeline(
+    cfg: JobConfig,
+    world_size: int,
+    device_type: str = "cpu",
+    param_dtype: torch.dtype | None = None,
+    gpu_attention: bool = False,
+    passes: bool = True,
+    traces: dict | None = None,
+) -> TracedPipeline:
+    """A pipeline job (``parallelism.pp`` > 1) at ``world_size``, traced stage by stage on fake
+    tensors as its ranks trace them (``pipelining.step.PipelineStep``): every stage's joint graph
+    after its memory policy and passes (unless ``passes`` is False). Stages of one signature
+    (``_stage_signatures``) share one trace; ``traces`` (a dict the caller keeps) shares them
+    between calls for jobs that differ only in how the model is staged (``pp_schedule``,
+    ``pp_stage_blocks``): a stage's graph depends on its blocks and ends, which its signature
+    holds. A stage of pipeline rank r is built with rank r's blocks on this process's mesh (rank
+    0's): its collectives have the sizes and node layout of rank r's groups, not their names.
+    Must run inside ``fake_world(world_size)``."""
+    layout = build_layout(cfg, world_size, device_type)
+    pipeline = layout.pipeline
+    if pipeline is None:
+        raise ConfigError("trace_pipeline needs parallelism.pp > 1")
+    t = cfg.training
+    tokens = torch.empty(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
+    hidden = torch.empty(
+        t.local_batch_size,
+        t.seq_len,
+        model_args(cfg.model).dim,
+        dtype=param_dtype or layout.mp.param_dtype,
+        device="meta",
+    )
+    traced_by_signature: dict[tuple, tuple[TracedStep, range]] = traces if traces is not None else {}
+    stages: dict[int, TracedStep] = {}
+    traced_blocks: dict[int, range] = {}
+    modules_of_rank: dict[int, dict[int, nn.Module]] = {}
+    for stage, signature in _stage_signatures(cfg, layout).items():
+        if signature not in traced_by_signature:
+            rank = pipeline.plan.stage_to_rank[stage]
+            rank_layout = dataclasses.replace(layout, pipeline=dataclasses.replace(pipeline, rank=rank))
+            if rank not in modules_of_rank:
+                model = build_job_model(cfg, rank_layout, torch.device("meta"), None, param_dtype)
+                modules_of_rank[rank] = stage_modules(model, rank_layout.pipeline)
+            module = modules_of_rank[rank][stage]
+            with _GpuAttention() if gpu_attention else contextlib.nullcontext():
+                traced = trace_train_step(
+                    module,
+                    tokens if stage == 0 else hidden,
+                    tokens if stage == pipeline.last_stage else hidden.clone(),
+                    t.loss_chunks,
+                    grad_scale=layout.loss_scale,
+                    fake_device=torch.device(device_type),
+                )
+            if passes:
+                traced.gm = transform_graph(traced.gm, pass_context(cfg, rank_layout, module))
+            traced_by_signature[signature] = (traced, pipeline.stage_blocks[stage])
+        stages[stage], traced_blocks[stage] = traced_by_signature[signature]
+    return TracedPipeline(layout, stages, traced_blocks)
+
+
+__all__ = ["TracedPipeline", "fake_world", "trace_job", "trace_pipeline", "trace_without_passes"]

@@ -153,7 +153,13 @@ def _ways_to_shrink(cfg: JobConfig, estimate: StepMemoryEstimate) -> list[str]:
     """Settings that shrink the largest parts of ``estimate``'s peak, most effective first."""
     t, ac = cfg.training, cfg.activation_checkpoint.mode
     ways = []
-    if estimate.peak.activations > estimate.peak.params and estimate.peak.phase == "graph":
+    if estimate.peak.activations > estimate.peak.params and estimate.peak.phase in ("graph", "pipeline"):
+        if estimate.peak.phase == "pipeline" and cfg.parallelism.pp_schedule != "1F1B":
+            ways.append("parallelism.pp_schedule 1F1B (the fewest microbatches in flight)")
+        if estimate.peak.phase == "pipeline":
+            ways.append(
+                "parallelism.pp_stage_blocks giving the first stages (more microbatches in flight) fewer blocks"
+            )
         if ac != "full" and cfg.compile.mode == "graph":
             ways.append(f"activation_checkpoint.mode {'selective or full' if ac == 'none' else 'full'}")
         if t.local_batch_size > 1:

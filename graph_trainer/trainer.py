@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer import comm
-from graph_trainer.analysis.memory import estimate_step_memory
+from graph_trainer.analysis.memory import StepMemoryEstimate, estimate_step_memory
 from graph_trainer.build import build_job_model, build_layout, pass_context, stage_modules
 from graph_trainer.checkpoint import Checkpointer
 from graph_trainer.config import JobConfig
@@ -48,6 +48,7 @@ from graph_trainer.parallel import ParallelDims, average_over_dp, dp_rank, pp_gr
 from graph_trainer.passes.runner import PassRunner
 from graph_trainer.pipeline import apply_memory_policy, apply_passes, compile_graph
 from graph_trainer.pipelining.step import PipelineStep
+from graph_trainer.pipelining.timeline import rank_memory, stage_cost
 from graph_trainer.preflight import check_model_state_fits, check_step_fits
 from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.torch_compat import cpu_backend
@@ -207,6 +208,7 @@ class Trainer:
                 loss_chunks=t.loss_chunks,
                 grad_scale=self.grad_scale,
                 post_trace=self._prepare_stage_graph,
+                on_traced=self._check_pipeline_memory,
             )
         elif cfg.compile.mode == "graph":
             self.step_fn = GraphStep(
@@ -247,11 +249,19 @@ class Trainer:
             )
         return traced
 
-    def _report_memory(self, graph) -> None:
+    def _check_pipeline_memory(self, step: PipelineStep) -> None:
+        """``_report_memory`` of a pipeline rank once its stages are traced: its parameters, gradient
+        buffer and optimizer state, and the activations its schedule keeps in flight
+        (``pipelining.timeline.rank_memory``), before the first microbatch allocates them."""
+        costs = {s: stage_cost(runner.graphs, step.traced[s]) for s, runner in step.runners.items()}
+        self._report_memory(None, rank_memory(self.pipeline.plan, self.pipeline.rank, costs, self.optimizer))
+
+    def _report_memory(self, graph, estimate: StepMemoryEstimate | None = None) -> None:
         """Log the estimated per-rank peak with its parts, and refuse the job before its first step
         when the largest over the ranks exceeds the device's memory (``preflight.check_step_fits``).
-        ``graph`` None: eager mode (a lower bound)."""
-        estimate = estimate_step_memory(graph, self.params, self.optimizer, microbatches=self.microbatches)
+        ``graph`` None: eager mode (a lower bound), unless ``estimate`` is given."""
+        if estimate is None:
+            estimate = estimate_step_memory(graph, self.params, self.optimizer, microbatches=self.microbatches)
         logger.info("estimated memory per rank: %s", estimate.summary())
         peak = torch.tensor([float(estimate.peak_bytes)], dtype=torch.float64, device=self.dist.device)
         if self.dist.world_size > 1:  # the same decision on every rank: uneven shards differ a little

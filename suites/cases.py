@@ -49,6 +49,9 @@ class Case:
     """The bound of a ``close_to`` comparison on the losses (``CLOSE_RTOL`` by default)."""
     config: str = ""
     """Job config of this case; empty: the suite's."""
+    dry_run_only: bool = False
+    """A layout of a cluster (hundreds of GPUs): only the dry run checks it (traced on the fake
+    process group, its step simulated); a run on one node skips it."""
 
     @property
     def eager(self) -> bool:

@@ -81,6 +81,38 @@ H100_INDUCTOR_CASES = [
     Case("fsdp8_inductor_full", 8, INDUCTOR_FULL_FLAGS),
     Case("deepseek16b_fsdp8xep8_inductor", 8, INDUCTOR_FLAGS, config="configs/deepseek_v3_16b.toml"),
 ]
+
+
+# Cluster layouts, checked by the dry run only (traced stage by stage at 512 and 256 ranks, the
+# step simulated): the shipped 405B and 671B flavors with pipeline parallel, one case per schedule.
+# Tensor parallel is not offered with pp, so every stage is SimpleFSDP-sharded over the ranks pp
+# leaves (and DeepSeek's experts over ep); full checkpointing. 1F1B keeps pp microbatches in
+# flight on its first rank, the interleaved and V schedules more: only 1F1B fits 75 GiB
+# (docs/performance.md). DeepSeek's 1F1B stages give the first ranks fewer blocks (they hold more
+# microbatches) and stage 0 the three dense blocks.
+def _pipeline_cases(name: str, nproc: int, args: list[str], config: str, first_blocks: str) -> list[Case]:
+    cases = []
+    for short, schedule in (("1f1b", "1F1B"), ("interleaved", "Interleaved1F1B"), ("zbv", "ZBVZeroBubble")):
+        staging = ["--parallelism.pp_stage_blocks", first_blocks] if schedule == "1F1B" and first_blocks else []
+        flags = [*args, "--parallelism.pp_schedule", schedule, *staging]
+        cases.append(Case(f"{name}_{short}", nproc, flags, config=config, dry_run_only=True))
+    return cases
+
+
+_PIPELINE_COMMON = ["--activation_checkpoint.mode", "full", "--compile.passes", BUCKETING["tbb"]]
+H100_PIPELINE_CASES = _pipeline_cases(
+    "llama3_405b_pp16xfsdp32",
+    512,
+    ["--model.flavor", "405B", "--parallelism.pp", "16", "--training.global_batch_size", "1024", *_PIPELINE_COMMON],
+    "",
+    "",
+) + _pipeline_cases(
+    "deepseek671b_pp8xfsdp32xep32",
+    256,
+    ["--parallelism.pp", "8", "--parallelism.ep", "32", "--training.global_batch_size", "1024", *_PIPELINE_COMMON],
+    "configs/deepseek_v3_671b.toml",
+    "6,7,7,8,8,8,9,8",
+)
 H100_CASES = (
     layout_cases(_8B_LAYOUTS)
     + pass_cases(_8B_LAYOUTS, ["fsdp8", "fsdp4xtp2"])
@@ -95,4 +127,5 @@ H100_CASES = (
     + H100_EP_OVERLAP_CASES
     + H100_MEMORY_POLICY_CASES
     + H100_INDUCTOR_CASES
+    + H100_PIPELINE_CASES
 )

@@ -369,10 +369,10 @@ def test_a_pipeline_layout_is_planned_from_the_settings():
     assert pipeline_layout(cfg, 2, 4, rank=0).stage_blocks == [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
 
 
-def test_fake_traces_refuse_a_pipeline_in_one_line():
+def test_a_pipeline_is_traced_stage_by_stage_not_as_one_graph():
     from graph_trainer.fake_trace import trace_without_passes
 
     cfg = JobConfig()
     cfg.parallelism.pp = 2
-    with pytest.raises(ConfigError, match="fake traces .* do not trace pipeline stages yet"):
+    with pytest.raises(ConfigError, match="a pipeline is traced stage by stage"):
         trace_without_passes(cfg, 2)

@@ -13,7 +13,7 @@ import integration_dry_run as dry
 import integration_tests as it
 import suites
 from graph_trainer.config_loading import load_config
-from graph_trainer.fake_trace import fake_world, trace_job, trace_without_passes
+from graph_trainer.fake_trace import fake_world, trace_job, trace_pipeline, trace_without_passes
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts, collective_name
 from graph_trainer.parallel import resolve_parallel_degrees
@@ -216,3 +216,51 @@ def test_dry_run_flags_an_hsdp_all_reduce_of_the_full_gradient():
     all_reduce = next(n for n in launches if collective_name(n) == "all_reduce")
     all_reduce.meta["val"] = torch.empty(2 * all_reduce.meta["val"].numel())
     assert dry._full_gradient_all_reduces(launches) == [all_reduce.name]
+
+
+def test_cluster_layouts_are_dry_run_only():
+    cases = suites.SUITES["h100"].cases
+    cluster = [c.name for c in cases if c.dry_run_only]
+    assert cluster and it.default_ngpu(cases) == 8
+    _, skipped = it.select(cases, cluster, ngpu=8)
+    assert set(skipped) == set(cluster) and "dry-run only" in skipped[cluster[0]]
+    assert it.select(cases, cluster, ngpu=8, dry_run=True)[1] == {}
+
+
+def test_pipeline_dry_run_checks_every_stage_graph_and_estimates_the_step(capsys):
+    suite = suites.SUITES["cpu"]
+    names = ["pp2xfsdp2_zbv_tbb", "deepseek_pp2xep2_graph"]
+    rows = dry.dry_run(suite, [c for c in suite.cases if c.name in names])
+    assert sorted((r["case"], r["status"]) for r in rows) == sorted((n, "PASS") for n in names), rows
+    out = capsys.readouterr().out
+    assert "ZBVZeroBubble, 4 stages x 2 microbatches: simulated step" in out and "bubble" in out
+    # the stage check sees what a stage lacks: the DeepSeek stage graph without its ep tags
+    case = next(c for c in suite.cases if c.name == "deepseek_pp2xep2_graph")
+    cfg = load_config(suites.job_args(suite, case))
+    with fake_world(4):
+        traced = trace_pipeline(cfg, 4)
+    degrees = resolve_parallel_degrees(cfg.parallelism, 4)
+    last = traced.layout.pipeline.last_stage
+    gm = traced.stages[last].gm
+    assert dry.check_stage_graph(gm, cfg, degrees, traced.traced_blocks[last], False, True) == []
+    for n in gm.graph.nodes:
+        if collective_name(n) == "all_to_all_single":
+            tags.remove(n, "moe_fqn")
+    problems = dry.check_stage_graph(gm, cfg, degrees, traced.traced_blocks[last], False, True)
+    assert any("MoE layers" in p for p in problems), problems
+
+
+def test_dry_run_shards_split_the_trace_groups_between_them():
+    suite = suites.SUITES["cpu"]
+    pipelines = [c for c in suite.cases if c.name in ("pp2_1f1b_graph", "pp2_gpipe", "pp2_zbv_graph")]
+    shards = [{r["case"] for r in dry.dry_run(suite, pipelines, (k, 2))} for k in range(2)]
+    # the three share one trace key (they differ in the schedule alone): one shard takes them all
+    assert sorted(map(len, shards)) == [0, 3] and set.union(*shards) == {c.name for c in pipelines}
+    for bad in ("2/2", "a/b", "1"):
+        result = subprocess.run(
+            [sys.executable, "integration_tests.py", "out", "--suite", "cpu", "--dry-run", "--shard", bad],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert result.returncode == 2 and result.stderr.startswith(f"error: --shard '{bad}' must be K/N")

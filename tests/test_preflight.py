@@ -14,7 +14,7 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.parallel import largest_local_numel, local_tensor
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
-from tests.launch import FAST_ARGS, read_losses
+from tests.launch import FAST_ARGS, read_losses, run_train
 
 GIB = 1 << 30
 LLAMA3_8B_PARAMETERS = 8_030_261_248
@@ -68,6 +68,20 @@ def test_a_step_that_cannot_fit_is_refused_after_tracing_before_it_runs(tmp_path
     skipping = _graph_trainer(tmp_path / "skipped", "--debug.skip_memory_check", "True")
     assert len(skipping.train()) == 1
     assert any("(going on: debug.skip_memory_check)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_pipeline_whose_in_flight_microbatches_cannot_fit_is_refused_before_they_run(tmp_path):
+    """PP=2 with GPipe keeps all 32 microbatches of 64 x 2048 tokens in flight on each stage: far
+    more than any CI machine holds. Every rank estimates its stages once traced
+    (``pipelining.timeline.rank_memory``) and the job ends in one line naming the schedule."""
+    flags = ["--parallelism.pp", "2", "--parallelism.pp_schedule", "GPipe", "--training.seq_len", "2048"]
+    flags += ["--training.local_batch_size", "64", "--training.global_batch_size", "2048", "--training.steps", "1"]
+    result = run_train(2, tmp_path, *flags, check=False)
+    assert result.returncode != 0
+    (line,) = {x for x in result.stderr.splitlines() if x.startswith("error: ")}
+    assert line.startswith("error: a training step needs an estimated ") and "(pipeline, during " in line
+    assert "to fit: parallelism.pp_schedule 1F1B (the fewest microbatches in flight)" in line
+    assert not (tmp_path / "losses.txt").exists() or not read_losses(tmp_path)
 
 
 def test_largest_local_numel_is_the_first_ranks_piece_of_an_uneven_split():

@@ -9,7 +9,8 @@ step's gradients, one per parameter of the rank's model, in ``named_parameters``
 Graph mode traces each local stage on the first step (``tracer.trace_train_step`` on the stage
 module: a joint forward + backward graph with the stage's own ends), hands it to ``post_trace``
 (the trainer's memory policy, passes and backend, so the user's passes run per stage graph),
-then cuts it into the pieces the schedule runs (``split.split_stage``). Eager mode runs the same
+then cuts it into the pieces the schedule runs (``split.split_stage``); ``on_traced`` then sees
+every local stage's runner before the first microbatch runs (the trainer's memory check). Eager mode runs the same
 schedule with ``EagerStageRunner``: the numerics baseline.
 
 The tensor passed between stages is the hidden state [local batch, seq, dim] in the compute
@@ -48,10 +49,12 @@ class PipelineStep:
         loss_chunks: int,
         grad_scale: float,
         post_trace: Callable[[TracedStep, int], TracedStep] | None = None,
+        on_traced: Callable[[PipelineStep], None] | None = None,
     ):
         self.layout, self.model, self.modules, self.group = layout, model, modules, group
         self.graph, self.hidden_dim, self.hidden_dtype = graph, hidden_dim, hidden_dtype
         self.loss_chunks, self.grad_scale, self.post_trace = loss_chunks, grad_scale, post_trace
+        self.on_traced = on_traced
         self.runners: dict[int, GraphStageRunner | EagerStageRunner] = {}
         self.traced: dict[int, TracedStep] = {}
         if not graph:
@@ -86,6 +89,8 @@ class PipelineStep:
                 traced = self.post_trace(traced, stage)
             self.traced[stage] = traced
             self.runners[stage] = GraphStageRunner(traced, module)
+        if self.on_traced is not None:
+            self.on_traced(self)
 
     def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor | None, list]:
         tokens = [t for t, _ in microbatches]

@@ -249,6 +249,26 @@ def test_analyze_cli_ranks_per_node(capsys):
         assert err.startswith("error: --ranks_per_node") and err.count("\n") == 1
 
 
+def test_analyze_cli_compares_pipeline_schedules(capsys):
+    from graph_trainer.analyze import main
+
+    flags = ["--world_size", "4", "--job.config_file", "configs/llama3_debug.toml", "--parallelism.pp", "2"]
+    flags += ["--training.local_batch_size", "2", "--training.global_batch_size", "16"]
+    assert main([*flags, "--pp_schedules", "1F1B,GPipe,ZBVZeroBubble"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {r.split()[1]: r.split() for r in lines if r.startswith("none ") and len(r.split()) > 10}
+    # columns: passes, schedule, stages, microbatches, step ms, bubble %, tokens/s/GPU, TFLOP/s/GPU, peak GiB, ...
+    assert set(rows) == {"1F1B", "GPipe", "ZBVZeroBubble"}
+    bubble = {s: float(r[5]) for s, r in rows.items()}
+    assert all(0 < b < 100 for b in bubble.values())
+    # GPipe holds every microbatch in flight, 1F1B at most pp of them
+    peak = {s: float(r[8]) for s, r in rows.items()}
+    assert peak["GPipe"] > peak["1F1B"]
+    assert sum(x.startswith("memory of pipeline rank ") for x in lines) == 2 * 3
+    assert main([*flags[:-2], "--pp_schedules", "1F1B", "--parallelism.pp", "1"]) == 2
+    assert "--pp_schedules compares pipeline schedules" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("layout", ["fsdp2", "ddp2"])
 def test_gradient_accumulation_costs_of_reducing_every_microbatch_or_once(layout, capsys):
     """What ``analyze`` reports for gradient accumulation: reducing every microbatch (the trainer)

@@ -1,0 +1,308 @@
+"""Estimates of one pipeline step from its stage graphs: every rank's memory with the microbatches
+its schedule keeps in flight, and the schedule's timeline (step time, bubble fraction).
+
+``stage_cost(graphs, traced, device)`` reads one stage's pieces (``split.split_stage``): the
+simulated time of each piece on a device model (``analysis.simulator.simulate``: compute and the
+stage's own collectives, e.g. FSDP's per-microbatch all-gathers and reduce-scatters), what a
+microbatch holds between its pieces, and what each piece allocates above its inputs
+(``analysis.memory.estimate_peak_memory``).
+
+``replay_pipeline(plan, costs, p2p_seconds)`` runs the plan's actions on a clock per rank: each
+rank runs its actions in the plan's order, an action starts when its rank is free and its input
+has arrived (a forward: the previous stage's forward of that microbatch plus one point-to-point
+transfer, none between two stages of one rank; a backward or dI: the next stage's; dW: its own
+dI). The step ends when the last action does; a rank's bubble is the time it is not computing.
+
+``rank_memory(plan, rank, costs, optimizer)`` walks one rank's actions in order (memory depends on
+the order, not on the clock) as the runners hold tensors (``graph_trainer.pipelining.runners``):
+a forward's saved values from it until the microbatch's backward (or dW), and from dI until dW
+what dI keeps for dW and the output gradient. The peak is the largest (held + the running piece's
+own allocations) on top of the rank's parameters, gradient accumulation buffer and AdamW state;
+the optimizer step is the other phase, as ``analysis.memory.estimate_step_memory`` has it.
+
+Reads: ``input_fqn`` on the stage graphs' placeholders (``tracer.BATCH_INPUTS``: what is held per
+microbatch rather than once). Nothing is written. Fails: a plan whose actions can never all run
+(a dependency no rank produces) raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from graph_trainer.analysis.cost_model import CollectiveTraffic, traffic_time
+from graph_trainer.analysis.devices import DeviceModel
+from graph_trainer.analysis.memory import (
+    MemoryParts,
+    StepMemoryEstimate,
+    allocation_owners,
+    estimate_peak_memory,
+    estimate_step_memory,
+    optimizer_memory,
+)
+from graph_trainer.analysis.simulator import simulate
+from graph_trainer.graph import tags
+from graph_trainer.graph.tags import INPUT_FQN
+from graph_trainer.pipelining.schedule import Action, PipelinePlan
+from graph_trainer.pipelining.split import StageGraphs, split_stage
+from graph_trainer.tracer import BATCH_INPUTS, TracedStep
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's pieces on a device model: seconds per microbatch, and bytes."""
+
+    seconds: dict[str, float]
+    """Simulated seconds of one microbatch's F, B, I and W (``split.StageGraphs``' pieces)."""
+    peak_bytes: dict[str, int]
+    """Per piece kind, the most it allocates above its inputs (outputs included)."""
+    saved_bytes: int
+    """Held per microbatch from its forward to its backward (or dW): the forward's saved values
+    that are not parameters or buffers."""
+    kept_bytes: int
+    """Held per microbatch from dI to dW: what dI computes for dW, and the output gradient."""
+    params: list[torch.Tensor] = field(repr=False)
+    """The stage's parameter and buffer inputs (this rank's shards), resident all step."""
+    grad_bytes: int = 0
+    """Bytes of the stage's parameter gradients (the accumulation buffer)."""
+    output_bytes: int = 0
+    """Bytes of the tensor the stage sends on (0 for the last stage: its loss)."""
+
+
+_PIECES = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
+
+
+def _is_per_microbatch_input(node: fx.Node) -> bool:
+    return node.op == "placeholder" and tags.get(node, INPUT_FQN) in BATCH_INPUTS
+
+
+def _held_output_bytes(gm: fx.GraphModule, skip: int) -> int:
+    """Bytes of the distinct allocations behind ``gm``'s outputs after the first ``skip``, less
+    the parameter and buffer inputs (resident anyway): what a runner keeps from this piece."""
+    nodes = list(gm.graph.nodes)
+    owner, size = allocation_owners(nodes)
+    outputs = [o for o in nodes[-1].args[0][skip:] if isinstance(o, fx.Node)]
+    held = {owner[o] for o in outputs if o in owner}
+    return sum(size[a] for a in held if a.op != "placeholder" or _is_per_microbatch_input(a))
+
+
+def stage_cost(
+    graphs: StageGraphs, traced: TracedStep, device: DeviceModel | None = None, ranks_per_node: int = 8
+) -> StageCost:
+    """The costs of one stage (module docstring) from its pieces and its traced joint graph;
+    without a ``device`` only the bytes (the seconds are 0: the trainer's memory check)."""
+    seconds, peaks = {}, {}
+    for kind, attr in _PIECES.items():
+        graph = getattr(graphs, attr).graph
+        if device is not None:
+            seconds[kind] = simulate(graph, device, ranks_per_node, record_events=False).step_time
+        else:
+            seconds[kind] = 0.0
+        peaks[kind] = estimate_peak_memory(graph).peak_activation_bytes
+    saved = _held_output_bytes(graphs.forward, 1)
+    kept = _held_output_bytes(graphs.backward_input, 1 if graphs.has_input_grad else 0)
+    joint = list(traced.gm.graph.nodes)
+    placeholders = [n for n in joint if n.op == "placeholder"]
+    stage_out = joint[-1].args[0][0].meta["val"]
+    boundary = stage_out.numel() * stage_out.element_size() if graphs.takes_output_grad else 0
+    num_grads = sum(layout.num_inner for layout in traced.grad_layouts[: len(traced.param_names)])
+    grads = [g.meta["val"] for g in joint[-1].args[0][1 : 1 + num_grads]]
+    return StageCost(
+        seconds=seconds,
+        peak_bytes=peaks,
+        saved_bytes=saved,
+        kept_bytes=kept + boundary,  # (the runner keeps the output gradient for dW)
+        params=[n.meta["val"] for n in placeholders if not _is_per_microbatch_input(n)],
+        grad_bytes=sum(g.numel() * g.element_size() for g in grads),
+        output_bytes=boundary,
+    )
+
+
+def p2p_seconds(nbytes: int, device: DeviceModel, inter_node: bool) -> float:
+    """One point-to-point transfer of ``nbytes`` between neighbouring stages' ranks."""
+    return traffic_time(CollectiveTraffic("send", 2, float(nbytes), inter_node), device)
+
+
+@dataclass(frozen=True)
+class PipelineTimeline:
+    """The replayed step: when every action ran, on which rank."""
+
+    step_seconds: float
+    busy_seconds: dict[int, float]
+    """Per rank, the seconds its actions ran."""
+    events: list[tuple[int, Action, float, float]]
+    """(rank, action, start, end) in the order they were placed."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of the ranks' step time spent not computing (waiting on other stages)."""
+        if self.step_seconds == 0:
+            return 0.0
+        return 1.0 - sum(self.busy_seconds.values()) / (len(self.busy_seconds) * self.step_seconds)
+
+
+def _ready_key(action: Action, last_stage: int) -> tuple[str, int, int] | None:
+    """What an action waits for from another stage: the key another action's end sets."""
+    kind, stage, mb = action
+    if kind == "F":
+        return ("F", stage - 1, mb) if stage > 0 else None
+    if kind in ("B", "I"):
+        return ("G", stage + 1, mb) if stage < last_stage else ("F", stage, mb)
+    return ("G", stage, mb)  # W after its own dI
+
+
+def replay_pipeline(
+    plan: PipelinePlan, costs: dict[int, StageCost], p2p: dict[int, float] | float = 0.0
+) -> PipelineTimeline:
+    """Replay ``plan`` with ``costs`` per stage (module docstring). ``p2p``: seconds of one transfer
+    across the boundary between stages s and s + 1 (either way), a dict keyed by s or one figure for
+    all; none between two stages of one rank."""
+    last = plan.num_stages - 1
+    transfer = p2p if isinstance(p2p, dict) else {s: p2p for s in range(plan.num_stages)}
+    done: dict[tuple[str, int, int], tuple[float, int]] = {}  # key -> (end, rank)
+    clock = {r: 0.0 for r in plan.actions}
+    busy = {r: 0.0 for r in plan.actions}
+    position = {r: 0 for r in plan.actions}
+    events = []
+    remaining = sum(len(a) for a in plan.actions.values())
+    while remaining:
+        progressed = False
+        for rank, actions in plan.actions.items():
+            while position[rank] < len(actions):
+                action = actions[position[rank]]
+                kind, stage, mb = action
+                key = _ready_key(action, last)
+                arrival = 0.0
+                if key is not None:
+                    if key not in done:
+                        break
+                    end, source_rank = done[key]
+                    boundary = min(stage, key[1])
+                    arrival = end + (transfer[boundary] if source_rank != rank else 0.0)
+                start = max(clock[rank], arrival)
+                seconds = costs[stage].seconds[kind]
+                clock[rank] = start + seconds
+                busy[rank] += seconds
+                events.append((rank, action, start, clock[rank]))
+                done[("F" if kind == "F" else "G" if kind in ("B", "I") else "W", stage, mb)] = (clock[rank], rank)
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: a[position[r]] for r, a in plan.actions.items() if position[r] < len(a)}
+            raise ValueError(f"the {plan.schedule} plan cannot proceed: every rank waits ({stuck})")
+    return PipelineTimeline(max(clock.values()), busy, events)
+
+
+def _activation_peak(actions: list[Action], costs: dict[int, StageCost]) -> tuple[int, str]:
+    """The most one rank holds in activations over its actions, and where (module docstring)."""
+    held, peak, where = 0, 0, ""
+    for kind, stage, mb in actions:
+        cost = costs[stage]
+        now = held + cost.peak_bytes[kind]
+        if now > peak:
+            peak, where = now, f"{kind} of stage {stage}, microbatch {mb}"
+        if kind == "F":
+            held += cost.saved_bytes
+        elif kind == "B":
+            held -= cost.saved_bytes
+        elif kind == "I":
+            held += cost.kept_bytes
+        else:
+            held -= cost.saved_bytes + cost.kept_bytes
+    return peak, where
+
+
+def rank_memory(plan: PipelinePlan, rank: int, costs: dict[int, StageCost], optimizer=None) -> StepMemoryEstimate:
+    """One rank's step memory (module docstring) as ``estimate_step_memory`` reports a step's:
+    the pipeline phase (activations: the in-flight microbatches and the running piece) and the
+    optimizer step."""
+    stages = plan.local_stages(rank)
+    params = [p for s in stages for p in costs[s].params]
+    opt = optimizer_memory(optimizer)
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(costs[s].grad_bytes for s in stages)
+    activations, where = _activation_peak(plan.actions[rank], costs)
+    pipeline = MemoryParts(
+        "pipeline",
+        param_bytes,
+        0,
+        opt.state_tensors * param_bytes,
+        activations,
+        where,
+        accumulated_grads=grads,
+    )
+    (step,) = estimate_step_memory(None, params, optimizer).phases
+    step = MemoryParts(step.phase, step.params, grads, step.optimizer, step.activations)
+    return StepMemoryEstimate((pipeline, step), activations_estimated=True)
+
+
+def _boundary_crosses_nodes(rank_a: int, rank_b: int, stage_size: int, ranks_per_node: int) -> bool:
+    """Whether a transfer between pipeline ranks ``rank_a`` and ``rank_b`` (each of ``stage_size``
+    global ranks, pipeline outermost) crosses nodes for any pair of matching ranks."""
+    return any(
+        (rank_a * stage_size + i) // ranks_per_node != (rank_b * stage_size + i) // ranks_per_node
+        for i in range(stage_size)
+    )
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """A pipeline step on a device model: per-stage costs, the replayed timeline, every rank's memory."""
+
+    plan: PipelinePlan
+    costs: dict[int, StageCost]
+    timeline: PipelineTimeline
+    memory: dict[int, StepMemoryEstimate]
+    """Per pipeline rank."""
+
+    def worst_memory(self) -> tuple[int, StepMemoryEstimate]:
+        """(pipeline rank, estimate) of the rank with the highest peak."""
+        return max(self.memory.items(), key=lambda item: item[1].peak_bytes)
+
+
+def estimate_pipeline(
+    plan: PipelinePlan,
+    stages: dict[int, TracedStep],
+    device: DeviceModel,
+    world_size: int,
+    ranks_per_node: int = 8,
+    optimizer=None,
+) -> PipelineEstimate:
+    """Cut every stage's graph (``split.split_stage``; stages sharing one trace are costed once),
+    cost it, replay ``plan`` and estimate every rank's memory (module docstring). ``world_size``
+    and ``ranks_per_node`` place the pipeline ranks on nodes (pipeline outermost), which decides
+    whether a point-to-point transfer crosses nodes."""
+    by_trace: dict[int, StageCost] = {}
+    costs = {}
+    for stage, traced in stages.items():
+        if id(traced) not in by_trace:
+            num_grads = sum(layout.num_inner for layout in traced.grad_layouts[: len(traced.param_names)])
+            by_trace[id(traced)] = stage_cost(split_stage(traced.gm, num_grads), traced, device, ranks_per_node)
+        costs[stage] = by_trace[id(traced)]
+    stage_size = world_size // plan.pp
+    p2p = {}
+    for stage in range(plan.num_stages):
+        if stage == plan.num_stages - 1:
+            p2p[stage] = 0.0
+            continue
+        here, there = plan.stage_to_rank[stage], plan.stage_to_rank[stage + 1]
+        crosses = _boundary_crosses_nodes(here, there, stage_size, ranks_per_node)
+        p2p[stage] = p2p_seconds(costs[stage].output_bytes, device, crosses)
+    timeline = replay_pipeline(plan, costs, p2p)  # (the gradient back has the forward output's size)
+    memory = {rank: rank_memory(plan, rank, costs, optimizer) for rank in range(plan.pp)}
+    return PipelineEstimate(plan, costs, timeline, memory)
+
+
+__all__ = [
+    "PipelineEstimate",
+    "PipelineTimeline",
+    "estimate_pipeline",
+    "StageCost",
+    "p2p_seconds",
+    "rank_memory",
+    "replay_pipeline",
+    "stage_cost",
+]
