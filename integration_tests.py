@@ -34,8 +34,10 @@ graph checked (``integration_dry_run.check_stage_graph``), and its step estimate
 pipeline rank's memory with its schedule's in-flight microbatches). Cases marked
 ``dry_run_only`` (cluster layouts: the h100 suite's 405B on 512 GPUs, 671B on 256) are checked
 by the dry run alone; a run skips them. The exit code is the number of failed cases (2 for bad
-command-line input). ``--shard K/N`` takes every N-th group of cases that share a trace, from
-the K-th: N processes split a dry run (CI runs two beside pytest).
+command-line input). ``--shard K/N`` makes this process the K-th of N that split the suite: a
+dry run takes every N-th group of cases that share a trace; a run takes its share of the groups
+of cases compared with each other (``shard_names``: one-process references run in every shard
+that needs them). CI runs the cpu suite and the h100 dry run in two shards each.
 """
 
 from __future__ import annotations
@@ -273,6 +275,38 @@ def format_table(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def shard_names(cases: list[Case], shard: tuple[int, int]) -> list[str]:
+    """The cases of shard K of N of a run: cases compared with each other stay together (components
+    of the same_as / close_to graph), except one-process references that compare with nothing:
+    they run in every shard that needs one (``select`` adds them). Components go, the largest
+    (in processes) first, to the shard with the fewest processes so far."""
+    index, count = shard
+    if count == 1:
+        return [c.name for c in cases]
+    by_name = {c.name: c for c in cases}
+    root_of = {c.name: c.name for c in cases}
+
+    def find(name: str) -> str:
+        while root_of[name] != name:
+            name = root_of[name]
+        return name
+
+    for c in cases:
+        for ref in c.references:
+            shared = by_name[ref].nproc == 1 and not by_name[ref].references
+            if not shared:
+                root_of[find(c.name)] = find(ref)
+    components: dict[str, list[Case]] = {}
+    for c in cases:
+        if not (c.nproc == 1 and not c.references and any(c.name in d.references for d in cases)):
+            components.setdefault(find(c.name), []).append(c)
+    loads, owner = [0] * count, {}
+    for root, members in sorted(components.items(), key=lambda item: -sum(c.nproc for c in item[1])):
+        k = loads.index(min(loads))
+        owner[root], loads[k] = k, loads[k] + sum(c.nproc for c in members)
+    return [c.name for c in cases if owner.get(find(c.name)) == index]
+
+
 def _parse_shard(text: str) -> tuple[int, int] | None:
     """'K/N' -> (K, N) with 0 <= K < N; None if it is not that."""
     parts = text.split("/")
@@ -298,7 +332,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--shard",
         default="0/1",
-        help="K/N: with --dry-run, only every N-th group of cases sharing a trace, from the K-th",
+        help="K/N: the K-th of N processes splitting the suite (a run: groups of compared cases; "
+        "--dry-run: groups of cases sharing a trace)",
     )
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     from graph_trainer.config_loading import normalize_flags
@@ -310,10 +345,12 @@ def main(argv: list[str]) -> int:
     shard = _parse_shard(opts.shard)
     if shard is None:
         parser.error(f"--shard {opts.shard!r} must be K/N with 0 <= K < N, e.g. 0/2")
-    if shard != (0, 1) and not opts.dry_run:
-        parser.error("--shard splits a dry run (--dry-run); a run of jobs takes --test_name")
     ngpu = opts.ngpu if opts.ngpu is not None else default_ngpu(suite.cases)
     names = [n for n in opts.test_name.split(",") if n]
+    if shard != (0, 1) and not opts.dry_run:
+        if names:
+            parser.error("--shard splits a whole suite; with --test_name, name the cases of each process")
+        names = shard_names(suite.cases, shard)
     try:
         cases, skipped = select(suite.cases, names, ngpu, dry_run=opts.dry_run)
     except ValueError as e:

@@ -264,3 +264,31 @@ def test_dry_run_shards_split_the_trace_groups_between_them():
             cwd=ROOT,
         )
         assert result.returncode == 2 and result.stderr.startswith(f"error: --shard '{bad}' must be K/N")
+
+
+def test_run_shards_keep_compared_cases_together_and_cover_the_suite():
+    cases = suites.SUITES["cpu"].cases
+    chosen = [it.select(cases, it.shard_names(cases, (k, 2)), ngpu=4) for k in range(2)]
+    assert all(skipped == {} for _, skipped in chosen)
+    names = [{c.name for c in shard} for shard, _ in chosen]
+    assert names[0] | names[1] == {c.name for c in cases}
+    # only one-process references that compare with nothing run in both shards
+    assert all(c.nproc == 1 and not c.references for c in cases if c.name in names[0] & names[1])
+    assert it.shard_names(cases, (0, 1)) == [c.name for c in cases]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "integration_tests.py",
+            "out",
+            "--suite",
+            "cpu",
+            "--shard",
+            "0/2",
+            "--test_name",
+            "fsdp2_graph",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2 and "--shard splits a whole suite" in result.stderr
