@@ -101,12 +101,12 @@ def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> t
     """(The summary row of one pipeline estimate, one row per stage.) Tokens per step are the global
     batch's (local batch x seq x microbatches x data-parallel ranks); model TFLOP/s count the
     model's FLOPs per token (``flops_per_token``, as the trainer's MFU does)."""
-    from graph_trainer.parallel import resolve_parallel_degrees
+    from graph_trainer.parallel import ParallelDims, resolve_parallel_degrees
     from models.registry import MODEL_SPECS, model_args
 
     t, plan, timeline = cfg.training, estimate.plan, estimate.timeline
-    degrees = resolve_parallel_degrees(cfg.parallelism, world_size)
-    tokens = t.local_batch_size * t.seq_len * plan.microbatches * degrees["dp_replicate"] * degrees["dp_shard"]
+    dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
+    tokens = t.local_batch_size * t.seq_len * plan.microbatches * dims.dp_size
     per_gpu = tokens / timeline.step_seconds / world_size
     flops = MODEL_SPECS[cfg.model.name].flops_per_token(model_args(cfg.model), t.seq_len)
     rank, memory = estimate.worst_memory()
@@ -367,9 +367,10 @@ def _print_pipelines(configs, labels, world_size, device, ranks_per_node, optimi
         name = f"{label}, {estimate.plan.schedule}"
         for rank, memory in sorted(estimate.memory.items()):
             memory_lines.append(f"memory of pipeline rank {rank} ({name}): {memory.summary()}")
-        warning = memory_warning(estimate.worst_memory()[1], limit, device.name)
+        worst_rank, worst = estimate.worst_memory()
+        warning = memory_warning(worst, limit, device.name)
         if warning:
-            memory_lines.append(f"WARNING ({name}, pipeline rank {estimate.worst_memory()[0]}): {warning}")
+            memory_lines.append(f"WARNING ({name}, pipeline rank {worst_rank}): {warning}")
     print(format_table(summary))
     print()
     print(format_table(stages))

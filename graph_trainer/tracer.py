@@ -248,6 +248,12 @@ class TracedStep:
     signature: tuple
     trace_seconds: float
 
+    @property
+    def num_flat_param_grads(self) -> int:
+        """How many of the graph's outputs after the first are parameter gradients (DTensors'
+        inner tensors counted one by one); a pipeline stage's input gradient follows them."""
+        return sum(layout.num_inner for layout in self.grad_layouts[: len(self.param_names)])
+
     def flat_inputs(
         self, params: list[torch.Tensor], buffers: list[torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor
     ) -> list[torch.Tensor]:

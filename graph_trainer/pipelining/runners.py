@@ -50,7 +50,7 @@ class GraphStageRunner:
 
     def __init__(self, traced: TracedStep, module: nn.Module):
         self.traced, self.module = traced, module
-        self.num_flat_grads = sum(layout.num_inner for layout in traced.grad_layouts[: len(traced.param_names)])
+        self.num_flat_grads = traced.num_flat_param_grads
         self.graphs: StageGraphs = split_stage(traced.gm, self.num_flat_grads)
         self.saved: dict[int, list[torch.Tensor]] = {}
         self.for_weight: dict[int, list[torch.Tensor]] = {}

@@ -107,8 +107,7 @@ def stage_cost(
     placeholders = [n for n in joint if n.op == "placeholder"]
     stage_out = joint[-1].args[0][0].meta["val"]
     boundary = stage_out.numel() * stage_out.element_size() if graphs.takes_output_grad else 0
-    num_grads = sum(layout.num_inner for layout in traced.grad_layouts[: len(traced.param_names)])
-    grads = [g.meta["val"] for g in joint[-1].args[0][1 : 1 + num_grads]]
+    grads = [g.meta["val"] for g in joint[-1].args[0][1 : 1 + traced.num_flat_param_grads]]
     return StageCost(
         seconds=seconds,
         peak_bytes=peaks,
@@ -279,8 +278,8 @@ def estimate_pipeline(
     costs = {}
     for stage, traced in stages.items():
         if id(traced) not in by_trace:
-            num_grads = sum(layout.num_inner for layout in traced.grad_layouts[: len(traced.param_names)])
-            by_trace[id(traced)] = stage_cost(split_stage(traced.gm, num_grads), traced, device, ranks_per_node)
+            graphs = split_stage(traced.gm, traced.num_flat_param_grads)
+            by_trace[id(traced)] = stage_cost(graphs, traced, device, ranks_per_node)
         costs[stage] = by_trace[id(traced)]
     stage_size = world_size // plan.pp
     p2p = {}
