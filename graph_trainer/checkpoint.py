@@ -388,11 +388,12 @@ class Checkpointer:
         manifest.write(tmp, manifest.build(files))
         replace_dir(tmp, final)
 
-    def save(self, step: int, model, optimizer, scheduler, dataloader) -> str:
-        """Write ``step-<step>`` atomically (all ranks call this); returns its path."""
+    def save(self, step: int, model, optimizer, scheduler, dataloader, before_first_step: bool = False) -> str:
+        """Write ``step-<step>`` atomically (all ranks call this); returns its path. ``before_first_step``:
+        the optimizer has not stepped (a converted ``step-0``): its state is saved as AdamW would create it."""
         start = time.perf_counter()
         final = self.step_dir(step)
-        state = tensor_state(model, optimizer, create=False)
+        state = tensor_state(model, optimizer, create=before_first_step)
         check_state(step, state)
         # One token for all ranks so they write into the same tmp folder; unique per attempt so a
         # leftover from a crashed save is never mixed with this one.

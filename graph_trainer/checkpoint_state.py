@@ -76,11 +76,9 @@ def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, creat
     """
     if any(g.get("amsgrad") for g in optimizer.param_groups):
         raise ConfigError("checkpointing supports AdamW without amsgrad")
-    state: dict[str, torch.Tensor] = {}
+    state = {f"model.{k}": v for k, v in model_tensors(model).items()}
     for name, param in model.named_parameters():
         fqn = clean_fqn(name)
-        # detach: DCP loads by copying in place, which autograd forbids on a leaf requiring grad.
-        state[f"model.{fqn}"] = param.detach()
         opt = optimizer.state[param]
         if not opt and create:
             opt["step"] = torch.zeros((), dtype=torch.float32)
@@ -91,12 +89,17 @@ def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, creat
             raise RuntimeError(f"optimizer state of {fqn} lacks {missing}; save only after a step")
         for key in _ADAMW_STATE:
             state[f"optim.{fqn}.{key}"] = opt[key]
+    return state
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters (detached) and persistent buffers, by clean FQN: what DCP loads in place."""
+    # detach: DCP loads by copying in place, which autograd forbids on a leaf requiring grad.
+    state = {clean_fqn(name): param.detach() for name, param in model.named_parameters()}
     # Persistent buffers are training state too (e.g. a MoE layer's load-balancing expert_bias);
     # non-persistent ones (RoPE tables, per-step counters) are recomputed or reset.
     persistent = set(model.state_dict(keep_vars=True))
-    for name, buffer in model.named_buffers():
-        if name in persistent:
-            state[f"model.{name}"] = buffer
+    state.update({name: buffer for name, buffer in model.named_buffers() if name in persistent})
     return state
 
 
@@ -137,7 +140,7 @@ def _read_json(path: str) -> dict:
 
 
 @contextmanager
-def _single_process_ok():
+def single_process_ok():
     """DCP warns on every single-process save/load that it 'assumes' no_dist; we ask for it explicitly."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
@@ -149,7 +152,7 @@ def _single_process_ok():
 
 def save_tensors(folder: str, state: dict, distributed: bool):
     """(all ranks) The DCP files of ``state`` (``tensor_state``); returns DCP's index."""
-    with _single_process_ok():
+    with single_process_ok():
         return dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=not distributed)
 
 
@@ -231,7 +234,7 @@ def load_tensors(folder: str, meta: dict, model_cfg: Model, model, optimizer, di
     )
     if problem:
         raise ConfigError(f"checkpoint {folder} does not fit this run's model/optimizer state: {problem}")
-    with _single_process_ok():
+    with single_process_ok():
         agree(
             lambda: dcp.load(state, storage_reader=safe_reader(folder), no_dist=not distributed),
             f"cannot load checkpoint {folder}",
@@ -257,8 +260,12 @@ def restore_train_state(folder: str, step: int, optimizer, scheduler, dataloader
     if scheduler.last_epoch != step:
         raise ConfigError(f"checkpoint {folder} is inconsistent: LR schedule at {scheduler.last_epoch}, not {step}")
     # Re-enter the restored position through step() so the optimizer's lr is this config's lr.
+    # (torch warns that the optimizer has not stepped yet: no schedule value is skipped here, the
+    # position was set just above.)
     scheduler.last_epoch -= 1
-    scheduler.step()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        scheduler.step()
 
 
 def restore_rng(folder: str, rank: int, device: torch.device) -> None:

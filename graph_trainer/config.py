@@ -59,7 +59,8 @@ class Model:
 @dataclass
 class Training:
     steps: int = 10
-    """Number of optimizer steps to run (>= 1)."""
+    """Number of optimizer steps to run (>= 1; 0 only converts checkpoint.initial_load_hf into a step-0
+    checkpoint)."""
     local_batch_size: int = 8
     """Sequences per data-parallel rank per microbatch (one forward and backward)."""
     global_batch_size: int = 0
@@ -222,6 +223,11 @@ class Checkpoint:
     that verifies (an older one when the newest is corrupt, saying so), or starts fresh when the
     folder holds none; 0 starts fresh. Resuming continues at step N+1, appends to losses.txt and may
     use another parallel layout (tensors are resharded)."""
+    initial_load_hf: str = ""
+    """A Hugging Face model folder (config.json + *.safetensors, one file or sharded with
+    model.safetensors.index.json) whose weights the job starts from when it resumes no checkpoint: checked against
+    the flavor before anything is built, each rank reading only its shards (graph_trainer/hf_checkpoint.py).
+    With training.steps 0 and checkpoint.interval > 0 the job only converts: it writes step-0 and stops."""
     move_aside: bool = False
     """A run that would not continue the newest checkpoints of the folder (load_step 0 in a folder holding checkpoints,
     or load_step N with later steps there) is refused, so one folder and one losses.txt never mix two runs. True

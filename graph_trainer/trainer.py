@@ -42,6 +42,7 @@ from graph_trainer.config import JobConfig
 from graph_trainer.data import build_dataloader
 from graph_trainer.grad_record import gather_record, merge_over, record_path, save_record
 from graph_trainer.guards import check_step
+from graph_trainer.hf_checkpoint import load_hf_weights, open_hf_weights
 from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
 from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from graph_trainer.parallel import ParallelDims, average_over_dp, dp_rank, pp_group, sum_over_dp
@@ -124,6 +125,12 @@ class Trainer:
             cfg, self.dist.rank, self.dist.world_size, self.dims.as_dict(), self.dist.device
         )
         resume_step = self.checkpointer.resolve_load_step()
+        # Hugging Face weights to start from: the folder is checked against the flavor before building.
+        hf_weights = None
+        if cfg.checkpoint.initial_load_hf and resume_step is not None:
+            logger.info("resuming step %d: checkpoint.initial_load_hf is not read", resume_step)
+        elif cfg.checkpoint.initial_load_hf:
+            hf_weights = open_hf_weights(cfg, self.model_args)
         # The data next, still before the model: a dataset or tokenizer that cannot be read fails fast.
         tokenizer = build_tokenizer(t.tokenizer_path)
         self.dataloader = build_dataloader(
@@ -156,6 +163,16 @@ class Trainer:
             self.model_args,
             check=lambda model: check_model_state_fits(cfg, model.parameters(), self.dist.device.type),
         )
+        self.hf_bytes_read = 0
+        if hf_weights is not None:
+            start = time.perf_counter()
+            self.hf_bytes_read = load_hf_weights(hf_weights, self.model, distributed=self.dist.world_size > 1)
+            logger.info(
+                "loaded %s in %.2fs (this rank read %.1f MiB of it)",
+                cfg.checkpoint.initial_load_hf,
+                time.perf_counter() - start,
+                self.hf_bytes_read / 2**20,
+            )
         self.pass_context = pass_context(cfg, self.layout, self.model)
         self.params = [p for p in self.model.parameters()]
         n_params = sum(p.numel() for p in self.params)
@@ -348,6 +365,10 @@ class Trainer:
         t = self.cfg.training
         losses: list[float] = []
         data = iter(self.dataloader)
+        if t.steps == 0:  # converting checkpoint.initial_load_hf (validation allows nothing else)
+            self.checkpointer.save(
+                0, self.model, self.optimizer, self.scheduler, self.dataloader, before_first_step=True
+            )
         while self.step < t.steps:
             self.step += 1
             start = time.perf_counter()

@@ -113,7 +113,13 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
             f"model.n_layers = {cfg.model.n_layers} does not fit flavor {cfg.model.flavor}: {e}"
         ) from None
 
-    _require(t.steps >= 1, f"training.steps = {t.steps} must be >= 1")
+    ck = cfg.checkpoint
+    converting = t.steps == 0 and bool(ck.initial_load_hf) and ck.interval > 0
+    _require(
+        t.steps >= 1 or converting,
+        f"training.steps = {t.steps} must be >= 1 (0 only converts: with checkpoint.initial_load_hf and "
+        "checkpoint.interval > 0)",
+    )
     _require(t.local_batch_size >= 1, f"training.local_batch_size = {t.local_batch_size} must be >= 1")
     _require(
         1 <= t.seq_len <= args.max_seq_len,

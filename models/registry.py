@@ -16,9 +16,12 @@ import torch.nn as nn
 from graph_trainer.config import Model
 from models.common import block_bucket_plan
 from models.deepseek_v3 import flavors as deepseek_v3_flavors
+from models.deepseek_v3 import hf as deepseek_v3_hf
 from models.deepseek_v3 import parallelize as deepseek_v3_parallelize
 from models.deepseek_v3.model import DeepSeekV3
+from models.hf_weights import HFAdapter
 from models.llama3 import flavors as llama3_flavors
+from models.llama3 import hf as llama3_hf
 from models.llama3 import parallelize as llama3_parallelize
 from models.llama3.model import Transformer
 
@@ -38,6 +41,8 @@ class ModelSpec:
     """``parallelize(model, mesh, dims, mixed_precision) -> model``: TP/EP/SimpleFSDP on a meta model."""
     bucket_plan: Callable[[nn.Module], list[list[str]]]
     """Module FQN groups that form one communication bucket each (for bucketing passes)."""
+    hf: HFAdapter
+    """The family in Hugging Face's format: tensor names and ``config.json`` (weights in and out)."""
 
 
 MODEL_SPECS: dict[str, ModelSpec] = {
@@ -49,6 +54,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         validate_parallelism=llama3_parallelize.validate_parallelism,
         parallelize=llama3_parallelize.parallelize_llama3,
         bucket_plan=block_bucket_plan,
+        hf=llama3_hf.ADAPTER,
     ),
     "deepseek_v3": ModelSpec(
         name="deepseek_v3",
@@ -58,6 +64,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         validate_parallelism=deepseek_v3_parallelize.validate_parallelism,
         parallelize=deepseek_v3_parallelize.parallelize_deepseek_v3,
         bucket_plan=block_bucket_plan,
+        hf=deepseek_v3_hf.ADAPTER,
     ),
 }
 

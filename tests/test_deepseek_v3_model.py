@@ -253,7 +253,7 @@ def test_validate_and_parallelize_errors():
 def test_registry_entry():
     spec = MODEL_SPECS["deepseek_v3"]
     assert spec.flavors is FLAVORS and spec.build is DeepSeekV3
-    assert set(spec.flavors) == {"debugmodel", "16B", "671B"}
+    assert set(spec.flavors) == {"debugmodel", "debugmodel_v3", "16B", "671B"}
     assert all(isinstance(a, DeepSeekV3Args) for a in spec.flavors.values())
     with torch.device("meta"):
         model = spec.build(TINY)

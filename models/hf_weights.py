@@ -1,0 +1,202 @@
+"""How one of our tensors is made of Hugging Face tensors: the pieces of a state-dict adapter.
+
+A model family's adapter (``models/<family>/hf.py``) maps every tensor of our state (parameters
+and persistent buffers, by clean FQN) to one ``HFSource``. A source answers three questions, with
+no I/O of its own:
+
+- ``hf_shapes(shape)``: the Hugging Face tensors it is made of, and their shapes, given our
+  tensor's global ``shape`` (to check a folder before anything is read);
+- ``read(read_fn, offsets, lengths)``: the box ``[offsets, offsets + lengths)`` of our global
+  tensor, asking ``read_fn(hf_name, index)`` for exactly the Hugging Face elements that box holds,
+  so a rank that owns a shard reads only that shard's bytes;
+- ``to_hf(full)``: our full tensor as Hugging Face tensors (for export).
+
+For every source ``read`` over the whole tensor of what ``to_hf`` wrote gives back the tensor
+bitwise: the adapters only rename, stack and permute rows, never compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+ReadFn = Callable[[str, tuple[slice, ...]], torch.Tensor]
+
+
+def box(offsets: Sequence[int], lengths: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+
+
+@dataclass(frozen=True)
+class Same:
+    """Our tensor is the Hugging Face tensor ``name``, element for element."""
+
+    name: str
+
+    def hf_shapes(self, shape: Sequence[int]) -> dict[str, list[int]]:
+        return {self.name: list(shape)}
+
+    def read(self, read_fn: ReadFn, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+        return read_fn(self.name, box(offsets, lengths))
+
+    def to_hf(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {self.name: full}
+
+
+@dataclass(frozen=True)
+class RotaryRows:
+    """A query/key projection whose rows are permuted within each head between the two RoPE layouts.
+
+    Ours rotates the pairs (2i, 2i+1) of a head (Meta's layout); Hugging Face's LLaMA rotates
+    (i, i + head_dim/2) ("rotate half"), so its checkpoints hold each head's rows reordered: our row
+    ``2i + c`` of a head is its row ``c * head_dim/2 + i``. A box of our rows inside one head holds
+    our even rows (one contiguous run of Hugging Face rows in the first half) and our odd rows (one
+    run in the second half): two reads per head, no byte more than the box.
+    """
+
+    name: str
+    head_dim: int
+
+    def hf_shapes(self, shape: Sequence[int]) -> dict[str, list[int]]:
+        return {self.name: list(shape)}
+
+    def read(self, read_fn: ReadFn, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+        hd, half = self.head_dim, self.head_dim // 2
+        rest = box(offsets[1:], lengths[1:])
+        first, end = offsets[0], offsets[0] + lengths[0]
+        pieces = []
+        for head in range(first // hd, (end - 1) // hd + 1):
+            base = head * hd
+            lo, hi = max(first, base) - base, min(end, base + hd) - base  # our rows [lo, hi) of this head
+            even = read_fn(self.name, (slice(base + (lo + 1) // 2, base + (hi + 1) // 2), *rest))
+            odd = read_fn(self.name, (slice(base + half + lo // 2, base + half + hi // 2), *rest))
+            rows = torch.empty((hi - lo, *even.shape[1:]), dtype=even.dtype)
+            rows[lo % 2 :: 2] = even  # our row lo + j is even when (lo + j) % 2 == 0
+            rows[1 - lo % 2 :: 2] = odd
+            pieces.append(rows)
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def to_hf(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows, rest = full.shape[0], full.shape[1:]
+        heads = rows // self.head_dim
+        # our [head, i, c] -> theirs [head, c, i]
+        hf = full.reshape(heads, self.head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+        return {self.name: hf.contiguous()}
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """Our ``[E, ...]`` expert weight is the Hugging Face tensors ``names[e]`` (one per expert) stacked on dim 0."""
+
+    names: tuple[str, ...]
+
+    def hf_shapes(self, shape: Sequence[int]) -> dict[str, list[int]]:
+        if shape[0] != len(self.names):
+            raise ValueError(f"{shape[0]} experts in our tensor, {len(self.names)} Hugging Face names")
+        return {n: list(shape[1:]) for n in self.names}
+
+    def read(self, read_fn: ReadFn, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+        rest = box(offsets[1:], lengths[1:])
+        return torch.stack([read_fn(self.names[e], rest) for e in range(offsets[0], offsets[0] + lengths[0])])
+
+    def to_hf(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {n: full[e] for e, n in enumerate(self.names)}
+
+
+HFSource = Same | RotaryRows | ExpertStack
+
+
+def hf_names(sources: dict[str, HFSource], shapes: dict[str, Sequence[int]]) -> dict[str, list[int]]:
+    """Every Hugging Face tensor the ``sources`` read, with its shape (our global ``shapes`` by FQN)."""
+    names: dict[str, list[int]] = {}
+    for fqn, source in sources.items():
+        names.update(source.hf_shapes(shapes[fqn]))
+    return names
+
+
+def rope_parameters(config: dict) -> tuple[float | None, dict | None]:
+    """(rope theta, rope scaling) of a ``config.json``: the ``rope_theta`` / ``rope_scaling`` keys of
+    published checkpoints, or the ``rope_parameters`` dict newer ``transformers`` writes. A scaling
+    of type ``default`` (or none) is None; ``type`` is read as ``rope_type``."""
+    params = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta", params.get("rope_theta"))
+    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.get("type"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return theta, scaling
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """A model family in Hugging Face's format (``models/<family>/hf.py``)."""
+
+    architecture: str
+    """``config.json``'s ``architectures`` entry (``transformers``' class)."""
+    model_type: str
+    """``config.json``'s ``model_type``."""
+    sources: Callable[..., dict[str, HFSource]]
+    """``sources(args)``: our clean FQN -> its source, for every parameter and persistent buffer."""
+    config_problems: Callable[..., list[str]]
+    """``config_problems(config, args)``: what a ``config.json`` says that the flavor does not."""
+    config: Callable[..., dict]
+    """``config(args, dtype)``: the ``config.json`` of the flavor, weights in ``dtype``."""
+
+
+class ConfigCheck:
+    """Collects the fields of a ``config.json`` that differ from the flavor, one phrase each."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        self.problems: list[str] = []
+
+    def equal(self, field: str, ours, default=None, what: str = "") -> None:
+        theirs = self.config.get(field, default)
+        same = (
+            theirs is not None and abs(float(theirs) - float(ours)) <= 1e-9 * max(1.0, abs(float(ours)))
+            if isinstance(ours, float)
+            else theirs == ours
+        )
+        if not same:
+            self.problems.append(f"{field} {theirs!r} (flavor{what}: {ours!r})")
+
+    def require(self, ok: bool, problem: str) -> None:
+        if not ok:
+            self.problems.append(problem)
+
+    def rope(self, theta: float, scaling: dict | None) -> None:
+        """The RoPE base is ``theta`` and the scaling is ``scaling`` (every key of it, numbers to 1e-9;
+        None: no scaling), read from either config layout (``rope_parameters``)."""
+        theirs_theta, theirs = rope_parameters(self.config)
+        self.require(
+            theirs_theta is not None and abs(float(theirs_theta) - theta) <= 1e-9 * theta,
+            f"rope_theta {theirs_theta!r} (flavor: {theta!r})",
+        )
+        if scaling is None:
+            self.require(theirs is None, f"rope_scaling {theirs!r} (flavor: none)")
+            return
+
+        def same(key, ours) -> bool:
+            value = (theirs or {}).get(key)
+            if isinstance(ours, str) or value is None or isinstance(value, str):
+                return value == ours
+            return abs(float(value) - float(ours)) <= 1e-9 * max(1.0, abs(float(ours)))
+
+        self.require(all(same(k, v) for k, v in scaling.items()), f"rope_scaling {theirs!r} (flavor: {scaling})")
+
+
+__all__ = [
+    "ConfigCheck",
+    "ExpertStack",
+    "HFAdapter",
+    "HFSource",
+    "RotaryRows",
+    "Same",
+    "box",
+    "hf_names",
+    "rope_parameters",
+]

@@ -1,0 +1,279 @@
+"""The Hugging Face adapters (models/hf_weights.py, models/<family>/hf.py) and the folder (graph_trainer/hf_folder.py)
+without ``transformers``: sources read any box exactly, config checks name each differing field, bad folders are
+one ConfigError each, and an export folder is written whole or not at all."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from graph_trainer.errors import ConfigError
+from graph_trainer.hf_folder import HFFolder, write_folder
+from models.deepseek_v3.flavors import FLAVORS as DEEPSEEK
+from models.hf_weights import ExpertStack, RotaryRows, Same, hf_names, rope_parameters
+from models.llama3.flavors import FLAVORS as LLAMA
+from models.registry import MODEL_SPECS
+
+
+def _reader(tensors: dict[str, torch.Tensor], counted: list[int]):
+    def read(name, index):
+        piece = tensors[name][index].clone()
+        counted.append(piece.numel())
+        return piece
+
+    return read
+
+
+@pytest.mark.parametrize("source", ["same", "rotary", "experts"])
+def test_every_box_reads_back_what_to_hf_wrote_and_only_its_elements(source):
+    torch.manual_seed(0)
+    full = torch.randn(6, 12, 5) if source == "experts" else torch.randn(24, 5)
+    src = {
+        "same": Same("w"),
+        "rotary": RotaryRows("w", head_dim=8),
+        "experts": ExpertStack(tuple(f"e{i}" for i in range(6))),
+    }[source]
+    hf = src.to_hf(full)
+    assert {n: list(t.shape) for n, t in hf.items()} == src.hf_shapes(list(full.shape))
+    # every box of dim 0 (all starts and lengths: inside a head, across heads, odd and even rows)
+    for start, end in itertools.combinations(range(full.shape[0] + 1), 2):
+        for cols in ((0, full.shape[-1]), (1, 3)):
+            offsets = [start] + [0] * (full.dim() - 2) + [cols[0]]
+            lengths = [end - start] + list(full.shape[1:-1]) + [cols[1] - cols[0]]
+            counted: list[int] = []
+            got = src.read(_reader(hf, counted), offsets, lengths)
+            want = full[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))]
+            assert torch.equal(got, want), (start, end, cols)
+            assert sum(counted) == want.numel()  # not an element more than the box
+
+
+def test_rotary_rows_is_the_rotate_half_layout():
+    """Our row 2i + c of a head is Hugging Face's row c * head_dim/2 + i."""
+    head_dim, heads = 8, 2
+    ours = torch.arange(heads * head_dim, dtype=torch.float32).unsqueeze(1)
+    theirs = RotaryRows("w", head_dim).to_hf(ours)["w"].squeeze(1).tolist()
+    assert theirs[:head_dim] == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert theirs[head_dim:] == [8, 10, 12, 14, 9, 11, 13, 15]
+
+
+@pytest.mark.parametrize("family,flavor", [("llama3", "debugmodel"), ("llama3", "405B"), ("deepseek_v3", "671B")])
+def test_sources_cover_every_tensor_of_the_model_once(family, flavor):
+    spec = MODEL_SPECS[family]
+    args = spec.flavors[flavor]
+    with torch.device("meta"):
+        model = spec.build(args)
+    persistent = set(model.state_dict())
+    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
+    shapes.update({n: list(b.shape) for n, b in model.named_buffers() if n in persistent})
+    sources = spec.hf.sources(args)
+    assert sorted(sources) == sorted(shapes)
+    names = hf_names(sources, shapes)
+    assert sum(len(s.hf_shapes(shapes[f])) for f, s in sources.items()) == len(names)  # no name read twice
+    assert sum(torch.Size(s).numel() for s in names.values()) == sum(torch.Size(s).numel() for s in shapes.values())
+
+
+@pytest.mark.parametrize(
+    "family,flavor",
+    [("llama3", "debugmodel"), ("llama3", "8B"), ("deepseek_v3", "debugmodel_v3"), ("deepseek_v3", "671B")],
+)
+def test_written_config_fits_and_each_changed_field_is_named(family, flavor):
+    adapter, args = MODEL_SPECS[family].hf, MODEL_SPECS[family].flavors[flavor]
+    config = adapter.config(args, "bfloat16")
+    assert adapter.config_problems(config, args) == []
+    changed = dict(config, hidden_size=config["hidden_size"] * 2, rms_norm_eps=0.1)
+    problems = adapter.config_problems(changed, args)
+    assert f"hidden_size {config['hidden_size'] * 2} (flavor: {args.dim})" in problems
+    assert f"rms_norm_eps 0.1 (flavor: {args.norm_eps})" in problems and len(problems) == 2
+    other_layers = dataclasses.replace(args, n_layers=args.n_layers - 1)
+    assert adapter.config_problems(config, other_layers) == [
+        f"num_hidden_layers {args.n_layers} (flavor: {args.n_layers - 1})"
+    ]
+
+
+def test_published_config_keys_and_newer_rope_parameters_read_alike():
+    """Published folders write rope_theta / rope_scaling ("type" or "rope_type"); newer transformers rope_parameters."""
+    args = LLAMA["8B"]
+    published = MODEL_SPECS["llama3"].hf.config(args, "bfloat16")
+    scaling = dict(published.pop("rope_scaling"))
+    theta = published.pop("rope_theta")
+    newer = dict(published, rope_parameters={"rope_theta": theta, **scaling})
+    old_style = dict(published, rope_theta=theta, rope_scaling={"type": "llama3", **scaling})
+    for config in (newer, old_style):
+        assert rope_parameters(config)[0] == theta
+        assert MODEL_SPECS["llama3"].hf.config_problems(config, args) == []
+    no_scaling = dict(published, rope_theta=theta, rope_scaling=None)
+    assert MODEL_SPECS["llama3"].hf.config_problems(no_scaling, args)[0].startswith("rope_scaling None")
+
+
+# config.json of the published releases (meta-llama/Llama-3.1-8B, deepseek-ai/DeepSeek-V3), as distributed.
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+
+def test_published_configs_fit_our_flavors():
+    assert MODEL_SPECS["llama3"].hf.config_problems(LLAMA_3_1_8B, LLAMA["8B"]) == []
+    assert MODEL_SPECS["deepseek_v3"].hf.config_problems(DEEPSEEK_V3, DEEPSEEK["671B"]) == []
+    assert MODEL_SPECS["llama3"].hf.config_problems(LLAMA_3_1_8B, LLAMA["70B"])[0] == "hidden_size 4096 (flavor: 8192)"
+
+
+def test_an_fp8_release_is_refused_before_its_tensors_are_read(tmp_path):
+    config = dict(DEEPSEEK_V3, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="holds fp8-quantized weights .* dequantize them to BF16 first"):
+        HFFolder(str(tmp_path))
+
+
+def test_deepseek_softmax_flavor_and_unequal_yarn_mscale_are_named():
+    adapter = MODEL_SPECS["deepseek_v3"].hf
+    args = DEEPSEEK["debugmodel"]  # DeepSeek-V2-style softmax routing
+    problems = adapter.config_problems(adapter.config(args, "float32"), args)
+    assert problems == ["the flavor routes with softmax scores; Hugging Face's DeepSeek-V3 routes with sigmoid"]
+    args = DEEPSEEK["671B"]
+    config = adapter.config(args, "bfloat16")
+    config["rope_scaling"] = dict(config["rope_scaling"], mscale=0.707)  # cos/sin would be scaled by HF
+    assert adapter.config_problems(config, args)[0].startswith("rope_scaling {")
+
+
+def _folder(tmp_path, tensors_per_file: list[dict[str, torch.Tensor]], index: bool = True):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    weight_map = {}
+    for k, tensors in enumerate(tensors_per_file):
+        name = f"model-{k}.safetensors"
+        save_file(tensors, str(tmp_path / name))
+        weight_map.update({n: name for n in tensors})
+    if index:
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return tmp_path
+
+
+def test_folder_reads_slices_and_counts_their_bytes(tmp_path):
+    a = torch.arange(24.0).view(4, 6).to(torch.bfloat16)
+    folder = HFFolder(str(_folder(tmp_path, [{"a": a}, {"b": torch.ones(3)}])))
+    assert folder.shapes == {"a": ([4, 6], torch.bfloat16), "b": ([3], torch.float32)}
+    assert torch.equal(folder.read("a", (slice(1, 3), slice(2, 4))), a[1:3, 2:4])
+    assert folder.bytes_read == 4 * 2
+    folder.read("b", (slice(0, 3),))
+    assert folder.bytes_read == 8 + 12
+
+
+@pytest.mark.parametrize("case", ["no_config", "index_mismatch", "duplicate", "integer_tensor", "no_weights"])
+def test_bad_folder_is_one_config_error(tmp_path, case):
+    one = {"a": torch.ones(2)}
+    if case == "no_config":
+        folder = _folder(tmp_path, [one])
+        (folder / "config.json").unlink()
+        match = "Hugging Face config .*config.json does not exist"
+    elif case == "index_mismatch":
+        folder = _folder(tmp_path, [one, {"b": torch.ones(2)}])
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-1.safetensors"}}))
+        match = "does not match the files: not in the file it names: a"
+    elif case == "duplicate":
+        folder = _folder(tmp_path, [one, one], index=False)
+        match = "tensor a is in both model-0.safetensors and model-1.safetensors"
+    elif case == "integer_tensor":
+        folder = _folder(tmp_path, [{"a": torch.ones(2, dtype=torch.int8)}])
+        match = "tensor a of model-0.safetensors is I8; floating-point .* must be dequantized"
+    else:
+        folder = _folder(tmp_path, [])
+        (folder / "model.safetensors.index.json").unlink()
+        match = "holds no \\*.safetensors file"
+    with pytest.raises(ConfigError, match=match):
+        HFFolder(str(folder))
+
+
+def test_write_folder_is_whole_or_absent(tmp_path):
+    shards = [{"a": torch.ones(2)}, {"b": torch.zeros(3)}]
+    files = write_folder(str(tmp_path / "out"), {"model_type": "llama"}, iter(shards))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index == {"metadata": {"total_size": 20}, "weight_map": {"a": files[0], "b": files[1]}}
+    with pytest.raises(ConfigError, match="already exists"):
+        write_folder(str(tmp_path / "out"), {}, iter(shards))
+
+    def failing():
+        yield shards[0]
+        raise OSError(28, "No space left on device", "shard")
+
+    from graph_trainer.errors import JobError
+
+    with pytest.raises(JobError, match="No space left on device"):
+        write_folder(str(tmp_path / "out2"), {}, failing())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no half-written folder, no temporary
