@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from graph_trainer.build import clean_fqn
 from graph_trainer.comm import agree
 from graph_trainer.config import Model
-from graph_trainer.errors import ConfigError
+from graph_trainer.errors import ConfigError, some_names
 from graph_trainer.safe_metadata import load_dcp_metadata, metadata_path, safe_reader
 
 FORMAT_VERSION = 1
@@ -76,9 +76,11 @@ def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, creat
     """
     if any(g.get("amsgrad") for g in optimizer.param_groups):
         raise ConfigError("checkpointing supports AdamW without amsgrad")
-    state = {f"model.{k}": v for k, v in model_tensors(model).items()}
+    tensors = model_tensors(model)
+    state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         fqn = clean_fqn(name)
+        state[f"model.{fqn}"] = tensors.pop(fqn)  # each parameter beside its AdamW state, as DCP writes them
         opt = optimizer.state[param]
         if not opt and create:
             opt["step"] = torch.zeros((), dtype=torch.float32)
@@ -89,6 +91,7 @@ def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, creat
             raise RuntimeError(f"optimizer state of {fqn} lacks {missing}; save only after a step")
         for key in _ADAMW_STATE:
             state[f"optim.{fqn}.{key}"] = opt[key]
+    state.update({f"model.{name}": buffer for name, buffer in tensors.items()})  # the persistent buffers
     return state
 
 
@@ -105,10 +108,6 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def shape_diff(saved: dict[str, list[int]], expected: dict[str, list[int]]) -> str:
     """One-line description of how two {name: shape} maps differ ('' when equal)."""
-
-    def some(names: list[str]) -> str:
-        return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
-
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     shapes = [
@@ -117,9 +116,9 @@ def shape_diff(saved: dict[str, list[int]], expected: dict[str, list[int]]) -> s
         if list(saved[k]) != list(expected[k])
     ]
     parts = [
-        f"missing {some(missing)}" if missing else "",
-        f"unexpected {some(unexpected)}" if unexpected else "",
-        f"shape (checkpoint vs model) {some(shapes)}" if shapes else "",
+        f"missing {some_names(missing, 3)}" if missing else "",
+        f"unexpected {some_names(unexpected, 3)}" if unexpected else "",
+        f"shape (checkpoint vs model) {some_names(shapes, 3)}" if shapes else "",
     ]
     return "; ".join(p for p in parts if p)
 

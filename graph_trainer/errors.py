@@ -43,6 +43,12 @@ class NonFiniteError(JobError):
     """The loss, the gradient norm or the state to be saved is not finite (``graph_trainer.guards``)."""
 
 
+def some_names(names, limit: int = 4) -> str:
+    """The first ``limit`` of ``names`` (sorted) and how many more, for a one-line message."""
+    names = sorted(names)
+    return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
 def one_line(error: BaseException, limit: int = 300) -> str:
     """``error`` as one short line, for a message of ours that quotes a library's (``tokenizers``,
     ``datasets`` and others write messages of many lines)."""

@@ -26,7 +26,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line and exit 2, as every other mistake
-        raise ConfigError(f"{message} (usage: {self.format_usage().strip().removeprefix('usage: ')})")
+        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        raise ConfigError(f"{message} (usage: {usage})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,10 +51,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.tensor import DTensor
 
 from graph_trainer import manifest
-from graph_trainer.checkpoint_state import model_tensors, read_metadata, single_process_ok
+from graph_trainer.checkpoint_state import model_tensors, read_metadata, shape_diff, single_process_ok
 from graph_trainer.comm import agree
 from graph_trainer.config import JobConfig
-from graph_trainer.errors import ConfigError
+from graph_trainer.errors import ConfigError, some_names
 from graph_trainer.guards import first_non_finite
 from graph_trainer.hf_folder import HFFolder, write_folder
 from graph_trainer.safe_metadata import load_dcp_metadata, metadata_path, safe_reader
@@ -64,15 +66,17 @@ logger = logging.getLogger("graph_trainer")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+@dataclass
 class HFWeights:
     """A checked Hugging Face folder and how each of our tensors is read from it."""
 
-    def __init__(
-        self, folder: HFFolder, sources: dict[str, HFSource], shapes: dict[str, list[int]], skipped: list[str]
-    ):
-        self.folder, self.sources, self.shapes = folder, sources, shapes
-        self.skipped = skipped
-        """The folder's tensors not read: its multi-token-prediction layers."""
+    folder: HFFolder
+    sources: dict[str, HFSource]
+    """Our clean FQN -> how it is read from the folder (the family's adapter)."""
+    shapes: dict[str, list[int]]
+    """Our clean FQN -> global shape (every parameter and persistent buffer of the whole model)."""
+    skipped: list[str]
+    """The folder's tensors not read: its multi-token-prediction layers."""
 
 
 def _global_shapes(model_name: str, args) -> dict[str, list[int]]:
@@ -80,11 +84,6 @@ def _global_shapes(model_name: str, args) -> dict[str, list[int]]:
     with torch.device("meta"):
         model = MODEL_SPECS[model_name].build(args)
     return {fqn: list(t.shape) for fqn, t in model_tensors(model).items()}
-
-
-def _some(names) -> str:
-    names = sorted(names)
-    return ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
 
 
 def open_hf_weights(cfg: JobConfig, args) -> HFWeights:
@@ -116,9 +115,9 @@ def open_hf_weights(cfg: JobConfig, args) -> HFWeights:
     wrong = [f"{n} {present[n]} (model: {expected[n]})" for n in both if present[n] != expected[n]]
     if missing or unexpected or wrong:
         parts = [
-            f"missing {_some(missing)}" if missing else "",
-            f"unexpected {_some(unexpected)}" if unexpected else "",
-            f"shape {_some(wrong)}" if wrong else "",
+            f"missing {some_names(missing)}" if missing else "",
+            f"unexpected {some_names(unexpected)}" if unexpected else "",
+            f"shape {some_names(wrong)}" if wrong else "",
         ]
         raise ConfigError(f"{path} does not hold the tensors of {what}: " + "; ".join(p for p in parts if p))
     if mtp:
@@ -197,11 +196,10 @@ def load_hf_weights(weights: HFWeights, model: torch.nn.Module, distributed: boo
 
 
 def _shards(keys: list[str], shapes: dict[str, list[int]], max_bytes: int, itemsize: int) -> Iterator[list[str]]:
+    """``keys`` in order, cut into groups of at most ``max_bytes`` (a larger tensor is a group of its own)."""
     group, size = [], 0
     for key in keys:
-        n = itemsize
-        for d in shapes[key]:
-            n *= d
+        n = itemsize * math.prod(shapes[key])
         if group and size + n > max_bytes:
             yield group
             group, size = [], 0
@@ -235,8 +233,10 @@ def export_hf(checkpoint_folder: str, step: int, out: str, dtype: torch.dtype, m
         for k, v in load_dcp_metadata(metadata_path(folder)).state_dict_metadata.items()
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }
-    if saved != shapes:
-        raise ConfigError(f"checkpoint {folder} does not hold the tensors of {name} {flavor} ({n_layers} layers)")
+    problem = shape_diff(saved, shapes)
+    if problem:
+        what = f"{name} {flavor} ({n_layers} layers)"
+        raise ConfigError(f"checkpoint {folder} does not hold the tensors of {what}: {problem}")
     sources = spec.hf.sources(args)
     itemsize = torch.empty((), dtype=dtype).element_size()
 

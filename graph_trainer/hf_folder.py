@@ -33,7 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from graph_trainer.errors import ConfigError, JobError, one_line
+from graph_trainer.errors import ConfigError, JobError, one_line, some_names
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -90,8 +90,8 @@ class HFFolder:
                     + "; ".join(
                         p
                         for p in (
-                            f"not in the file it names: {_some(wrong)}" if wrong else "",
-                            f"not in the index: {_some(unlisted)}" if unlisted else "",
+                            f"not in the file it names: {some_names(wrong)}" if wrong else "",
+                            f"not in the index: {some_names(unlisted)}" if unlisted else "",
                         )
                         if p
                     )
@@ -148,10 +148,6 @@ def _dtype(code: str, name: str, file: str) -> torch.dtype:
             "(a quantized checkpoint, e.g. DeepSeek-V3's FP8 release, must be dequantized to BF16 first)"
         )
     return _DTYPES[code]
-
-
-def _some(names: list[str]) -> str:
-    return ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
 
 
 def write_folder(out: str, config: dict, shards: Iterable[dict[str, torch.Tensor]]) -> list[str]:

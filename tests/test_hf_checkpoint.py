@@ -192,6 +192,24 @@ def test_load_export_reload_is_bitwise(tmp_path, models, family):
     assert torch.equal(logits(reloaded.eval(), tokens), reference)
 
 
+def test_export_mistakes_are_one_line_exit_2(tmp_path, models, capsys):
+    from graph_trainer import export_hf
+
+    out = _convert_and_export(tmp_path, "llama", models["llama"][1])
+    capsys.readouterr()
+    checkpoint = str(tmp_path / "job" / "checkpoint")
+    for argv, expected in (
+        (["--checkpoint", checkpoint, "--step", "0", "--out", str(out)], f"error: output folder {out} already exists"),
+        (["--checkpoint", checkpoint, "--step", "7", "--out", str(tmp_path / "x")], "error: "),
+        (["--checkpoint", checkpoint, "--step", "zero", "--out", "x"], "error: argument --step: invalid int value"),
+        (["--checkpoint", checkpoint, "--out", "x"], "error: the following arguments are required: --step"),
+    ):
+        assert export_hf.main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(expected), (argv, lines)
+    assert not (tmp_path / "x").exists()
+
+
 def test_resuming_a_converted_step_0_trains_as_loading_directly(tmp_path, models):
     """A fine-tuning job started from the folder, and one resumed from the folder converted to step-0,
     train bitwise alike (the folder also serves as the tokenizer's)."""
@@ -313,7 +331,9 @@ def test_bad_folder_is_one_line_exit_2_and_nothing_trains(tmp_path, capsys, mode
     family, extra, expected = _bad_folder(case, models["llama"][1], tmp_path, models)
     dump = tmp_path / "job"
     assert train.main(_job(family, tmp_path / "bad", dump, "--training.steps", "2", *extra)) == 2
+    # (the job's log lines come before the error when it is found after building: non_finite)
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(expected), lines
+    errors = [line for line in lines if line.startswith("error:")]
+    assert errors == lines[-1:] and errors[0].startswith(expected), lines
     assert not (dump / "losses.txt").exists() or not (dump / "losses.txt").read_text().strip()
     assert not (dump / "checkpoint").exists() or not list((dump / "checkpoint").iterdir())
