@@ -127,6 +127,7 @@ def test_each_rank_reads_only_its_shards_and_computes_transformers_logits(tmp_pa
         # exactly the bytes of this rank's shards (fp32 files), and well short of the whole model
         assert report["bytes_read"] == 4 * report["local_elements"], report
         assert report["bytes_read"] < 0.75 * whole
+        print(f"{layout} rank {rank}: read {report['bytes_read']:,} of the folder's {whole:,} bytes")
 
 
 def test_bf16_folder_loads_exactly_into_fp32_master_weights(tmp_path):
