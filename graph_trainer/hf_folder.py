@@ -3,11 +3,12 @@
 Contract
 --------
 ``HFFolder(path)`` checks the whole folder before any tensor is read, each failure one
-``ConfigError`` line: the folder exists; ``config.json`` is a JSON object and declares no
-quantization (FP8 releases must be dequantized first; so must any non-float tensor); the weights are
+``ConfigError`` line: the folder exists; ``config.json`` is a JSON object; the weights are
 ``model.safetensors.index.json`` (its ``weight_map`` names every tensor's file) or, without an
 index, every ``*.safetensors`` file of the folder; every file opens (safetensors parses its header
-and refuses a file that is truncated or whose header is corrupt: the message names the file); a
+and refuses a file that is truncated or whose header is corrupt: the message names the file); every
+tensor is floating point (F32, BF16, F16, F64: a quantized release such as DeepSeek-V3's FP8 one
+must be dequantized first; the dtype is in the header, so this is known before any data is read); a
 tensor lives in one file only, and the index names exactly the tensors the files hold.
 
 ``read(name, index)`` returns ``tensor[index]`` (a tuple of slices, one per dim) in the file's
@@ -60,13 +61,6 @@ class HFFolder:
             raise ConfigError(f"Hugging Face folder {path} does not exist (checkpoint.initial_load_hf)")
         self.path = path
         self.config = _read_json(os.path.join(path, CONFIG_FILE), "Hugging Face config")
-        quantized = self.config.get("quantization_config")
-        if quantized:
-            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
-            raise ConfigError(
-                f"{path} holds {method}-quantized weights (config.json quantization_config); dequantize them to "
-                "BF16 first (e.g. DeepSeek-V3's FP8 release with DeepSeek's fp8_cast_bf16.py)"
-            )
         self.bytes_read = 0
         self._handles: dict[str, object] = {}
         self.file_of: dict[str, str] = {}
@@ -145,7 +139,8 @@ def _dtype(code: str, name: str, file: str) -> torch.dtype:
     if code not in _DTYPES:
         raise ConfigError(
             f"tensor {name} of {file} is {code}; floating-point F32, BF16, F16 or F64 weights load "
-            "(a quantized checkpoint, e.g. DeepSeek-V3's FP8 release, must be dequantized to BF16 first)"
+            "(a quantized release, e.g. DeepSeek-V3's FP8 one, must be dequantized to BF16 first: DeepSeek's "
+            "fp8_cast_bf16.py)"
         )
     return _DTYPES[code]
 

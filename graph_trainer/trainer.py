@@ -365,7 +365,7 @@ class Trainer:
         t = self.cfg.training
         losses: list[float] = []
         data = iter(self.dataloader)
-        if t.steps == 0:  # converting checkpoint.initial_load_hf (validation allows nothing else)
+        if t.steps == 0 and self.step == 0:  # converting checkpoint.initial_load_hf (nothing else has 0 steps)
             self.checkpointer.save(
                 0, self.model, self.optimizer, self.scheduler, self.dataloader, before_first_step=True
             )

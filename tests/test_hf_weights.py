@@ -194,10 +194,10 @@ def test_published_configs_fit_our_flavors():
 
 
 def test_an_fp8_release_is_refused_before_its_tensors_are_read(tmp_path):
-    config = dict(DEEPSEEK_V3, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="holds fp8-quantized weights .* dequantize them to BF16 first"):
-        HFFolder(str(tmp_path))
+    fp8 = {"w": torch.ones(4, 4).to(torch.float8_e4m3fn), "w_scale_inv": torch.ones(1, 1)}
+    folder = _folder(tmp_path, [fp8])
+    with pytest.raises(ConfigError, match="tensor w of model-0.safetensors is F8_E4M3; .* dequantized to BF16 first"):
+        HFFolder(str(folder))
 
 
 def test_deepseek_softmax_flavor_and_unequal_yarn_mscale_are_named():
