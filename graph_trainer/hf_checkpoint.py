@@ -24,7 +24,7 @@ first step: nothing half-loaded trains.
 ``export_hf(folder, step, out, dtype, max_shard_bytes)`` (one process, no process group) writes a
 checkpoint ``<folder>/step-<N>`` (verified against its manifest first) as a Hugging Face folder,
 one shard at a time: DCP loads only the tensors of the shard being written, so the export holds
-about one shard in memory, never the model.
+about one shard in memory, never the model; the tokenizer files of a folder are copied beside.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from graph_trainer.comm import agree
 from graph_trainer.config import JobConfig
 from graph_trainer.errors import ConfigError, some_names
 from graph_trainer.guards import first_non_finite
-from graph_trainer.hf_folder import HFFolder, write_folder
+from graph_trainer.hf_folder import HFFolder, tokenizer_files, write_folder
 from graph_trainer.safe_metadata import load_dcp_metadata, metadata_path, safe_reader
 from models.hf_weights import HFAdapter, HFSource, hf_names
 from models.registry import MODEL_SPECS
@@ -209,8 +209,12 @@ def _shards(keys: list[str], shapes: dict[str, list[int]], max_bytes: int, items
         yield group
 
 
-def export_hf(checkpoint_folder: str, step: int, out: str, dtype: torch.dtype, max_shard_bytes: int) -> list[str]:
-    """Write ``<checkpoint_folder>/step-<step>`` as a Hugging Face folder at ``out`` (module docstring)."""
+def export_hf(
+    checkpoint_folder: str, step: int, out: str, dtype: torch.dtype, max_shard_bytes: int, tokenizer: str = ""
+) -> list[str]:
+    """Write ``<checkpoint_folder>/step-<step>`` as a Hugging Face folder at ``out`` (module docstring),
+    with the tokenizer files of the folder ``tokenizer`` when given."""
+    copies = tokenizer_files(tokenizer) if tokenizer else []
     folder = os.path.join(checkpoint_folder, f"step-{step}")
     if not os.path.isfile(os.path.join(folder, manifest.MANIFEST_FILE)):
         raise ConfigError(f"{folder} is not a checkpoint (no {manifest.MANIFEST_FILE}); see --checkpoint and --step")
@@ -251,7 +255,7 @@ def export_hf(checkpoint_folder: str, step: int, out: str, dtype: torch.dtype, m
             yield hf
 
     dtype_name = str(dtype).removeprefix("torch.")
-    files = write_folder(out, spec.hf.config(args, dtype_name), shards())
+    files = write_folder(out, spec.hf.config(args, dtype_name), shards(), copies)
     logger.info("exported %s (%s %s, %d layers) to %s: %d files", folder, name, flavor, n_layers, out, len(files))
     return files
 

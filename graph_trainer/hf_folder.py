@@ -145,9 +145,23 @@ def _dtype(code: str, name: str, file: str) -> torch.dtype:
     return _DTYPES[code]
 
 
-def write_folder(out: str, config: dict, shards: Iterable[dict[str, torch.Tensor]]) -> list[str]:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_files(folder: str) -> list[str]:
+    """The Hugging Face tokenizer files of ``folder`` (``tokenizer.json`` and the files naming its
+    special tokens); ConfigError when it holds no ``tokenizer.json``."""
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        raise ConfigError(f"tokenizer folder {folder} holds no tokenizer.json")
+    return [os.path.join(folder, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+
+
+def write_folder(
+    out: str, config: dict, shards: Iterable[dict[str, torch.Tensor]], copies: Iterable[str] = ()
+) -> list[str]:
     """Write ``config`` and the ``shards`` (each a {name: tensor} written as one file) as a Hugging
-    Face folder at ``out`` (module docstring); returns the shard file names."""
+    Face folder at ``out`` (module docstring), with a copy of each file of ``copies`` (e.g. the
+    tokenizer's); returns the shard file names."""
     if os.path.exists(out):
         raise ConfigError(f"output folder {out} already exists; choose a new one")
     parent = os.path.dirname(os.path.abspath(out))
@@ -170,6 +184,8 @@ def write_folder(out: str, config: dict, shards: Iterable[dict[str, torch.Tensor
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
+        for path in copies:
+            shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
         os.rename(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -177,4 +193,4 @@ def write_folder(out: str, config: dict, shards: Iterable[dict[str, torch.Tensor
     return files
 
 
-__all__ = ["CONFIG_FILE", "HFFolder", "INDEX_FILE", "write_folder"]
+__all__ = ["CONFIG_FILE", "HFFolder", "INDEX_FILE", "TOKENIZER_FILES", "tokenizer_files", "write_folder"]

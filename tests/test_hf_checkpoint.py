@@ -202,6 +202,10 @@ def test_export_mistakes_are_one_line_exit_2(tmp_path, models, capsys):
     for argv, expected in (
         (["--checkpoint", checkpoint, "--step", "0", "--out", str(out)], f"error: output folder {out} already exists"),
         (["--checkpoint", checkpoint, "--step", "7", "--out", str(tmp_path / "x")], "error: "),
+        (
+            ["--checkpoint", checkpoint, "--step", "0", "--out", str(tmp_path / "x"), "--tokenizer", str(tmp_path)],
+            f"error: tokenizer folder {tmp_path} holds no tokenizer.json",
+        ),
         (["--checkpoint", checkpoint, "--step", "zero", "--out", "x"], "error: argument --step: invalid int value"),
         (["--checkpoint", checkpoint, "--out", "x"], "error: the following arguments are required: --step"),
     ):
@@ -226,7 +230,7 @@ def test_resuming_a_converted_step_0_trains_as_loading_directly(tmp_path, models
     words = [f"w{i}" for i in range(300)]
     train_word_level([" ".join(words)]).save(str(tuned / "tokenizer.json"))
     run = ["--training.steps", "3", "--training.seq_len", "32", "--training.local_batch_size", "2"]
-    run += ["--training.tokenizer_path", str(tuned)]
+    run += ["--training.tokenizer_path", str(tuned), "--checkpoint.interval", "3"]
     losses = []
     for name, extra in (("direct", []), ("converted", ["--training.steps", "0", "--checkpoint.interval", "1"])):
         cfg = load_config(_job("llama", tuned, tmp_path / name, *run, *extra))
@@ -236,6 +240,14 @@ def test_resuming_a_converted_step_0_trains_as_loading_directly(tmp_path, models
     for name in ("direct", "converted"):
         losses.append(read_losses(tmp_path / name))
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+    # the fine-tuned model handed back with its tokenizer
+    from graph_trainer import export_hf
+
+    out = tmp_path / "tuned_out"
+    argv = ["--checkpoint", str(tmp_path / "direct" / "checkpoint"), "--step", "3", "--out", str(out)]
+    assert export_hf.main([*argv, "--tokenizer", str(tuned), "--dtype", "bfloat16"]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (tuned / "tokenizer.json").read_bytes()
+    assert {t.dtype for t in _file_tensors(out).values()} == {torch.bfloat16}
 
 
 def test_deepseek_multi_token_prediction_layers_are_skipped_only_when_declared(tmp_path, models):
