@@ -11,7 +11,8 @@ model:
    pipeline stages (``parallelism.pp`` > 1: ``models.common.keep_stage``; ``stage_modules`` gives
    each local stage its own module), apply the model's
    parallel plan (``models.<name>.parallelize``: TP, EP, SimpleFSDP), materialise on ``device``
-   and initialise (not for ``meta``), then let the listed passes prepare it for tracing
+   and initialise (not for ``meta``; not the parameters a Hugging Face folder fills), then let the
+   listed passes prepare it for tracing
    (``PassSpec.prepare_model``, e.g. ``ep_overlap``'s chunking);
 3. ``pass_context(cfg, layout, model)``: what the passes get beside the graph.
 
@@ -75,13 +76,17 @@ def init_parameters(model: nn.Module, rules: dict, seed: int) -> None:
             param.copy_(full)
 
 
-def build_model(build_fn, args, device: torch.device, seed: int, parallelize=None, check=None) -> nn.Module:
+def build_model(
+    build_fn, args, device: torch.device, seed: int, parallelize=None, check=None, init: bool = True
+) -> nn.Module:
     """Construct on meta, apply ``parallelize(model)`` (may be None), materialise on ``device``, init.
 
     ``check(model)`` (may be None) sees the parallelised model still on the meta device, before
     anything is allocated (the trainer refuses a model state that cannot fit there). ``device``
     meta stops before materialising: the model is then only good for tracing on fake tensors
-    (``graph_trainer.fake_trace``), at any size, with no memory.
+    (``graph_trainer.fake_trace``), at any size, with no memory. ``init`` False leaves the
+    parameters' memory as allocated (uninitialised) for a caller that fills every one of them
+    (``checkpoint.initial_load_hf``); buffers are initialised either way.
     """
     with torch.device("meta"):
         model = build_fn(args)
@@ -93,7 +98,8 @@ def build_model(build_fn, args, device: torch.device, seed: int, parallelize=Non
     if torch.device(device).type == "meta":
         return model
     model.to_empty(device=device)
-    init_parameters(model, rules, seed)
+    if init:
+        init_parameters(model, rules, seed)
     model.init_buffers(device)
     return model
 
@@ -156,12 +162,13 @@ def build_job_model(
     args=None,
     param_dtype: torch.dtype | None = None,
     check=None,
+    init: bool = True,
 ) -> nn.Module:
     """The job's model on ``layout``, ready to trace (module docstring, step 2).
 
     ``args`` overrides the flavor's (e.g. fewer layers); ``param_dtype`` casts the floating-point
     parameters after building (``cast_parameters``: analyses of pure low-precision runs);
-    ``check``: see ``build_model``."""
+    ``check``, ``init``: see ``build_model``."""
     spec = MODEL_SPECS[cfg.model.name]
     args = args if args is not None else model_args(cfg.model)
     pipeline = layout.pipeline
@@ -171,7 +178,7 @@ def build_job_model(
             m = keep_stage(m, pipeline.rank_blocks(), pipeline.holds_first(), pipeline.holds_last())
         return spec.parallelize(m, layout.mesh, layout.dims, layout.mp)
 
-    model = build_model(spec.build, args, device, cfg.training.seed, parallelize=parallelize, check=check)
+    model = build_model(spec.build, args, device, cfg.training.seed, parallelize=parallelize, check=check, init=init)
     if param_dtype is not None:
         cast_parameters(model, param_dtype)
     prepare_model_for_passes(model, cfg)

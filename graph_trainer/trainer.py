@@ -162,17 +162,8 @@ class Trainer:
             self.dist.device,
             self.model_args,
             check=lambda model: check_model_state_fits(cfg, model.parameters(), self.dist.device.type),
+            init=hf_weights is None,  # the folder fills every parameter: no random draw to throw away
         )
-        self.hf_bytes_read = 0
-        if hf_weights is not None:
-            start = time.perf_counter()
-            self.hf_bytes_read = load_hf_weights(hf_weights, self.model, distributed=self.dist.world_size > 1)
-            logger.info(
-                "loaded %s in %.2fs (this rank read %.1f MiB of it)",
-                cfg.checkpoint.initial_load_hf,
-                time.perf_counter() - start,
-                self.hf_bytes_read / 2**20,
-            )
         self.pass_context = pass_context(cfg, self.layout, self.model)
         self.params = [p for p in self.model.parameters()]
         n_params = sum(p.numel() for p in self.params)
@@ -235,6 +226,18 @@ class Trainer:
             self._report_memory(None)
             self.step_fn = lambda tokens, labels: eager_step(
                 self.model, tokens, labels, t.loss_chunks, grad_scale=self.grad_scale
+            )
+        # Last: the memory estimates above refuse a job that cannot fit before the folder is read.
+        self.hf_bytes_read, self.hf_load_seconds = 0, 0.0
+        if hf_weights is not None:
+            start = time.perf_counter()
+            self.hf_bytes_read = load_hf_weights(hf_weights, self.model, distributed=self.dist.world_size > 1)
+            self.hf_load_seconds = time.perf_counter() - start
+            logger.info(
+                "loaded %s in %.2fs (this rank read %.1f MiB of it)",
+                cfg.checkpoint.initial_load_hf,
+                self.hf_load_seconds,
+                self.hf_bytes_read / 2**20,
             )
 
     def _prepare_stage_graph(self, traced: TracedStep, stage: int) -> TracedStep:

@@ -4,9 +4,10 @@
 
 Builds the job's ``Trainer`` (which checks and loads the folder), runs the model forward on the
 tokens saved in ``TOKENS`` (``[B, S]`` int64, the same on every rank) and writes
-``OUT/rank<R>.json``: the bytes this rank read from the folder and the elements of its own shards
-(parameters and persistent buffers, local pieces). Rank 0 also writes ``OUT/logits.pt`` (the full
-``[B, S, vocab]`` float32 logits, gathered from tensor-parallel shards).
+``OUT/rank<R>.json``: the bytes this rank read from the folder, the elements of its own shards
+(parameters and persistent buffers, local pieces) and the seconds the load took. Rank 0 also
+writes ``OUT/logits.pt`` (the full ``[B, S, vocab]`` float32 logits, gathered from tensor-parallel
+shards).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def probe(cfg, tokens: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(logits, bytes read from the folder, local elements of the state) of a job loading ``cfg``'s folder."""
+def probe(cfg, tokens: torch.Tensor) -> tuple[torch.Tensor, int, int, float]:
+    """(logits, bytes read from the folder, local elements of the state, seconds the load took) of a job
+    loading ``cfg``'s folder."""
     from graph_trainer.checkpoint_state import model_tensors
     from graph_trainer.trainer import Trainer
 
@@ -31,7 +33,7 @@ def probe(cfg, tokens: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     local = sum((v.to_local() if isinstance(v, DTensor) else v).numel() for v in model_tensors(trainer.model).values())
-    return logits.float(), trainer.hf_bytes_read, local
+    return logits.float(), trainer.hf_bytes_read, local, trainer.hf_load_seconds
 
 
 def main(argv: list[str]) -> int:
@@ -41,10 +43,10 @@ def main(argv: list[str]) -> int:
     out, tokens_path, *flags = argv
     cfg = load_config(flags)
     validate_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    logits, nbytes, local = probe(cfg, torch.load(tokens_path))
+    logits, nbytes, local, seconds = probe(cfg, torch.load(tokens_path))
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"bytes_read": nbytes, "local_elements": local}, f)
+        json.dump({"bytes_read": nbytes, "local_elements": local, "load_seconds": seconds}, f)
     if rank == 0:
         torch.save(logits, os.path.join(out, "logits.pt"))
     if dist.is_initialized():

@@ -65,7 +65,7 @@ def _probe(tmp_path, argv):
 def test_one_process_computes_transformers_logits(tmp_path, models, family):
     _, folder, tokens, reference = models[family]
     torch.save(tokens, tmp_path / "tokens.pt")
-    ours, nbytes, local = _probe(tmp_path, _job(family, folder, tmp_path / "job"))
+    ours, nbytes, local, _ = _probe(tmp_path, _job(family, folder, tmp_path / "job"))
     error = relative_error(ours, reference)
     print(f"{family} one process: largest logit difference / largest logit = {error:.2e}")
     assert error < BOUND
