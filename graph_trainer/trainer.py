@@ -7,6 +7,12 @@
 passes, backend); in ``"eager"`` they are the same model run directly (``eager_step``), the
 numerics baseline.
 
+Starting weights: a checkpoint of the job's own (resumed, ``graph_trainer.checkpoint``), else a
+Hugging Face folder (``checkpoint.initial_load_hf``: checked before building, read last in
+``__init__``, after the memory checks, into parameters left uninitialised;
+``graph_trainer.hf_checkpoint``), else the seeded random initialisation. ``training.steps`` 0 with
+a folder only converts it: ``train()`` writes ``step-0`` and returns.
+
 Pipeline parallel (``parallelism.pp`` > 1): the microbatches of a step go through the pipeline
 schedule instead of the loop below (``graph_trainer.pipelining.step.PipelineStep``: this rank's
 stages, traced per stage in graph mode, each stage graph through the same memory policy, passes
