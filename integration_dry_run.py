@@ -86,9 +86,9 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
     * ``ep_overlap``: a forward and a backward chunked region per MoE layer and, unless
       ``reorder`` is off, the schedule ``ep_overlap.verify_schedule`` checks (after every pass).
     """
+    from graph_trainer.compiler.passes.ep_overlap import find_regions, verify_schedule
+    from graph_trainer.compiler.passes.transformer_block_bucketing import bucket_index
     from graph_trainer.graph.collectives import collective_name, group_name
-    from graph_trainer.passes.ep_overlap import find_regions, verify_schedule
-    from graph_trainer.passes.transformer_block_bucketing import bucket_index
     from models.registry import model_args
 
     args = model_args(cfg.model)
@@ -260,10 +260,10 @@ def memory_columns(memory, limit: int | None) -> dict[str, str]:
 
 def check_backend(gm, cfg, row: dict[str, object]) -> list[str]:
     """With ``--compile.backend inductor`` (regional): cut ``gm`` (in place) into its compiled regions
-    (``graph_trainer.backend.cut_regions``, nothing is compiled: that needs the GPU) and check that
+    (``graph_trainer.compiler.backend.cut_regions``, nothing is compiled: that needs the GPU) and check that
     no region holds a collective and the collectives keep their order. Sets ``row["regions"]``: how many
     ("full": one graph, whose order only Inductor on a GPU decides)."""
-    from graph_trainer.backend import cut_regions
+    from graph_trainer.compiler.backend import cut_regions
     from graph_trainer.graph.collectives import collective_name, collective_order
 
     c = cfg.compile
@@ -292,8 +292,8 @@ def check_stage_graph(gm, cfg, degrees: dict[str, int], blocks: range, first: bo
     ``transformer_block_bucketing`` alone, one forward all-gather bucket per block plus the
     embedding's (first stage) and the norm and output's (last); with ``ep_overlap``, a forward
     and a backward chunked region per MoE block of the stage."""
+    from graph_trainer.compiler.passes.ep_overlap import find_regions
     from graph_trainer.graph.collectives import collective_name
-    from graph_trainer.passes.ep_overlap import find_regions
     from models.registry import model_args
 
     args = model_args(cfg.model)
@@ -338,11 +338,11 @@ def dry_run_pipelines(suite: Suite, cases: list[Case]) -> list[dict[str, object]
     each case's simulated step, bubble fraction, throughput and worst rank's memory."""
     from graph_trainer.analysis.devices import DEVICES
     from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, memory_warning
-    from graph_trainer.analyze import pipeline_rows
+    from graph_trainer.cli.analyze import pipeline_rows
     from graph_trainer.config_loading import load_config
+    from graph_trainer.distributed.parallel_dims import resolve_parallel_degrees
     from graph_trainer.fake_trace import fake_world, trace_pipeline
     from graph_trainer.graph.collectives import collective_name
-    from graph_trainer.parallel import resolve_parallel_degrees
     from graph_trainer.pipelining.timeline import estimate_pipeline
     from graph_trainer.validation import validate_config
 
@@ -423,11 +423,11 @@ def dry_run(suite: Suite, cases: list[Case], shard: tuple[int, int] = (0, 1)) ->
     pipeline cases go to ``dry_run_pipelines`` (their rows come last). ``shard`` (K, N): only every
     N-th group of cases that share a trace, from the K-th (N processes then split the dry run)."""
     from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, estimate_step_memory, memory_warning
+    from graph_trainer.compiler.chain import transform_graph
     from graph_trainer.config_loading import load_config
+    from graph_trainer.distributed.parallel_dims import job_microbatches, resolve_parallel_degrees
     from graph_trainer.fake_trace import fake_world, trace_without_passes
     from graph_trainer.graph.collectives import collective_name
-    from graph_trainer.parallel import job_microbatches, resolve_parallel_degrees
-    from graph_trainer.pipeline import transform_graph
     from graph_trainer.validation import validate_config
 
     groups: dict[tuple, list[Case]] = {}

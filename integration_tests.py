@@ -18,7 +18,7 @@ log has the metrics line (loss, tok/s/dev, mem) agreeing with ``losses.txt``. A 
 graph vs graph + a value-preserving pass); one naming ``close_to`` must stay within
 ``CLOSE_RTOL`` of that one-process run on the same global batch. Where the suite records
 gradients (``--debug.grad_record_step 1``, the cpu suite), the first step's gradients before
-clipping are compared too (``graph_trainer.grad_record``): bitwise for ``same_as``; for
+clipping are compared too (``graph_trainer.loop.grad_record``): bitwise for ``same_as``; for
 ``close_to`` the global norm and every parameter's norm and sampled entries within
 ``GRAD_RTOL`` of the one-process run, which catches a wrong gradient scale that the losses
 cannot show (AdamW and clipping hide it).
@@ -55,13 +55,13 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from graph_trainer.grad_record import compare_records, load_record, record_path  # noqa: E402
+from graph_trainer.loop.grad_record import compare_records, load_record, record_path  # noqa: E402
 from integration_dry_run import dry_run  # noqa: E402
 from suites import GRAD_RECORD_STEP, GRAD_RTOL, SUITES, Case, Suite, job_args  # noqa: E402  (the case tables)
 from tests.launch import run_torchrun  # noqa: E402  (the one launcher of torchrun jobs)
 
 LOG_LINE = re.compile(r"step (\d+) \| loss (\S+) \|.*\| tok/s/dev ([\d,]+) \| mfu (\S+) \| mem ([\d.]+) GiB")
-"""The metrics line of ``graph_trainer.metrics.MetricsLogger`` (loss, tokens/s per device, MFU, memory)."""
+"""The metrics line of ``graph_trainer.loop.metrics.MetricsLogger`` (loss, tokens/s per device, MFU, memory)."""
 
 
 @dataclass
@@ -111,7 +111,7 @@ class Finished:
 
     losses: list[str]
     grads: dict | None = None
-    """Its gradient record (``graph_trainer.grad_record``) if the suite asked for one."""
+    """Its gradient record (``graph_trainer.loop.grad_record``) if the suite asked for one."""
 
 
 FIRST_STEP = re.compile(r"first step \(including [^)]*\) took ([\d.]+)s")

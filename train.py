@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         validate_config(cfg, world_size=_world_size())
         check_device(cfg.job.device)
-        from graph_trainer.preflight import preflight
+        from graph_trainer.loop.preflight import preflight
 
         preflight(cfg)
     except OneLineError as e:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from graph_trainer.comm import failure_message
+    from graph_trainer.distributed.comm import failure_message
     from graph_trainer.errors import JobError
     from graph_trainer.trainer import Trainer
 

@@ -14,7 +14,7 @@ over cores). Every rank holds two copies of the same model:
     ``init_weights(seed)`` (the same weights as (a)), wrapped with
     ``torch.distributed.fsdp.fully_shard`` per transformer block and at the root (with the
     job's mixed-precision dtypes and ``parallelism.fsdp_reshard_after_forward``), the
-    same AdamW and LR schedule (``graph_trainer.optim``), the same loss
+    same AdamW and LR schedule (``graph_trainer.loop.optim``), the same loss
     (``graph_trainer.loss.token_cross_entropy``) and ``torch.nn.utils.clip_grad_norm_``.
 
 Both take the same batches (the Trainer's dataloader, this rank's data-parallel share) and
@@ -48,7 +48,7 @@ def build_eager_fsdp2(trainer):
     """The same model, optimizer and schedule as ``trainer``, sharded with FSDP2 over its dp ranks."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from graph_trainer.optim import build_lr_scheduler, build_optimizer
+    from graph_trainer.loop.optim import build_lr_scheduler, build_optimizer
     from models.llama3.model import Transformer
 
     cfg, t = trainer.cfg, trainer.cfg.training
@@ -69,8 +69,8 @@ def build_eager_fsdp2(trainer):
 
 def main(argv: list[str]) -> int:
     from graph_trainer.config_loading import load_config
+    from graph_trainer.distributed.parallel_dims import average_over_dp
     from graph_trainer.loss import token_cross_entropy
-    from graph_trainer.parallel import average_over_dp
     from graph_trainer.trainer import Trainer
     from graph_trainer.validation import validate_config
 

@@ -5,8 +5,8 @@
 
 The folder (bf16, 1 GiB files, written to ``OUT/hf``) is made with our own pieces: random weights,
 the LLaMA-3 adapter's names and row order (``models/llama3/hf.py``) and
-``graph_trainer.hf_folder.write_folder``; so no ``transformers`` here (the logits against
-``transformers`` are ``tests/test_hf_checkpoint.py``'s, and the real-size check of this folder
+``graph_trainer.checkpoint.hf_folder.write_folder``; so no ``transformers`` here (the logits against
+``transformers`` are ``tests/checkpoint/test_hf.py``'s, and the real-size check of this folder
 against it, by hand, is in docs/performance.md). Each layout is one ``torchrun tests/hf_probe.py`` job; the
 script prints the folder's size, per layout rank 0's load seconds and every rank's bytes read
 against its shards, and the ratios: the FSDP load time over the one-process one, and the logits
@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from graph_trainer.hf_folder import write_folder
+from graph_trainer.checkpoint.hf_folder import write_folder
 from models.llama3 import hf
 from models.llama3.flavors import FLAVORS
 from models.llama3.model import Transformer

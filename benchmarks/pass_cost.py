@@ -36,10 +36,10 @@ def _take(argv: list[str], flag: str, default: str) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str]) -> int:
+    from graph_trainer.compiler.memory_policy import memory_policy_passes
+    from graph_trainer.compiler.passes import PASS_REGISTRY
     from graph_trainer.config_loading import load_config
     from graph_trainer.fake_trace import fake_world, trace_without_passes
-    from graph_trainer.memory_policy import memory_policy_passes
-    from graph_trainer.passes import PASS_REGISTRY
     from graph_trainer.validation import validate_config
     from models.registry import MODEL_SPECS
 

@@ -17,9 +17,9 @@ import torch
 
 
 def main(argv: list[str]) -> int:
+    from graph_trainer.compiler.tracer import trace_train_step
     from graph_trainer.config_loading import load_config
     from graph_trainer.graph.collectives import collective_counts, format_counts
-    from graph_trainer.tracer import trace_train_step
     from graph_trainer.validation import validate_config
     from models.registry import MODEL_SPECS
 

@@ -10,7 +10,7 @@ The job (default: Llama3 debugmodel) is traced ONCE on the fake process group at
 That graph is deep-copied (the copies share the trace's fake mode) and each copy gets one
 transformer-block bucketing pass:
 
-- ``ours``: ``graph_trainer.passes.transformer_block_bucketing`` with the model's bucket plan
+- ``ours``: ``graph_trainer.compiler.passes.transformer_block_bucketing`` with the model's bucket plan
   (``[["tok_embeddings"], ["layers.0"], ..., ["norm", "output"]]``), called as ``run_passes``
   would call it (then lint).
 - ``torchtitan``: ``torchtitan.experiments.graph_trainer.fsdp_passes.
@@ -23,7 +23,7 @@ transformer-block bucketing pass:
 Both graphs (and the unbucketed one, for reference) are simulated with
 ``graph_trainer.analysis.simulator.simulate`` on ``devices.DEVICES["h100"]``; the table
 gives collectives by type and simulated step / exposed communication time
-(``graph_trainer.analyze.summary_row``; its "trace s" column is the pass time here).
+(``graph_trainer.cli.analyze.summary_row``; its "trace s" column is the pass time here).
 
 Adaptations, all local to this script, none to torchtitan:
 
@@ -72,8 +72,8 @@ def _cpu_roofline(device):
 
 
 def run_ours(gm: fx.GraphModule, cfg, degrees: dict, plan: list[list[str]]) -> fx.GraphModule:
-    from graph_trainer.passes import PassContext
-    from graph_trainer.passes.transformer_block_bucketing import TRANSFORMER_BLOCK_BUCKETING
+    from graph_trainer.compiler.passes import PassContext
+    from graph_trainer.compiler.passes.transformer_block_bucketing import TRANSFORMER_BLOCK_BUCKETING
 
     context = PassContext(config=cfg, degrees=degrees, extras={"bucket_plan": plan})
     gm = TRANSFORMER_BLOCK_BUCKETING.fn(gm, context)
@@ -113,11 +113,11 @@ def run_torchtitan(gm: fx.GraphModule, plan: list[list[str]], param_fqns: list[s
 def main(argv: list[str]) -> int:
     from graph_trainer.analysis.devices import DEVICES
     from graph_trainer.analysis.simulator import format_table, simulate
-    from graph_trainer.analyze import summary_row
     from graph_trainer.build import build_model
+    from graph_trainer.cli.analyze import summary_row
     from graph_trainer.config_loading import load_config, take_flag
+    from graph_trainer.distributed.parallel_dims import ParallelDims, resolve_parallel_degrees
     from graph_trainer.fake_trace import fake_world, trace_job
-    from graph_trainer.parallel import ParallelDims, resolve_parallel_degrees
     from graph_trainer.validation import validate_config
     from models.registry import MODEL_SPECS
 

@@ -34,8 +34,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from graph_trainer.compiler.passes import PassContext, prepare_model_for_passes
 from graph_trainer.config import JobConfig
-from graph_trainer.parallel import (
+from graph_trainer.distributed.parallel_dims import (
     ParallelDims,
     build_mesh,
     loss_scale,
@@ -43,10 +44,9 @@ from graph_trainer.parallel import (
     pp_rank,
     resolve_parallel_degrees,
 )
-from graph_trainer.passes import PassContext, prepare_model_for_passes
+from graph_trainer.distributed.simple_fsdp import MixedPrecision
 from graph_trainer.pipelining.schedule import PipelineLayout, plan_pipeline
 from graph_trainer.pipelining.stages import stage_ranges
-from graph_trainer.simple_fsdp import MixedPrecision
 from models.common import block_costs, draw_parameter, keep_stage, stage_view
 from models.registry import MODEL_SPECS, model_args
 

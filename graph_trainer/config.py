@@ -145,7 +145,7 @@ class Parallelism:
 
 @dataclass
 class EpOverlap:
-    """Settings of the ``ep_overlap`` pass (``graph_trainer/passes/ep_overlap.py``); TOML table
+    """Settings of the ``ep_overlap`` pass (``graph_trainer/compiler/passes/ep_overlap.py``); TOML table
     ``[compile.ep_overlap]``."""
 
     module_fqn: str = "layers.*"
@@ -171,7 +171,7 @@ class Compile:
     ep_overlap: EpOverlap = field(default_factory=EpOverlap)
     """Settings of the ep_overlap pass."""
     backend: Backend = "none"
-    """What runs the graph after the passes (``graph_trainer/backend.py``): 'none', op by op (the
+    """What runs the graph after the passes (``graph_trainer/compiler/backend.py``): 'none', op by op (the
     numerics reference); 'inductor', compiled by Inductor (not bitwise 'none': fusion rounds
     differently; graph mode only)."""
     inductor_scope: InductorScope = "regional"
@@ -186,7 +186,7 @@ class Compile:
 
 @dataclass
 class ActivationCheckpoint:
-    """The memory policy (``graph_trainer/memory_policy/``); TOML table ``[activation_checkpoint]``."""
+    """The memory policy (``graph_trainer/compiler/memory_policy/``); TOML table ``[activation_checkpoint]``."""
 
     mode: AcMode = "none"
     """'none': backward reads every activation it needs from forward; 'full': each transformer block
@@ -210,8 +210,8 @@ class Metrics:
 
 @dataclass
 class Checkpoint:
-    """Distributed checkpoints (torch.distributed.checkpoint); guarantees in graph_trainer/checkpoint.py,
-    what a checkpoint holds in graph_trainer/checkpoint_state.py."""
+    """Distributed checkpoints (torch.distributed.checkpoint); guarantees in graph_trainer/checkpoint/checkpointer.py,
+    what a checkpoint holds in graph_trainer/checkpoint/state.py."""
 
     interval: int = 0
     """Save <folder>/step-<N> every this many steps and at the last step; 0 disables saving."""
@@ -226,7 +226,7 @@ class Checkpoint:
     initial_load_hf: str = ""
     """A Hugging Face model folder (config.json + *.safetensors, one file or sharded with
     model.safetensors.index.json) whose weights the job starts from when it resumes no checkpoint: checked against
-    the flavor before anything is built, each rank reading only its shards (graph_trainer/hf_checkpoint.py).
+    the flavor before anything is built, each rank reading only its shards (graph_trainer/checkpoint/hf.py).
     With training.steps 0 and checkpoint.interval > 0 the job only converts: it writes step-0 and stops."""
     move_aside: bool = False
     """A run that would not continue the newest checkpoints of the folder (load_step 0 in a folder holding checkpoints,
@@ -257,10 +257,10 @@ class Debug:
     grad_record_step: int = 0
     """At this step (>= 1) write <dump_folder>/grad_record_step<N>.pt: the gradient norm before clipping and,
     per parameter, the norm and a fixed sample of the full (gathered) gradient, to compare layouts
-    (graph_trainer/grad_record.py); 0: off."""
+    (graph_trainer/loop/grad_record.py); 0: off."""
     skip_memory_check: bool = False
     """Go on when the estimated memory per rank exceeds what the device has (a warning instead of the
-    one-line refusal; graph_trainer/preflight.py, "Memory")."""
+    one-line refusal; graph_trainer/loop/preflight.py, "Memory")."""
 
 
 @dataclass

@@ -40,7 +40,7 @@ class JobError(OneLineError):
 
 
 class NonFiniteError(JobError):
-    """The loss, the gradient norm or the state to be saved is not finite (``graph_trainer.guards``)."""
+    """The loss, the gradient norm or the state to be saved is not finite (``graph_trainer.loop.guards``)."""
 
 
 def some_names(names, limit: int = 4) -> str:

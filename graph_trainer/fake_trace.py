@@ -4,7 +4,7 @@
 never run) as rank 0 of ``world_size``; ``trace_job(cfg)`` then builds the job's model on the
 meta device with its real parallel layout (``graph_trainer.build``, as the trainer does),
 traces the training step on fake tensors and runs its memory policy and passes
-(``graph_trainer.pipeline.transform_graph``). Nothing is allocated at model size: this is
+(``graph_trainer.compiler.chain.transform_graph``). Nothing is allocated at model size: this is
 how real-size layouts (Llama3-8B at FSDP=8 ...) are inspected and simulated on a machine
 without GPUs.
 
@@ -35,12 +35,12 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from graph_trainer.build import JobLayout, build_job_model, build_layout, pass_context, stage_modules
+from graph_trainer.compiler.chain import transform_graph
+from graph_trainer.compiler.passes import PassContext
+from graph_trainer.compiler.tracer import TracedStep, trace_train_step
 from graph_trainer.config import JobConfig
 from graph_trainer.errors import ConfigError
-from graph_trainer.passes import PassContext
-from graph_trainer.pipeline import transform_graph
 from graph_trainer.torch_compat import clear_dtensor_sharding_caches, fake_store
-from graph_trainer.tracer import TracedStep, trace_train_step
 from models.common import block_costs
 from models.registry import MODEL_SPECS, model_args
 

@@ -19,7 +19,7 @@ the same reduction over the same per-token values as with one chunk, and those a
 unchunked ones where the matmul kernel computes a row block as it computes those rows of the
 whole. The log-softmax is row-wise; MKL's matmul is, on the development CPU, except for blocks
 of one or two rows, which take a vector kernel: the loss then moves by one ulp (measured:
-docs/performance.md). ``tests/memory_policy/test_activation_checkpoint.py`` holds the loss to
+docs/performance.md). ``tests/compiler/memory_policy/test_activation_checkpoint.py`` holds the loss to
 2.5e-7. The output weight's gradient adds the blocks' contributions in another order than one
 matmul over all tokens, so from the second step on the runs agree to float rounding, not bitwise.
 """

@@ -3,14 +3,14 @@
 ``Trainer(cfg)`` builds everything from a validated ``JobConfig`` (``graph_trainer.build``);
 ``Trainer.train()`` runs ``training.steps`` steps and returns the per-step losses. In
 ``compile.mode = "graph"`` the forward and backward of a microbatch are the traced GraphModule
-(``graph_trainer.tracer.GraphStep``) after the stages of ``graph_trainer.pipeline`` (memory policy,
+(``graph_trainer.compiler.tracer.GraphStep``) after the stages of ``graph_trainer.compiler.chain`` (memory policy,
 passes, backend); in ``"eager"`` they are the same model run directly (``eager_step``), the
 numerics baseline.
 
-Starting weights: a checkpoint of the job's own (resumed, ``graph_trainer.checkpoint``), else a
+Starting weights: a checkpoint of the job's own (resumed, ``graph_trainer.checkpoint.checkpointer``), else a
 Hugging Face folder (``checkpoint.initial_load_hf``: checked before building, read last in
 ``__init__``, after the memory checks, into parameters left uninitialised;
-``graph_trainer.hf_checkpoint``), else the seeded random initialisation. ``training.steps`` 0 with
+``graph_trainer.checkpoint.hf``), else the seeded random initialisation. ``training.steps`` 0 with
 a folder only converts it: ``train()`` writes ``step-0`` and returns.
 
 Pipeline parallel (``parallelism.pp`` > 1): the microbatches of a step go through the pipeline
@@ -40,26 +40,26 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from graph_trainer import comm
 from graph_trainer.analysis.memory import StepMemoryEstimate, estimate_step_memory
 from graph_trainer.build import build_job_model, build_layout, pass_context, stage_modules
-from graph_trainer.checkpoint import Checkpointer
+from graph_trainer.checkpoint.checkpointer import Checkpointer
+from graph_trainer.checkpoint.hf import load_hf_weights, open_hf_weights
+from graph_trainer.compiler.chain import apply_memory_policy, apply_passes, compile_graph
+from graph_trainer.compiler.passes.runner import PassRunner
+from graph_trainer.compiler.tracer import GraphStep, TracedStep, eager_step
 from graph_trainer.config import JobConfig
-from graph_trainer.data import build_dataloader
-from graph_trainer.grad_record import gather_record, merge_over, record_path, save_record
-from graph_trainer.guards import check_step
-from graph_trainer.hf_checkpoint import load_hf_weights, open_hf_weights
-from graph_trainer.metrics import MetricsLogger, peak_flops_per_device, setup_logging
-from graph_trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from graph_trainer.parallel import ParallelDims, average_over_dp, dp_rank, pp_group, sum_over_dp
-from graph_trainer.passes.runner import PassRunner
-from graph_trainer.pipeline import apply_memory_policy, apply_passes, compile_graph
+from graph_trainer.data.loader import build_dataloader
+from graph_trainer.data.tokenizer import build_tokenizer
+from graph_trainer.distributed import comm
+from graph_trainer.distributed.parallel_dims import ParallelDims, average_over_dp, dp_rank, pp_group, sum_over_dp
+from graph_trainer.loop.grad_record import gather_record, merge_over, record_path, save_record
+from graph_trainer.loop.guards import check_step
+from graph_trainer.loop.metrics import MetricsLogger, peak_flops_per_device, setup_logging
+from graph_trainer.loop.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from graph_trainer.loop.preflight import check_model_state_fits, check_step_fits
 from graph_trainer.pipelining.step import PipelineStep
 from graph_trainer.pipelining.timeline import rank_memory, stage_cost
-from graph_trainer.preflight import check_model_state_fits, check_step_fits
-from graph_trainer.tokenizer import build_tokenizer
 from graph_trainer.torch_compat import cpu_backend
-from graph_trainer.tracer import GraphStep, TracedStep, eager_step
 from graph_trainer.validation import check_device, resolve_device
 from models.registry import MODEL_SPECS, model_args
 
@@ -255,7 +255,7 @@ class Trainer:
     def _prepare_graph(
         self, traced: TracedStep, context=None, dump_folder: str | None = None, report_memory: bool = True
     ) -> TracedStep:
-        """The stages after tracing (``graph_trainer.pipeline``): memory policy, passes, backend."""
+        """The stages after tracing (``graph_trainer.compiler.chain``): memory policy, passes, backend."""
         self.metrics.log_event("trace", trace_seconds=traced.trace_seconds, graph_nodes=len(traced.gm.graph.nodes))
         dumps = self.cfg.compile.dump_graphs if dump_folder is None else dump_folder
         runner = PassRunner(context or self.pass_context, dumps)
@@ -388,7 +388,7 @@ class Trainer:
             if not losses:  # the first step of this run (step N+1 after resuming from step N)
                 logger.info("first step (including trace, passes and compile) took %.2fs", elapsed)
                 # Every rank has been through that step's collectives; from now on one that stops
-                # answering for comm.timeout_seconds ends the job (graph_trainer.comm).
+                # answering for comm.timeout_seconds ends the job (graph_trainer.distributed.comm).
                 comm.set_timeout(self.cfg.comm.timeout_seconds)
                 self._stepped = True
             losses.append(loss)

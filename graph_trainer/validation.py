@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from graph_trainer.build import pipeline_layout
+from graph_trainer.compiler.passes import PASS_REGISTRY
 from graph_trainer.config import JobConfig
 from graph_trainer.config_loading import choices, field_types, not_allowed
+from graph_trainer.distributed.parallel_dims import job_microbatches, resolve_parallel_degrees
 from graph_trainer.errors import ConfigError
-from graph_trainer.parallel import job_microbatches, resolve_parallel_degrees
-from graph_trainer.passes import PASS_REGISTRY
 from models.registry import MODEL_SPECS, model_args
 
 

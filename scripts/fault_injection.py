@@ -18,7 +18,7 @@ Checked after every run, and counted:
 * corrupt loads: the job resumed from a damaged checkpoint, or wrote any loss that differs from
   the reference (resuming is bitwise, so a damaged state that slipped through would show there);
 * detected corruptions: damaged checkpoints the job named ("fails verification") and set aside;
-  the others stay on disk, fail ``graph_trainer.manifest`` verification and are never loaded.
+  the others stay on disk, fail ``graph_trainer.checkpoint.manifest`` verification and are never loaded.
 
 The exit code is 1 if any loss or corrupt load happened, or the last run did not finish.
 """
@@ -38,8 +38,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from graph_trainer.checkpoint.manifest import verify_folder  # noqa: E402
 from graph_trainer.config_loading import normalize_flags  # noqa: E402
-from graph_trainer.manifest import verify_folder  # noqa: E402
 
 JOB = [
     "--job.config_file",

@@ -134,7 +134,7 @@ SINGLE_PASSES = {k: v for k, v in BUCKETING.items() if k != "tbb_auto"}
 # FSDP=2 x EP=2 (all_to_all beside FSDP); on HSDP 2x2 and FSDP=2 x TP=2 only
 # transformer_block_bucketing runs here (auto there: 70 s of CI). What auto_bucketing does with
 # HSDP's reduce-scatter then all-reduce and with TP's all-reduces is checked for structure, not
-# numerics: tests/passes/test_auto_bucketing.py and the h100 dry run (every layout).
+# numerics: tests/compiler/passes/test_auto_bucketing.py and the h100 dry run (every layout).
 BLOCK_BUCKETING = {"tbb": BUCKETING["tbb"]}
 
 CPU_EP_OVERLAP_CASES: list[Case] = ep_overlap_cases(
@@ -192,12 +192,12 @@ CPU_DEEPSEEK_MEMORY_POLICY_CASES = [
 
 # ---- the Inductor backend: within INDUCTOR_RTOL of the op-by-op graph, both scopes, both models.
 # A value-preserving pass under the regional scope is bitwise the compiled job without it, because
-# no op's value depends on which region holds it (graph_trainer/backend.py, "Numerics";
-# tests/test_backend.py checks it op by op, and the dry run that the cut keeps every collective
+# no op's value depends on which region holds it (graph_trainer/compiler/backend.py, "Numerics";
+# tests/compiler/test_backend.py checks it op by op, and the dry run that the cut keeps every collective
 # out of the regions and in order) and each pass is bitwise without Inductor here. The suite ran
 # that claim as jobs until 2026-11-27 (transformer_block_bucketing on FSDP=2, ep_overlap on
 # DeepSeek-V3 EP=2: bitwise; 105 s of CI). The memory policy under Inductor is checked by
-# tests/test_backend.py (every recomputed matmul survives; bitwise too when measured, not a suite
+# tests/compiler/test_backend.py (every recomputed matmul survives; bitwise too when measured, not a suite
 # case: 30 s of CI).
 _EP2 = _CPU_DEEPSEEK_LAYOUTS["deepseek_ep2"][1]
 _MOE_BATCH_OVERLAP = [*_EP2, *EP_OVERLAP["moe_batch"], "--compile.passes", "ep_overlap"]

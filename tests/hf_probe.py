@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 def probe(cfg, tokens: torch.Tensor) -> tuple[torch.Tensor, int, int, float]:
     """(logits, bytes read from the folder, local elements of the state, seconds the load took) of a job
     loading ``cfg``'s folder."""
-    from graph_trainer.checkpoint_state import model_tensors
+    from graph_trainer.checkpoint.state import model_tensors
     from graph_trainer.trainer import Trainer
 
     trainer = Trainer(cfg)

@@ -8,8 +8,8 @@ import pytest
 
 from graph_trainer.config import JobConfig
 from graph_trainer.config_loading import load_config, take_flag
+from graph_trainer.distributed.parallel_dims import ParallelDims, microbatches_per_step, resolve_parallel_degrees
 from graph_trainer.errors import ConfigError
-from graph_trainer.parallel import ParallelDims, microbatches_per_step, resolve_parallel_degrees
 from graph_trainer.validation import validate_config
 from tests.conftest import ROOT
 

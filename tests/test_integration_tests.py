@@ -12,13 +12,13 @@ import torch
 import integration_dry_run as dry
 import integration_tests as it
 import suites
+from graph_trainer.compiler.chain import transform_graph
+from graph_trainer.compiler.passes import PASS_REGISTRY
 from graph_trainer.config_loading import load_config
+from graph_trainer.distributed.parallel_dims import resolve_parallel_degrees
 from graph_trainer.fake_trace import fake_world, trace_job, trace_pipeline, trace_without_passes
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts, collective_name
-from graph_trainer.parallel import resolve_parallel_degrees
-from graph_trainer.passes import PASS_REGISTRY
-from graph_trainer.pipeline import transform_graph
 from graph_trainer.validation import validate_config
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
 from tests.graph_compare import node_signatures

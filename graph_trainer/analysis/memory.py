@@ -1,7 +1,7 @@
 """Peak memory of one training step on one rank: parameters, gradients, optimizer state and
 the traced graph's own transient memory, reported apart.
 
-Reads: a graph traced by ``graph_trainer.tracer.trace_train_step`` (inputs: the parameters'
+Reads: a graph traced by ``graph_trainer.compiler.tracer.trace_train_step`` (inputs: the parameters'
 local tensors first, then buffers, tokens and labels; outputs: the loss, then one gradient
 tensor per parameter tensor), optionally the parameters themselves (plain tensors or
 DTensors: their local shard on this rank counts) and the optimizer (a torch optimizer, the
@@ -39,7 +39,7 @@ Model of time (one steady-state step, i.e. from the second step on, per rank):
 3. **Optimizer step** (clip, AdamW, then ``zero_grad``): parameters, all gradients,
    optimizer state, plus the temporaries of the parameter being worked on: clipping squares
    one gradient at a time (``g.float().pow(2)``: one fp32 copy, two if the gradient is not
-   fp32); single-tensor AdamW (``foreach=False``, as ``graph_trainer.optim.build_optimizer``
+   fp32); single-tensor AdamW (``foreach=False``, as ``graph_trainer.loop.optim.build_optimizer``
    makes it on CPU) builds ``exp_avg_sq.sqrt() / c`` for one parameter at a time (two temporaries
    of its size at once); a ``foreach`` AdamW (``build_optimizer`` on CUDA: ``adamw_memory``)
    builds that for all parameters of a group at once (counted as all parameters); a ``fused``
@@ -86,10 +86,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from graph_trainer.distributed.parallel_dims import local_tensor
 from graph_trainer.graph.collectives import is_wait
 from graph_trainer.graph.ops import aliases_input
 from graph_trainer.graph.sizes import SizeHints
-from graph_trainer.parallel import local_tensor
 
 GIB = float(1 << 30)
 
@@ -263,9 +263,9 @@ class OptimizerMemory:
 
 
 ADAMW = OptimizerMemory("AdamW", state_tensors=2, temporaries=2)
-"""``torch.optim.AdamW(..., foreach=False)``: ``graph_trainer.optim.build_optimizer`` on CPU."""
+"""``torch.optim.AdamW(..., foreach=False)``: ``graph_trainer.loop.optim.build_optimizer`` on CPU."""
 ADAMW_FOREACH = OptimizerMemory("AdamW", state_tensors=2, temporaries=1, all_at_once=True)
-"""``torch.optim.AdamW(..., foreach=True)``: ``graph_trainer.optim.build_optimizer`` on CUDA."""
+"""``torch.optim.AdamW(..., foreach=True)``: ``graph_trainer.loop.optim.build_optimizer`` on CUDA."""
 
 
 def adamw_memory(device_type: str) -> OptimizerMemory:

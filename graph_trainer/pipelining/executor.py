@@ -21,7 +21,7 @@ take the same calls in the same order, so a graph pipeline equals its eager twin
 each stage's graph equals its eager stage.
 
 Fails: a runner's error propagates; a peer that stops answering ends in the pipeline group's
-timeout (``graph_trainer.comm``).
+timeout (``graph_trainer.distributed.comm``).
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from graph_trainer.flat_tensors import split_flat, unflatten_tensor
+from graph_trainer.compiler.flat_tensors import split_flat, unflatten_tensor
+from graph_trainer.compiler.tracer import TracedStep, loss_head
 from graph_trainer.pipelining.split import StageGraphs, split_stage
-from graph_trainer.tracer import TracedStep, loss_head
 
 
 class _Accumulator:

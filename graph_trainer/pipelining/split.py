@@ -1,6 +1,6 @@
 """Cut a pipeline stage's joint graph into the callables a pipeline schedule runs.
 
-A stage's joint graph (``graph_trainer.tracer.trace_train_step`` on a ``keep_stage`` model)
+A stage's joint graph (``graph_trainer.compiler.tracer.trace_train_step`` on a ``keep_stage`` model)
 computes its forward and its backward in one go; a pipeline schedule runs them apart, with other
 microbatches' work between them, and zero-bubble schedules also run the backward in two halves:
 the gradient of the stage's input first (the previous stage is waiting for it), the parameters'

@@ -26,11 +26,11 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from graph_trainer.compiler.tracer import TracedStep, trace_train_step
 from graph_trainer.graph.collectives import collective_counts, format_counts
 from graph_trainer.pipelining.executor import run_pipeline
 from graph_trainer.pipelining.runners import EagerStageRunner, GraphStageRunner
 from graph_trainer.pipelining.schedule import PipelineLayout
-from graph_trainer.tracer import TracedStep, trace_train_step
 
 logger = logging.getLogger("graph_trainer")
 

@@ -43,11 +43,11 @@ from graph_trainer.analysis.memory import (
     optimizer_memory,
 )
 from graph_trainer.analysis.simulator import simulate
+from graph_trainer.compiler.tracer import BATCH_INPUTS, TracedStep
 from graph_trainer.graph import tags
 from graph_trainer.graph.tags import INPUT_FQN
 from graph_trainer.pipelining.schedule import Action, PipelinePlan
 from graph_trainer.pipelining.split import StageGraphs, split_stage
-from graph_trainer.tracer import BATCH_INPUTS, TracedStep
 
 
 @dataclass(frozen=True)

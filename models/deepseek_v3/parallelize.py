@@ -23,10 +23,10 @@ Tensor parallel (``tp > 1``, the ``tp`` mesh dim), Megatron style, no sequence p
 - ``tok_embeddings`` row-parallel over the vocabulary, ``output`` column-parallel over the
   vocabulary with the logits gathered (Replicate) for the loss, as llama3.
 
-Expert parallel (``ep > 1``, see ``graph_trainer.parallel`` for the mesh): the stacked expert
+Expert parallel (``ep > 1``, see ``graph_trainer.distributed.parallel_dims`` for the mesh): the stacked expert
 weights ``moe.experts.w1/w2/w3`` [E, ...] are split on the expert dim over ``ep`` (rank r holds
 experts r*E/ep ... (r+1)*E/ep - 1), and each MoE layer's ``token_dispatcher`` becomes a
-``graph_trainer.expert_parallel.ExpertParallelDispatcher`` (all_to_all dispatch and combine,
+``graph_trainer.distributed.expert_parallel.ExpertParallelDispatcher`` (all_to_all dispatch and combine,
 tagged ``ep_role`` / ``moe_fqn`` for the passes). SimpleFSDP then shards each rank's experts
 over the data-parallel ranks ep does not use (``dp_replicate`` x ``efsdp``) and hands the
 module its local experts as plain tensors: expert weights live on the mesh dims
@@ -37,7 +37,7 @@ exactly llama3's: a parameter tensor parallel split lives on (data-parallel dims
 a replicated one on the data-parallel dims. Buffers (``rope_cache``, ``expert_bias``,
 ``tokens_per_expert``) stay plain tensors on every rank; the trainer keeps ``expert_bias``
 identical on all ranks by summing the token counts over data-parallel ranks before each bias
-update (tp ranks count the same tokens: ``graph_trainer.parallel.sum_over_dp``).
+update (tp ranks count the same tokens: ``graph_trainer.distributed.parallel_dims.sum_over_dp``).
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from graph_trainer.distributed.expert_parallel import ExpertParallelDispatcher
+from graph_trainer.distributed.parallel_dims import ParallelDims, dp_mesh_dims, expert_dp_mesh_dims
+from graph_trainer.distributed.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
 from graph_trainer.errors import ConfigError
-from graph_trainer.expert_parallel import ExpertParallelDispatcher
-from graph_trainer.parallel import ParallelDims, dp_mesh_dims, expert_dp_mesh_dims
-from graph_trainer.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
 from models.common import feed_forward_plan, split_vocabulary
 from models.deepseek_v3.flavors import DeepSeekV3Args
 

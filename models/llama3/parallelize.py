@@ -10,7 +10,7 @@ Tensor parallel (``tp`` mesh dim), Megatron style:
 - norms stay replicated (no sequence parallel in this version).
 
 Then every parameter goes to SimpleFSDP over the data-parallel dims
-(``graph_trainer.simple_fsdp``). The tracer tags every node with its module FQN, which is
+(``graph_trainer.distributed.simple_fsdp``). The tracer tags every node with its module FQN, which is
 what the passes use to find blocks; ``models.common.block_bucket_plan`` lists the groups of FQNs
 that form one transformer-block bucket.
 """
@@ -21,9 +21,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from graph_trainer.distributed.parallel_dims import ParallelDims, dp_mesh_dims
+from graph_trainer.distributed.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
 from graph_trainer.errors import ConfigError
-from graph_trainer.parallel import ParallelDims, dp_mesh_dims
-from graph_trainer.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
 from models.common import feed_forward_plan, split_vocabulary
 from models.llama3.flavors import Llama3Args
 

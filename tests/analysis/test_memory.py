@@ -129,7 +129,7 @@ def test_eager_estimate_is_model_state_and_a_lower_bound():
 
 def test_optimizer_memory_from_the_config_or_a_torch_optimizer():
     from graph_trainer.config import Training
-    from graph_trainer.optim import build_optimizer
+    from graph_trainer.loop.optim import build_optimizer
 
     w = torch.nn.Parameter(torch.zeros(4))
     assert optimizer_memory(Training()) == ADAMW == optimizer_memory(build_optimizer([w], Training()))
@@ -164,9 +164,9 @@ def _debug_step(world_size: int):
     parameters (DTensors when sharded) as the trainer holds them."""
     from graph_trainer.build import build_model
     from graph_trainer.config_loading import load_config
+    from graph_trainer.distributed.parallel_dims import ParallelDims, build_mesh, resolve_parallel_degrees
+    from graph_trainer.distributed.simple_fsdp import MixedPrecision
     from graph_trainer.fake_trace import fake_world, trace_without_passes
-    from graph_trainer.parallel import ParallelDims, build_mesh, resolve_parallel_degrees
-    from graph_trainer.simple_fsdp import MixedPrecision
     from models.registry import MODEL_SPECS
 
     cfg = load_config(
@@ -198,7 +198,7 @@ def _debug_step(world_size: int):
 def test_traced_debug_model_optimizer_is_exactly_two_fp32_moments_per_local_element():
     from torch.distributed.tensor import DTensor
 
-    from graph_trainer.optim import build_optimizer
+    from graph_trainer.loop.optim import build_optimizer
 
     graph, params, cfg = _debug_step(8)
     assert all(isinstance(p, DTensor) for p in params)
@@ -241,8 +241,8 @@ def test_estimate_of_the_measured_h100_point():
 
 
 def test_acceptance_command_prints_the_parts(capsys):
-    """``python -m graph_trainer.analyze --world_size 8 --job.config_file configs/llama3_8b.toml``."""
-    from graph_trainer.analyze import main
+    """``python -m graph_trainer.cli.analyze --world_size 8 --job.config_file configs/llama3_8b.toml``."""
+    from graph_trainer.cli.analyze import main
 
     assert main(["--world_size", "8", "--job.config_file", "configs/llama3_8b.toml"]) == 0
     out = capsys.readouterr().out

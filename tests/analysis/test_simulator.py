@@ -188,7 +188,7 @@ def test_format_table():
 
 
 def test_debug_llama3_world_size_4_end_to_end(tmp_path):
-    from graph_trainer.analyze import analyze_job
+    from graph_trainer.cli.analyze import analyze_job
     from graph_trainer.config_loading import load_config
     from graph_trainer.validation import validate_config
 
@@ -214,7 +214,7 @@ def test_debug_llama3_world_size_4_end_to_end(tmp_path):
 
 
 def test_analyze_cli_compare(capsys):
-    from graph_trainer.analyze import main
+    from graph_trainer.cli.analyze import main
 
     rc = main(
         [
@@ -236,7 +236,7 @@ def test_analyze_cli_compare(capsys):
 
 
 def test_analyze_cli_ranks_per_node(capsys):
-    from graph_trainer.analyze import main
+    from graph_trainer.cli.analyze import main
 
     flags = ["--world_size", "2", "--job.config_file", "configs/llama3_debug.toml", "--training.local_batch_size", "2"]
     assert main([*flags, "--ranks_per_node", "1"]) == 0
@@ -250,7 +250,7 @@ def test_analyze_cli_ranks_per_node(capsys):
 
 
 def test_analyze_cli_compares_pipeline_schedules(capsys):
-    from graph_trainer.analyze import main
+    from graph_trainer.cli.analyze import main
 
     flags = ["--world_size", "4", "--job.config_file", "configs/llama3_debug.toml", "--parallelism.pp", "2"]
     flags += ["--training.local_batch_size", "2", "--training.global_batch_size", "16"]
@@ -273,7 +273,7 @@ def test_analyze_cli_compares_pipeline_schedules(capsys):
 def test_gradient_accumulation_costs_of_reducing_every_microbatch_or_once(layout, capsys):
     """What ``analyze`` reports for gradient accumulation: reducing every microbatch (the trainer)
     keeps the reduced gradients as the buffer, reducing once would keep the unreduced ones."""
-    from graph_trainer.analyze import analyze_job, gradient_reduction_costs, main
+    from graph_trainer.cli.analyze import analyze_job, gradient_reduction_costs, main
     from graph_trainer.config_loading import load_config
     from graph_trainer.validation import validate_config
     from models.registry import MODEL_SPECS, model_args

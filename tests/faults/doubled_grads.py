@@ -3,7 +3,7 @@
 The classic data-parallel bug (gradients summed over ranks instead of averaged, or a tensor-
 parallel gradient counted twice) in its simplest form. Losses barely move (AdamW normalises the
 update, clipping rescales it), so only a check of the gradients themselves can catch it:
-``tests/test_grad_record.py`` runs this under torchrun in place of ``train.py``.
+``tests/loop/test_grad_record.py`` runs this under torchrun in place of ``train.py``.
 """
 
 from __future__ import annotations

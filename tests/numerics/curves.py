@@ -35,7 +35,7 @@ Other kernels for the same math (ATen's AVX2 or AVX-512 builds instead of the ba
 default instead of COMPATIBLE branch, another CPU vendor) moved the debug LLaMA-3 curve by well
 under the bound; small real changes (a learning rate 0.1% higher, another AdamW eps or weight
 decay) exceed it within a few steps (both measured: docs/performance.md). A slightly lower
-max_norm stays under it: clipping hides that, as it hides gradient scale (``graph_trainer.grad_record``)."""
+max_norm stays under it: clipping hides that, as it hides gradient scale (``graph_trainer.loop.grad_record``)."""
 
 _COMMON = [
     "--training.steps",

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
+from graph_trainer.compiler.tracer import TracedStep, trace_train_step
 from graph_trainer.graph import tags
 from graph_trainer.graph.tags import INPUT_FQN
 from graph_trainer.pipelining.split import split_stage
-from graph_trainer.tracer import TracedStep, trace_train_step
 from models.common import keep_stage
 from models.deepseek_v3.model import DeepSeekV3
 from models.llama3.flavors import FLAVORS

@@ -96,7 +96,7 @@ def saved_tensors_finite(step_dir) -> bool:
     """Whether every tensor saved in the checkpoint folder ``step_dir`` is finite."""
     import torch.distributed.checkpoint as dcp
 
-    from graph_trainer.safe_metadata import load_dcp_metadata, metadata_path, safe_reader
+    from graph_trainer.checkpoint.safe_metadata import load_dcp_metadata, metadata_path, safe_reader
 
     index = load_dcp_metadata(metadata_path(str(step_dir))).state_dict_metadata
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in index.items()}
@@ -107,7 +107,7 @@ def saved_tensors_finite(step_dir) -> bool:
 def seal(folder) -> None:
     """Rewrite the manifest of a checkpoint folder as it is now (before issue 18 there was none)."""
     try:
-        from graph_trainer import manifest
+        from graph_trainer.checkpoint import manifest
     except ImportError:
         return
     manifest.seal(str(folder))

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from graph_trainer.checkpoint import Checkpointer, complete_steps
+from graph_trainer.checkpoint.checkpointer import Checkpointer, complete_steps
 from graph_trainer.config_loading import load_config
 from tests.reliability.helpers import EAGER, copy_job, make_trainer
 
@@ -50,7 +50,7 @@ def test_resaving_a_step_is_atomic(tmp_path, monkeypatch):
 
 
 def test_replace_dir_fallback_is_recovered_at_the_next_start(tmp_path, monkeypatch):
-    from graph_trainer.atomic_files import clean_leftovers, replace_dir
+    from graph_trainer.checkpoint.atomic_files import clean_leftovers, replace_dir
 
     root = tmp_path / "checkpoint"
     (root / "step-1").mkdir(parents=True)

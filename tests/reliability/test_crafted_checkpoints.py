@@ -39,7 +39,7 @@ def test_non_tensor_entries_are_refused(tmp_path):
     # DCP reads a non-tensor entry back with torch.load(weights_only=False); graph_trainer never saves one.
     import torch.distributed.checkpoint as dcp
 
-    from graph_trainer.safe_metadata import UnsafeCheckpointError, load_dcp_metadata
+    from graph_trainer.checkpoint.safe_metadata import UnsafeCheckpointError, load_dcp_metadata
 
     with pytest.warns(UserWarning):
         dcp.save(

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from graph_trainer.checkpoint import complete_steps
+from graph_trainer.checkpoint.checkpointer import complete_steps
 from graph_trainer.config_loading import load_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.validation import validate_config
@@ -38,7 +38,7 @@ def test_non_finite_hyper_parameters_are_rejected(field, value):
 
 def test_check_step_names_the_step_and_the_first_non_finite_parameter():
     from graph_trainer.errors import NonFiniteError
-    from graph_trainer.guards import check_step
+    from graph_trainer.loop.guards import check_step
 
     good = torch.nn.Parameter(torch.ones(3))
     bad = torch.nn.Parameter(torch.tensor([1.0, float("inf")]))

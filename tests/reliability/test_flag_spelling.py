@@ -32,7 +32,7 @@ def test_every_entry_point_accepts_either_spelling(tmp_path, capsys):
         "-1",
         "--",
     ]
-    from graph_trainer import analyze
+    from graph_trainer.cli import analyze
 
     assert analyze.main(["--device-memory-gib", "lots"]) == 2  # read as --device_memory_gib, before any tracing
     assert "--device_memory_gib 'lots' is not a number" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from graph_trainer.checkpoint import complete_steps
+from graph_trainer.checkpoint.checkpointer import complete_steps
 from graph_trainer.errors import ConfigError
 from tests.launch import read_losses
 from tests.reliability.helpers import copy_job, make_trainer

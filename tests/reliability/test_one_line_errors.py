@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from graph_trainer.checkpoint import complete_steps
+from graph_trainer.checkpoint.checkpointer import complete_steps
 from tests.conftest import ROOT
 from tests.launch import read_losses, run_torchrun
 from tests.reliability.helpers import EAGER, error_lines, immutable, make_trainer, saved_tensors_finite, train_py

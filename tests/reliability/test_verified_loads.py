@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from graph_trainer.checkpoint import complete_steps
+from graph_trainer.checkpoint.checkpointer import complete_steps
 from graph_trainer.errors import ConfigError
 from tests.reliability.helpers import copy_job, logged_warnings, make_trainer, seal
 
@@ -86,7 +86,7 @@ def test_checkpoints_without_a_manifest_are_not_loaded_until_sealed(tmp_path, th
 
 
 def test_manifest_cli_verifies_and_seals(tmp_path, three_steps, capsys):
-    from graph_trainer import manifest
+    from graph_trainer.checkpoint import manifest
 
     job = copy_job(three_steps, tmp_path)
     step = str(job / "checkpoint" / "step-3")

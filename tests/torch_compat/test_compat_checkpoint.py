@@ -25,7 +25,7 @@ def test_dcp_metadata_globals_cover_a_real_checkpoint_and_the_reader_never_pickl
 
     import torch.distributed.checkpoint as dcp
 
-    from graph_trainer.safe_metadata import load_dcp_metadata, safe_reader
+    from graph_trainer.checkpoint.safe_metadata import load_dcp_metadata, safe_reader
     from graph_trainer.torch_compat import DCP_METADATA_FILE, dcp_metadata_globals, dcp_storage_files
 
     state = {

@@ -13,7 +13,7 @@ def test_strided_shard_placement():
 
     p = StridedShard(0, split_factor=2)
     assert p.dim == 0 and p.split_factor == 2
-    # graph_trainer.optim relies on it not being a Shard and not being replicated.
+    # graph_trainer.loop.optim relies on it not being a Shard and not being replicated.
     assert not isinstance(p, Shard) and not p.is_replicate()
 
 
@@ -111,7 +111,7 @@ def _timeout_worker(rank: int, store: str, folder: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from graph_trainer import comm
+    from graph_trainer.distributed import comm
     from graph_trainer.torch_compat import cpu_backend, process_groups
 
     def timeouts():

@@ -1,0 +1,427 @@
+"""Distributed checkpoints with ``torch.distributed.checkpoint`` (DCP): save, find, check, resume.
+
+Contract
+--------
+``Checkpointer.save(step, ...)`` writes ``<root>/step-<N>`` where ``<root>`` is ``checkpoint.folder``
+(relative to ``job.dump_folder`` unless absolute; all ranks must see it). All ranks write into
+``step-<N>.tmp-<token>`` (token chosen by rank 0), agree that every write succeeded, and hash what
+they wrote; rank 0 writes ``manifest.json`` last (``graph_trainer.checkpoint.manifest``: size and SHA-256 of
+every file of every rank) and renames the folder to ``step-<N>`` (atomically replacing an existing
+one: ``atomic_files.replace_dir``). Only folders named exactly ``step-<N>`` holding ``manifest.json``
+count as checkpoints, so a crashed save is never found. A state with a non-finite tensor is never
+saved (``guards.check_state``). An I/O failure on any rank (full disk, read-only folder) is one
+``JobError`` on every rank; the temporary folder is removed and the earlier checkpoints are untouched.
+What the folder holds (DCP files, ``metadata.json``, ``train_state.json``, ``rng-rank<R>.pt``) and
+how it maps onto the model, AdamW, the LR schedule, the data loader and the RNG is
+``graph_trainer.checkpoint.state``.
+
+``Checkpointer.resolve_load_step()`` runs first: rank 0 removes what interrupted saves left
+(``atomic_files.clean_leftovers``), then picks what to resume (``checkpoint.load_step``: -1 the
+newest checkpoint that verifies, 0 none, N exactly step-N, else ``ConfigError`` listing the
+available steps). Verifying (``manifest``, split over the ranks) comes before anything is loaded:
+with -1 a checkpoint that fails is reported, renamed ``step-<N>.corrupt-<token>`` and the next
+older one tried; with N it is a ``ConfigError`` naming the file. A run that would leave checkpoints
+of another run beside its own (load_step 0 in a folder holding checkpoints, or load_step N with
+later steps there) is refused unless ``checkpoint.move_aside``. Every decision is rank 0's,
+broadcast, so all ranks resume from the same step. ``load`` then restores everything in place
+before the first step (``checkpoint_state``: bitwise identical to not stopping when the layout is
+unchanged).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from graph_trainer.checkpoint import manifest
+from graph_trainer.checkpoint.atomic_files import clean_leftovers, move_aside, replace_dir, write_text_atomic
+from graph_trainer.checkpoint.safe_metadata import load_dcp_metadata, metadata_path
+from graph_trainer.checkpoint.state import (
+    check_model,
+    load_tensors,
+    param_shapes,
+    read_metadata,
+    restore_rng,
+    restore_train_state,
+    save_rng,
+    save_tensors,
+    tensor_state,
+    write_metadata,
+    write_train_state,
+)
+from graph_trainer.config import JobConfig
+from graph_trainer.distributed.comm import agree
+from graph_trainer.errors import ConfigError, JobError
+from graph_trainer.loop.guards import check_state
+from graph_trainer.torch_compat import dcp_storage_files
+
+logger = logging.getLogger("graph_trainer")
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_root(cfg: JobConfig) -> str:
+    folder = cfg.checkpoint.folder
+    return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
+
+
+def _steps_with(root: str, present: str, absent: str | None = None) -> list[int]:
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        match = _STEP_DIR.match(name)
+        if (
+            match
+            and os.path.isfile(os.path.join(root, name, present))
+            and not (absent and os.path.exists(os.path.join(root, name, absent)))
+        ):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def complete_steps(root: str) -> list[int]:
+    """Steps of the complete checkpoints in ``root``, ascending (tmp / half-written folders excluded)."""
+    # The exact name marks a finished save (rank 0 renames only after every rank wrote), and the
+    # manifest is written last before that rename; step-N folders without one are not ours, or older.
+    return _steps_with(root, manifest.MANIFEST_FILE)
+
+
+def unsealed_steps(root: str) -> list[int]:
+    """Steps of checkpoints without a manifest (saved by a graph_trainer before manifests existed)."""
+    return _steps_with(root, "metadata.json", absent=manifest.MANIFEST_FILE)
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(f"step-{s}" for s in steps)
+
+
+class Checkpointer:
+    """Saves and restores the training state of one job; see the module docstring."""
+
+    def __init__(self, cfg: JobConfig, rank: int, world_size: int, degrees: dict[str, int], device: torch.device):
+        self.cfg = cfg
+        self.root = checkpoint_root(cfg)
+        self.rank = rank
+        self.world_size = world_size
+        self.degrees = dict(degrees)
+        self.device = device
+        self.distributed = dist.is_available() and dist.is_initialized()
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{step}")
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        interval = self.cfg.checkpoint.interval
+        return interval > 0 and (step % interval == 0 or step == last_step)
+
+    def _on_rank0(self, fn):
+        """Run ``fn`` on rank 0 only and give every rank its result (or its one-line error), so that all
+        ranks take the same decision and none waits in a collective the others skipped."""
+        if not self.distributed:
+            try:
+                return fn()
+            except OSError as e:
+                raise JobError(f"checkpoint folder {self.root}: {e.strerror or e}: {e.filename}") from None
+        box: list = [None]
+        if self.rank == 0:
+            try:
+                box[0] = ("ok", fn())
+            except ConfigError as e:
+                box[0] = ("config", str(e))
+            except (JobError, OSError) as e:
+                box[0] = (
+                    "job",
+                    str(e)
+                    if isinstance(e, JobError)
+                    else f"checkpoint folder {self.root}: {e.strerror or e}: {e.filename}",
+                )
+            except Exception as e:  # unblock the other ranks, then fail loudly here
+                dist.broadcast_object_list([("crash", repr(e))], src=0)
+                raise
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "config":
+            raise ConfigError(value)
+        if kind == "job":
+            raise JobError(value)
+        if kind == "crash":
+            raise RuntimeError(f"rank 0 failed while reading checkpoints: {value}")
+        return value
+
+    def _gather(self, obj) -> list:
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    # ------------------------------------------------------------------------------ resume
+
+    def _scan(self) -> tuple[list[int], list[int], list[str]]:
+        """(rank 0) Clean leftovers of interrupted saves; list sealed and unsealed checkpoints."""
+        try:
+            done = clean_leftovers(self.root)
+        except OSError as e:  # a read-only folder a job only resumes from: the leftovers are never read
+            done = [f"cannot remove what interrupted saves left ({e.strerror or e}); ignored"]
+        return complete_steps(self.root), unsealed_steps(self.root), done
+
+    def _check_index(self, step: int, files: dict) -> None:
+        """(rank 0) DCP's index unpickles with only checkpoint classes (else ConfigError: crafted or
+        foreign) and every file it refers to is in the manifest."""
+        path = self.step_dir(step)
+        unlisted = sorted(dcp_storage_files(load_dcp_metadata(metadata_path(path))) - set(files))
+        if unlisted:
+            raise ConfigError(
+                f"checkpoint {path}: DCP's index refers to {unlisted[0]}, which its manifest does not list"
+            )
+
+    def _verify(self, step: int) -> str | None:
+        """Check ``step-<step>`` against its manifest on all ranks (each hashes a share); None when it is
+        exactly what was saved, else one line naming the first file that is not. A checkpoint of another
+        model, or whose index holds anything but checkpoint classes, raises ConfigError instead."""
+        path = self.step_dir(step)
+
+        def head():  # cheap checks first, so a wrong checkpoint fails fast
+            saved, problem = manifest.read(path)
+            problem = problem or manifest.check_listing(path, saved)
+            problem = problem or (
+                manifest.check_files(path, saved, ["metadata.json"])
+                if "metadata.json" in saved["files"]
+                else "metadata.json is missing"
+            )
+            if problem:
+                return None, problem
+            check_model(path, self.cfg.model)  # metadata.json verified above: format and model are this run's
+            return saved, None
+
+        saved, problem = self._on_rank0(head)
+        if problem:
+            return problem
+        sizes = {name: entry["size"] for name, entry in saved["files"].items() if name != "metadata.json"}
+        mine = manifest.balance(sizes, self.world_size)[self.rank]
+        problems = [p for p in self._gather(manifest.check_files(path, saved, mine)) if p]
+        if problems:
+            return problems[0]
+        self._on_rank0(lambda: self._check_index(step, saved["files"]))
+        return None
+
+    def _writes_beside(self) -> bool:
+        """Whether this run adds to the checkpoint folder, or keeps its losses.txt beside it."""
+        dump = os.path.realpath(self.cfg.job.dump_folder)
+        return self.cfg.checkpoint.interval > 0 or os.path.realpath(self.root).startswith(dump + os.sep)
+
+    def _refuse_or_move_aside(self, chosen: int | None, others: list[int], unsealed: list[int]) -> None:
+        """Other runs' checkpoints would stay beside this run's: refuse, or move them aside (move_aside)."""
+        want = self.cfg.checkpoint.load_step
+        names = _steps(others)
+        if not self.cfg.checkpoint.move_aside:
+            hint = (
+                "pass --checkpoint.move_aside True to move them into "
+                f"{os.path.normpath(self.root)}.aside-<time>/, or use another checkpoint.folder"
+            )
+            if want == 0:
+                raise ConfigError(
+                    f"checkpoint.load_step = 0 starts fresh, but {self.root} holds checkpoints ({names}) "
+                    f"of an earlier run, which a later resume would mix with this one; resume them "
+                    f"(checkpoint.load_step -1), or {hint} (losses.txt too)"
+                )
+            if want > 0:
+                raise ConfigError(
+                    f"checkpoint.load_step = {want} continues step-{want}, but {self.root} also holds "
+                    f"later steps ({names}) of the run it abandons, which a later resume would pick "
+                    f"up; {hint}"
+                )
+            raise ConfigError(
+                f"{self.root} holds checkpoints without {manifest.MANIFEST_FILE} "
+                f"({_steps(sorted(set(others) & set(unsealed)))}): saved before graph_trainer wrote "
+                f"manifests, or not by graph_trainer, so they cannot be verified; seal one you trust "
+                f"with `python -m graph_trainer.checkpoint.manifest seal <folder>`, or {hint}"
+            )
+        losses = os.path.join(self.cfg.job.dump_folder, "losses.txt")
+        aside = self._on_rank0(
+            lambda: move_aside(self.root, [f"step-{s}" for s in others], losses, keep_losses=chosen is not None)
+        )
+        self._warn(
+            "checkpoint.move_aside: moved %s%s into %s",
+            names,
+            " and losses.txt" if chosen is None else " and a copy of losses.txt",
+            aside,
+        )
+
+    def _quarantine(self, failed: list[tuple[int, str]]) -> None:
+        """(all ranks) Rename checkpoints that failed verification, so no later resume finds them."""
+
+        def rename():
+            token = uuid.uuid4().hex[:8]
+            try:
+                for step, _ in failed:
+                    os.rename(self.step_dir(step), f"{self.step_dir(step)}.corrupt-{token}")
+            except OSError as e:  # read-only: every later resume verifies (and skips) them again
+                return f"cannot rename them ({e.strerror or e}); they stay, and fail verification again"
+            return "renamed " + ", ".join(f"step-{s} to step-{s}.corrupt-{token}" for s, _ in failed)
+
+        self._warn("%s (kept for inspection; never loaded)", self._on_rank0(rename))
+
+    def _warn(self, *args) -> None:
+        """A warning about a decision every rank shares: rank 0 logs it."""
+        if self.rank == 0:
+            logger.warning(*args)
+
+    def resolve_load_step(self) -> int | None:
+        """The step to resume from (None: start fresh), verified. Call it before building the model."""
+        want = self.cfg.checkpoint.load_step
+        start = time.perf_counter()
+        sealed, unsealed, cleaned = self._on_rank0(self._scan)
+        for line in cleaned:
+            logger.info("checkpoint folder %s: %s", self.root, line)
+        chosen, failed = None, []
+        if want > 0:
+            if want not in sealed:
+                legacy = (
+                    f" (step-{want} has no {manifest.MANIFEST_FILE}: saved before manifests; seal it with "
+                    f"`python -m graph_trainer.checkpoint.manifest seal` if you trust it)"
+                    if want in unsealed
+                    else ""
+                )
+                raise ConfigError(
+                    f"checkpoint.load_step = {want}: no complete checkpoint step-{want} in {self.root}; "
+                    f"available steps: {', '.join(map(str, sealed)) or 'none'}{legacy}"
+                )
+            problem = self._verify(want)
+            if problem:
+                raise ConfigError(f"checkpoint {self.step_dir(want)} fails verification: {problem}; nothing was loaded")
+            chosen = want
+        elif want == -1:
+            for step in reversed(sealed):
+                problem = self._verify(step)
+                if problem is None:
+                    chosen = step
+                    break
+                failed.append((step, problem))
+                self._warn("checkpoint %s fails verification: %s", self.step_dir(step), problem)
+            if failed and chosen is None:
+                raise ConfigError(
+                    f"no checkpoint in {self.root} verifies ({'; '.join(f'step-{s}: {p}' for s, p in failed)}); "
+                    f"nothing was loaded. Restore them, or start fresh with checkpoint.load_step 0 and "
+                    f"checkpoint.move_aside True"
+                )
+        others = [
+            s for s in sorted(set(sealed) | set(unsealed)) if s not in dict(failed) and (chosen is None or s > chosen)
+        ]
+        if others and self._writes_beside():
+            self._refuse_or_move_aside(chosen, others, unsealed)
+        if failed:
+            self._quarantine(failed)
+            self._warn("resuming from %s, the newest checkpoint that verifies", self.step_dir(chosen))
+        if chosen is not None:
+            logger.info(
+                "resuming from checkpoint %s (step %d), verified in %.2fs",
+                self.step_dir(chosen),
+                chosen,
+                time.perf_counter() - start,
+            )
+        elif want == -1 and os.path.isdir(self.root):
+            logger.info("no complete checkpoint in %s; starting from step 1", self.root)
+        return chosen
+
+    def load(self, step: int, model, optimizer, scheduler, dataloader) -> None:
+        """Restore model, AdamW, LR schedule, data position and RNG in place from ``step-<step>``
+        (verified by ``resolve_load_step``)."""
+        start = time.perf_counter()
+        path = self.step_dir(step)
+        meta = read_metadata(path)
+        load_tensors(path, meta, self.cfg.model, model, optimizer, self.distributed)
+        restore_train_state(path, step, optimizer, scheduler, dataloader)
+        if int(meta.get("world_size", -1)) == self.world_size:
+            restore_rng(path, self.rank, self.device)
+        else:
+            logger.info(
+                "checkpoint was written by %s ranks, this run has %d: RNG states not restored",
+                meta.get("world_size"),
+                self.world_size,
+            )
+        if self.rank == 0:
+            self._trim_losses(step)
+        logger.info("loaded checkpoint %s in %.2fs", path, time.perf_counter() - start)
+
+    def _trim_losses(self, step: int) -> None:
+        """Drop ``losses.txt`` lines after ``step`` (left by a longer earlier run) before appending;
+        atomically, so a crash leaves the old file or the trimmed one."""
+        path = os.path.join(self.cfg.job.dump_folder, "losses.txt")
+        if not os.path.isfile(path):
+            return
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+        kept = [line for line in lines if not (line[:1].isdigit() and int(line.split()[0]) > step)]
+        if len(kept) != len(lines):
+            write_text_atomic(path, "".join(kept))
+
+    # ------------------------------------------------------------------------------ save
+
+    def _write_state(self, tmp: str, step: int, state: dict, model, scheduler, dataloader):
+        """(all ranks) Every file of the checkpoint but the manifest; returns DCP's index."""
+        index = save_tensors(tmp, state, self.distributed)
+        save_rng(tmp, self.rank, self.device)
+        shapes = param_shapes(model, self.distributed)  # (every rank joins: pipeline ranks hold parts)
+        if self.rank == 0:
+            write_train_state(tmp, step, scheduler, dataloader)
+            write_metadata(tmp, step, self.cfg.model, self.degrees, self.world_size, shapes)
+        return index
+
+    def _seal(self, tmp: str, final: str, hashed: list[dict], index) -> None:
+        """(rank 0) Check every rank's files are there, write the manifest, make the folder ``step-<N>``."""
+        present = manifest.folder_files(tmp)
+        files = {name: entry for share in hashed for name, entry in share.items()}
+        for name in sorted(set(present) - set(files)):  # written by no rank we know of: hash it here
+            files[name] = manifest.file_entry(os.path.join(tmp, name))
+        missing = sorted((set(files) | dcp_storage_files(index)) - set(present))
+        if missing:
+            raise JobError(f"{missing[0]} is not in {tmp}: a rank's write did not reach the shared folder")
+        manifest.write(tmp, manifest.build(files))
+        replace_dir(tmp, final)
+
+    def save(self, step: int, model, optimizer, scheduler, dataloader, before_first_step: bool = False) -> str:
+        """Write ``step-<step>`` atomically (all ranks call this); returns its path. ``before_first_step``:
+        the optimizer has not stepped (a converted ``step-0``): its state is saved as AdamW would create it."""
+        start = time.perf_counter()
+        final = self.step_dir(step)
+        state = tensor_state(model, optimizer, create=before_first_step)
+        check_state(step, state)
+        # One token for all ranks so they write into the same tmp folder; unique per attempt so a
+        # leftover from a crashed save is never mixed with this one.
+        token = self._on_rank0(lambda: uuid.uuid4().hex[:8])
+        tmp = f"{final}.tmp-{token}"
+        what = f"cannot save checkpoint {final}"
+        try:
+            agree(lambda: os.makedirs(tmp) if self.rank == 0 else None, what)
+            index = agree(lambda: self._write_state(tmp, step, state, model, scheduler, dataloader), what)
+            written = time.perf_counter()
+            # every rank's files are in tmp now (agree gathered from all): hash our own share
+            mine = agree(
+                lambda: {
+                    n: manifest.file_entry(os.path.join(tmp, n))
+                    for n in manifest.save_share(manifest.folder_files(tmp), self.rank, self.world_size)
+                },
+                what,
+            )
+            hashed = self._gather(mine)
+            agree(lambda: self._seal(tmp, final, hashed, index) if self.rank == 0 else None, what)
+        except JobError as e:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # never a checkpoint; the earlier ones are untouched
+            raise JobError(f"{e} (earlier checkpoints are intact)") from None
+        logger.info(
+            "saved checkpoint %s in %.2fs (manifest: %.2fs)",
+            final,
+            time.perf_counter() - start,
+            time.perf_counter() - written,
+        )
+        return final

@@ -1,0 +1,383 @@
+"""Simulate a job's training step on a device model, from one CPU process.
+
+    python -m graph_trainer.cli.analyze --world_size N [--device h100|cpu] [--ranks_per_node 8]
+        [--trace_out trace.json] [--compare "none;pass_a;pass_a,pass_b"] [--ac_modes none,selective,full]
+        [--device_memory_gib G] [--section.key value ...]
+
+    python -m graph_trainer.cli.analyze --world_size 8 --model.flavor 8B --training.seq_len 8192 \\
+        --training.local_batch_size 1 --training.mixed_precision_param bfloat16
+
+The job flags are those of ``train.py`` (``graph_trainer.config.load_config``); the flags
+above are taken out first. The job is traced on the fake process group at ``world_size``
+(``graph_trainer.fake_trace``: fake tensors, nothing allocated, no communication),
+its passes run (``compile.passes``, or each list given to ``--compare``, one trace per list;
+``none`` is the empty list; with ``--ac_modes``, each list once per activation-checkpointing
+mode), and the graph is simulated with
+``graph_trainer.analysis.simulator`` on the device model. Prints, per pass list, the
+collectives by type, simulated step / compute / communication / exposed communication time
+and the estimated peak memory of one rank with its parts (parameters, gradients, AdamW state,
+activations: ``graph_trainer.analysis.memory.estimate_step_memory``), then the communication
+by collective kind, then per pass list the bytes one rank sends over NVLink and over
+InfiniBand, in all and by kind (``traffic_line``; ``--ranks_per_node``, at least 1, places
+global rank ``r`` on node ``r // ranks_per_node``), then one memory line per pass list and a
+warning where the peak exceeds the device's memory (``--device_memory_gib``, default the
+device's: 79.1 GiB for ``h100``, none for ``cpu``). ``--trace_out`` writes a Chrome/Perfetto
+timeline (one file per pass list with ``--compare``).
+
+A pipeline job (``--parallelism.pp`` P > 1) is traced stage by stage (``fake_trace.trace_pipeline``)
+and estimated by ``graph_trainer.pipelining.timeline``: each stage's pieces are simulated, the
+schedule is replayed with point-to-point transfers between stages, and every pipeline rank's memory
+counts the microbatches its schedule keeps in flight. ``--pp_schedules a,b`` compares schedules
+(default: ``parallelism.pp_schedule``). Prints one row per pass list and schedule (simulated step,
+bubble fraction, tokens/s and model TFLOP/s per GPU, the highest rank's peak memory and its parts),
+then per stage its blocks, rank and the seconds of its pieces (F, B, I, W) and what one microbatch
+holds, then the memory line of every pipeline rank.
+
+With ``--training.global_batch_size`` giving M > 1 microbatches per step, the simulated graph is
+one microbatch; the memory estimate counts the gradient accumulation buffer, and one line per pass
+list (``accumulation_line``) gives the step (M graphs), and what the gradient reductions send and
+hold when every microbatch reduces its gradients (the trainer's choice) against accumulating
+them unreduced and reducing once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+GIB = float(1 << 30)
+GB = 1e9
+"""Link traffic is in decimal GB, the unit of link bandwidths (GB/s)."""
+_KIND_COLUMNS = (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", "AR"), ("all_to_all", "A2A"))
+
+
+def parse_pass_lists(spec: str) -> list[list[str]]:
+    """'none;a;a,b' -> [[], ['a'], ['a', 'b']]."""
+    from graph_trainer.config_loading import normalize_pass_list
+
+    lists = []
+    for item in spec.split(";"):
+        passes = normalize_pass_list([item])
+        lists.append([] if passes in ([], ["none"]) else passes)
+    return lists
+
+
+def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
+    """Trace ``cfg`` on the fake process group and simulate it.
+
+    Returns (traced step, SimulationResult, seconds tracing + passes, seconds simulating).
+    """
+    from graph_trainer.analysis.simulator import simulate
+    from graph_trainer.fake_trace import fake_world, trace_job
+
+    start = time.perf_counter()
+    with fake_world(world_size):
+        traced = trace_job(cfg, world_size, gpu_attention=device.fused_attention)
+        traced_s = time.perf_counter() - start
+        # Groups are resolved while the fake process group is alive.
+        result = simulate(traced.gm.graph, device, ranks_per_node=ranks_per_node)
+    return traced, result, traced_s, time.perf_counter() - start - traced_s
+
+
+def analyze_pipeline(cfg, world_size: int, device, ranks_per_node: int = 8, optimizer=None):
+    """Trace a pipeline job stage by stage on the fake process group and estimate its step.
+
+    Returns (``timeline.PipelineEstimate``, the stages' blocks, seconds tracing + passes, seconds estimating).
+    """
+    from graph_trainer.fake_trace import fake_world, trace_pipeline
+    from graph_trainer.pipelining.timeline import estimate_pipeline
+
+    start = time.perf_counter()
+    with fake_world(world_size):
+        traced = trace_pipeline(cfg, world_size, gpu_attention=device.fused_attention)
+        traced_s = time.perf_counter() - start
+        pipeline = traced.layout.pipeline
+        estimate = estimate_pipeline(pipeline.plan, traced.stages, device, world_size, ranks_per_node, optimizer)
+    return estimate, pipeline.stage_blocks, traced_s, time.perf_counter() - start - traced_s
+
+
+def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> tuple[dict, list[dict]]:
+    """(The summary row of one pipeline estimate, one row per stage.) Tokens per step are the global
+    batch's (local batch x seq x microbatches x data-parallel ranks); model TFLOP/s count the
+    model's FLOPs per token (``flops_per_token``, as the trainer's MFU does)."""
+    from graph_trainer.distributed.parallel_dims import ParallelDims, resolve_parallel_degrees
+    from models.registry import MODEL_SPECS, model_args
+
+    t, plan, timeline = cfg.training, estimate.plan, estimate.timeline
+    dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
+    tokens = t.local_batch_size * t.seq_len * plan.microbatches * dims.dp_size
+    per_gpu = tokens / timeline.step_seconds / world_size
+    flops = MODEL_SPECS[cfg.model.name].flops_per_token(model_args(cfg.model), t.seq_len)
+    rank, memory = estimate.worst_memory()
+    p = memory.peak
+    summary = {
+        "passes": label,
+        "schedule": plan.schedule,
+        "stages": plan.num_stages,
+        "microbatches": plan.microbatches,
+        "step ms": timeline.step_seconds * 1e3,
+        "bubble %": 100 * timeline.bubble_fraction,
+        "tokens/s/GPU": per_gpu,
+        "TFLOP/s/GPU": per_gpu * flops / 1e12,
+        "peak GiB": p.total / GIB,
+        "at rank": rank,
+        "params GiB": p.params / GIB,
+        "grads GiB": (p.grads + p.accumulated_grads) / GIB,
+        "optim GiB": p.optimizer / GIB,
+        "activ GiB": p.activations / GIB,
+    }
+    stages = [
+        {
+            "passes": label,
+            "schedule": plan.schedule,
+            "stage": s,
+            "blocks": f"{blocks.start}..{blocks.stop - 1}",
+            "rank": plan.stage_to_rank[s],
+            **{f"{k} ms": estimate.costs[s].seconds[k] * 1e3 for k in ("F", "B", "I", "W")},
+            "held/mb GiB": estimate.costs[s].saved_bytes / GIB,
+        }
+        for s, blocks in enumerate(stage_blocks)
+    ]
+    return summary, stages
+
+
+def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int, memory=None) -> dict[str, object]:
+    """One table row. ``memory`` (a ``StepMemoryEstimate``): "peak GiB" is the step's peak and
+    its parts follow; without it, "peak GiB" is the graph's own peak (no optimizer state)."""
+    counts = {k: 0 for k, _ in _KIND_COLUMNS}
+    for c in result.collectives:
+        counts[c.kind] = counts.get(c.kind, 0) + 1
+    row: dict[str, object] = {"passes": label, "nodes": nodes}
+    row.update({short: counts[k] for k, short in _KIND_COLUMNS})
+    row.update(
+        {
+            "step ms": result.step_time * 1e3,
+            "compute ms": result.compute_time * 1e3,
+            "comm ms": result.comm_time * 1e3,
+            "exposed ms": result.exposed_comm_time * 1e3,
+            "exposed %": 100 * result.exposed_fraction,
+            "peak GiB": (memory.peak_bytes if memory is not None else result.peak_memory_bytes) / GIB,
+        }
+    )
+    if memory is not None:
+        peak = memory.peak
+        row.update(
+            {
+                "params GiB": peak.params / GIB,
+                "grads GiB": (peak.grads + peak.accumulated_grads) / GIB,  # with the accumulation buffer
+                "optim GiB": peak.optimizer / GIB,
+                "activ GiB": peak.activations / GIB,
+            }
+        )
+    row.update(
+        {
+            "trace s": trace_s,
+            "sim s": sim_s,
+        }
+    )
+    return row
+
+
+def kind_rows(label: str, result) -> list[dict[str, object]]:
+    return [
+        {
+            "passes": label,
+            "kind": kind,
+            "count": int(v["count"]),
+            "GiB": v["bytes"] / GIB,
+            "time ms": v["time"] * 1e3,
+            "exposed ms": v["exposed"] * 1e3,
+            "hidden %": 100 * (1 - v["exposed"] / v["time"]) if v["time"] else 100.0,
+        }
+        for kind, v in sorted(result.by_kind().items())
+    ]
+
+
+def traffic_line(label: str, result) -> str:
+    """The bytes one rank sends in the step over NVLink and over InfiniBand, in all and per
+    collective kind present ("NVLink + InfiniBand" each): ``SimulationResult.by_kind``, whose
+    split follows ``cost_model.collective_traffic`` (a group spanning nodes counts as InfiniBand)."""
+    kinds = result.by_kind()
+    order = [k for k, _ in _KIND_COLUMNS if k in kinds] + sorted(set(kinds) - {k for k, _ in _KIND_COLUMNS})
+    parts = ", ".join(f"{k} {_gb(kinds[k]['sent_intra_node'])} + {_gb(kinds[k]['sent_inter_node'])}" for k in order)
+    line = (
+        f"bytes/rank ({label}): over NVLink {_gb(result.sent_bytes(inter_node=False))} GB, "
+        f"over InfiniBand {_gb(result.sent_bytes(inter_node=True))} GB"
+    )
+    return f"{line} (by kind, NVLink + InfiniBand: {parts} GB)" if parts else line
+
+
+def gradient_reduction_costs(graph, result) -> tuple[float, int, int]:
+    """One microbatch's gradient reductions (collectives tagged ``reduce_grad``) in ``result``, the
+    simulation of ``graph``: (bytes this rank sends for them, bytes of the reduced gradients the
+    graph outputs, bytes of the unreduced gradients they read: the reduce-scatters' full inputs, or
+    the all-reduces' where nothing is scattered (DDP), in the reduce dtype)."""
+    from graph_trainer.analysis.memory import estimate_peak_memory
+    from graph_trainer.graph import tags
+    from graph_trainer.graph.collectives import is_collective
+    from graph_trainer.graph.tags import FSDP_ROLE, REDUCE_GRAD
+
+    reductions = {n.name for n in graph.nodes if is_collective(n) and tags.get(n, FSDP_ROLE) == REDUCE_GRAD}
+    records = [c for c in result.collectives if c.name in reductions]
+    # HSDP's all-reduce reads the reduce-scatter's shard: only the reduce-scatters read whole gradients.
+    scattered = [c for c in records if c.kind == "reduce_scatter"]
+    unreduced = sum(c.bytes for c in (scattered or records))
+    return sum(c.bytes_sent for c in records), estimate_peak_memory(graph).total_grad_bytes, unreduced
+
+
+def accumulation_line(label: str, graph, result, microbatches: int) -> str:
+    """Gradient accumulation over ``microbatches`` graphs of ``result``: the step's simulated time
+    (the optimizer step is not simulated), and per step what the gradient reductions send and the
+    accumulation buffer holds (``gradient_reduction_costs``) when each microbatch reduces (the
+    trainer: the buffer is the reduced gradients) against accumulating the unreduced gradients and
+    reducing once."""
+    sent, reduced, unreduced = gradient_reduction_costs(graph, result)
+    return (
+        f"gradient accumulation ({label}): {microbatches} microbatches, simulated step "
+        f"{microbatches} x {result.step_time * 1e3:.1f} = {microbatches * result.step_time * 1e3:.1f} ms; "
+        f"reduced every microbatch: {_gb(microbatches * sent)} GB sent/rank, buffer {reduced / GIB:.2f} GiB; "
+        f"unreduced, reduced once: {_gb(sent)} GB sent/rank, buffer {unreduced / GIB:.2f} GiB"
+    )
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.3g}"
+
+
+def _trace_path(path: str, label: str, several: bool) -> str:
+    if not several:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.{label.replace(',', '+').replace(' ', '_')}{ext or '.json'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from graph_trainer.analysis.devices import DEVICES
+    from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, estimate_step_memory, memory_warning
+    from graph_trainer.analysis.simulator import format_table
+    from graph_trainer.config_loading import load_config, take_flag
+    from graph_trainer.distributed.parallel_dims import job_microbatches
+    from graph_trainer.errors import ConfigError
+    from graph_trainer.validation import validate_config
+
+    try:
+        argv, world_size = take_flag(argv, "--world_size", 8, int)
+        argv, device_name = take_flag(argv, "--device", "h100")
+        argv, ranks_per_node = take_flag(argv, "--ranks_per_node", 8, int)
+        argv, trace_out = take_flag(argv, "--trace_out", None)
+        argv, compare = take_flag(argv, "--compare", None)
+        argv, device_memory_gib = take_flag(argv, "--device_memory_gib", None, float)
+        argv, ac_modes = take_flag(argv, "--ac_modes", None)
+        argv, pp_schedules = take_flag(argv, "--pp_schedules", None)
+        if ranks_per_node < 1:
+            raise ConfigError(f"--ranks_per_node {ranks_per_node} must be >= 1 (GPUs per node)")
+        if device_name not in DEVICES:
+            raise ConfigError(f"unknown --device {device_name!r}; choose from {', '.join(DEVICES)}")
+        device = DEVICES[device_name]
+        limit = (
+            round(device_memory_gib * GIB) if device_memory_gib is not None else DEVICE_MEMORY_BYTES.get(device_name)
+        )
+        cfg = load_config(argv)
+        pass_lists = parse_pass_lists(compare) if compare is not None else [cfg.compile.passes]
+        modes = (
+            [m.strip() for m in ac_modes.split(",") if m.strip()]
+            if ac_modes is not None
+            else [cfg.activation_checkpoint.mode]
+        )
+        schedules = (
+            [x.strip() for x in pp_schedules.split(",") if x.strip()]
+            if pp_schedules is not None
+            else [cfg.parallelism.pp_schedule]
+        )
+        if pp_schedules is not None and cfg.parallelism.pp == 1:
+            raise ConfigError("--pp_schedules compares pipeline schedules: it needs --parallelism.pp > 1")
+        configs = []
+        for passes in pass_lists:
+            for mode in modes:
+                for schedule in schedules:
+                    c = load_config(argv)
+                    c.compile.passes = passes
+                    c.activation_checkpoint.mode = mode
+                    c.parallelism.pp_schedule = schedule
+                    validate_config(c, world_size)
+                    configs.append(c)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    t = cfg.training
+    microbatches = job_microbatches(cfg.parallelism, t.global_batch_size, t.local_batch_size, world_size)
+    accumulating = f" x {microbatches} microbatches" if microbatches > 1 else ""
+    print(
+        f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "
+        f"{t.local_batch_size}x{t.seq_len}{accumulating}, param dtype {t.mixed_precision_param}, reduce dtype "
+        f"{t.mixed_precision_reduce}, activation checkpointing {cfg.activation_checkpoint.mode}, "
+        f"loss chunks {t.loss_chunks}; simulated on {device.name} ({ranks_per_node} ranks/node)"
+    )
+    optimizer = adamw_memory("cpu" if device_name == "cpu" else "cuda")
+    labels = []
+    for c in configs:
+        label = ",".join(c.compile.passes) or "none"
+        labels.append(label + (f" ac={c.activation_checkpoint.mode}" if ac_modes is not None else ""))
+    if cfg.parallelism.pp > 1:
+        return _print_pipelines(configs, labels, world_size, device, ranks_per_node, optimizer, limit)
+    summary, kinds, traffic_lines, memory_lines, accumulation_lines = [], [], [], [], []
+    for c, label in zip(configs, labels, strict=True):
+        traced, result, trace_s, sim_s = analyze_job(c, world_size, device, ranks_per_node)
+        memory = estimate_step_memory(traced.gm.graph, None, optimizer, microbatches=microbatches)
+        if microbatches > 1:
+            accumulation_lines.append(accumulation_line(label, traced.gm.graph, result, microbatches))
+        summary.append(summary_row(label, result, trace_s, sim_s, len(traced.gm.graph.nodes), memory))
+        memory_lines.append(f"memory per rank ({label}): {memory.summary()}")
+        warning = memory_warning(memory, limit, device.name)
+        if warning:
+            memory_lines.append(f"WARNING ({label}): {warning}")
+        kinds.extend(kind_rows(label, result))
+        traffic_lines.append(traffic_line(label, result))
+        if trace_out:
+            path = _trace_path(trace_out, label, len(configs) > 1)
+            result.to_chrome_trace(path)
+            print(f"wrote {path}")
+    print(format_table(summary))
+    print()
+    print(format_table(kinds))
+    print()
+    print("\n".join(traffic_lines))
+    print()
+    print("\n".join(memory_lines))
+    if accumulation_lines:
+        print()
+        print("\n".join(accumulation_lines))
+    return 0
+
+
+def _print_pipelines(configs, labels, world_size, device, ranks_per_node, optimizer, limit) -> int:
+    """``main``'s output for a pipeline job (module docstring)."""
+    from graph_trainer.analysis.memory import memory_warning
+    from graph_trainer.analysis.simulator import format_table
+
+    summary, stages, memory_lines = [], [], []
+    for c, label in zip(configs, labels, strict=True):
+        estimate, stage_blocks, trace_s, estimate_s = analyze_pipeline(c, world_size, device, ranks_per_node, optimizer)
+        row, stage_rows = pipeline_rows(label, c, world_size, estimate, stage_blocks)
+        summary.append({**row, "trace s": trace_s, "sim s": estimate_s})
+        stages.extend(stage_rows)
+        name = f"{label}, {estimate.plan.schedule}"
+        for rank, memory in sorted(estimate.memory.items()):
+            memory_lines.append(f"memory of pipeline rank {rank} ({name}): {memory.summary()}")
+        worst_rank, worst = estimate.worst_memory()
+        warning = memory_warning(worst, limit, device.name)
+        if warning:
+            memory_lines.append(f"WARNING ({name}, pipeline rank {worst_rank}): {warning}")
+    print(format_table(summary))
+    print()
+    print(format_table(stages))
+    print()
+    print("\n".join(memory_lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The memory policy: what one step keeps alive from forward to backward, and what it makes again.
+
+It runs on the traced graph before the user's passes (``graph_trainer.compiler.chain``), as these
+passes, in order, each keeping every value bitwise:
+
+1. ``remove_dead_code``: drop nodes nobody reads (collectives and waits are kept: they have effects);
+2. with ``activation_checkpoint.mode`` other than ``none``, or ``training.loss_chunks > 1``:
+   ``tag_activations`` decides save or recompute per transformer block and loss row block, and
+   ``recompute_activations`` copies each recomputed value before its first backward use
+   (``activation_checkpoint``);
+3. with ``parallelism.fsdp_reshard_after_forward = always``: ``reshard_after_forward`` re-gathers
+   every parameter for its backward readers instead of keeping the forward's gather
+   (``reshard_after_forward``). It runs after step 2 so that recomputations read the re-gathers:
+   one gather per block for backward.
+
+Later stages never re-decide: they read the ``activation``, ``recomputed`` and ``recompute_of``
+tags (``graph_trainer.graph.tags``) and schedule the copies like any backward node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from graph_trainer.compiler.memory_policy.activation_checkpoint import recompute_activations, tag_activations
+from graph_trainer.compiler.memory_policy.reshard_after_forward import reshard_after_forward
+from graph_trainer.compiler.passes.registry import PassContext, PassSpec
+
+
+def remove_dead_code(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+    """Drop nodes whose values nobody uses (collectives and waits are kept: they have effects)."""
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def memory_policy_passes(config: Any) -> list[PassSpec]:
+    """The policy's passes for a job (module docstring); ``config`` None: dead code and resharding only."""
+    specs = [PassSpec("remove_dead_code", remove_dead_code, "drop unused pure nodes")]
+    if config is not None and (config.activation_checkpoint.mode != "none" or config.training.loss_chunks > 1):
+        specs.append(
+            PassSpec(
+                "tag_activations",
+                tag_activations,
+                f"activation checkpointing ({config.activation_checkpoint.mode}, "
+                f"{config.training.loss_chunks} loss chunks): save or recompute",
+            )
+        )
+        specs.append(
+            PassSpec(
+                "recompute_activations",
+                recompute_activations,
+                "copy recomputed activations before their first backward use",
+            )
+        )
+    if config is None or config.parallelism.fsdp_reshard_after_forward == "always":
+        specs.append(
+            PassSpec(
+                "reshard_after_forward",
+                reshard_after_forward,
+                "re-gather parameters for backward instead of keeping them from forward",
+            )
+        )
+    return specs
+
+
+__all__ = [
+    "memory_policy_passes",
+    "recompute_activations",
+    "remove_dead_code",
+    "reshard_after_forward",
+    "tag_activations",
+]

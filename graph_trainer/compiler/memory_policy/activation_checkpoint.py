@@ -1,0 +1,205 @@
+"""Activation checkpointing as two graph passes, decide then recompute.
+
+Contract
+--------
+Reads: the tracer's tags on every node (``graph_trainer.graph.tags``): ``phase`` (forward /
+backward / ...), ``module_fqn`` (transformer blocks are the modules ``layers.<i>``, ``block_of``;
+a backward node carries the FQN of the forward op it differentiates), ``loss_chunk`` (``unit_of``),
+``fsdp_role`` (SimpleFSDP's gather chains); and ``--activation_checkpoint.mode`` / ``selective_ops``.
+
+``tag_activations`` (decides, changes no edge): within each transformer block (and each row
+block of a chunked loss, ``graph_trainer.loss``, which is always recomputed in full), every
+forward value the region's backward reads is tagged ``custom["activation"] = "save"`` or
+``"recompute"``, and so is every value a recomputation reads:
+
+- ``full``: recompute everything the block computes; what is saved is what the block reads
+  from outside (its input, the parameters) and what may never run twice (below).
+- ``selective``: also save the outputs of the ops in ``selective_ops`` (by default matmuls,
+  grouped matmuls and attention: the expensive ones); recompute the cheap ones (norms,
+  activations, RoPE, views) from them.
+- Never recomputed, whatever the mode: collectives and their waits (a tensor-parallel
+  all-reduce or an expert-parallel all_to_all is issued once per step: token routing is
+  computed once), ops with side effects (the MoE token counter's in-place add), random ops
+  (a fused attention kernel with ``dropout_p`` 0 draws no random numbers: it is recomputed),
+  reads of data-dependent sizes (``_local_scalar_dense``), non-tensor values, SimpleFSDP's
+  gather chains (``reshard_after_forward``, which runs after this, re-gathers parameters for
+  every backward reader, recomputations included: one gather per block for backward), and
+  values read outside their region (a block's output is the next block's saved input).
+- A view (or ``getitem``) of a saved value is saved too: it shares the saved storage.
+
+``recompute_activations`` (acts only on the tags, never re-decides): each value tagged
+``recompute`` is copied right before the first backward node that needs it (its own first
+backward reader, or the first copy that reads it), in graph order, so a block's forward is
+recomputed piece by piece as its backward proceeds; the block's backward reads the copies,
+the forward values die after their last forward use. Copies are tagged ``phase = "backward"``,
+``recomputed = True`` and ``recompute_of = <original node name>``, and keep every other tag
+(``module_fqn``, chunk ids, ``ep_role``): later passes (bucketing, ``ep_overlap``) place them
+like any backward node and must not recompute them again.
+
+Numerics: a copy runs the same op on the same inputs (saved values, or re-gathered
+parameters that are bitwise the forward's), so the backward sees bit-for-bit the values it
+would have read from forward: losses and gradients are bitwise those without the policy
+(on CUDA only with deterministic kernels, as for any rerun).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from graph_trainer.compiler.passes.registry import PassContext
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import collective_name
+from graph_trainer.graph.ops import SCALAR_READ, aliases_input, is_attention, is_matmul, name_of, named_args
+from graph_trainer.graph.tags import (
+    ACTIVATION,
+    BACKWARD,
+    FORWARD,
+    FSDP_ROLE,
+    LOSS,
+    LOSS_CHUNK,
+    PHASE,
+    RECOMPUTE,
+    RECOMPUTE_OF,
+    RECOMPUTED,
+    SAVE,
+    unit_of,
+)
+from graph_trainer.torch_compat import has_side_effects, is_op_overload, op_schema
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return any(isinstance(v, torch.Tensor) for v in val)
+    return isinstance(val, torch.Tensor)
+
+
+def _may_run_twice(node: fx.Node) -> bool:
+    """Whether copying ``node`` is safe: a pure, deterministic tensor op that is not a collective."""
+    if node.op != "call_function" or not _is_tensor(node):
+        return False
+    if collective_name(node) is not None or node.target is SCALAR_READ or has_side_effects(node):
+        return False
+    if tags.get(node, FSDP_ROLE):
+        return False  # parameter gathers: reshard_after_forward re-gathers them for backward
+    if is_op_overload(node.target):
+        if op_schema(node.target).is_mutable:
+            return False
+        if torch.Tag.nondeterministic_seeded in node.target.tags and not _draws_no_random_numbers(node):
+            return False
+    return node.target is operator.getitem or is_op_overload(node.target)
+
+
+def _draws_no_random_numbers(node: fx.Node) -> bool:
+    """A fused attention kernel without dropout: its schema is tagged random (it can drop out),
+    but with ``dropout_p`` 0 it computes the same values every time it runs."""
+    return is_attention(node) and named_args(node).get("dropout_p", 0.0) == 0.0
+
+
+def decide_region(nodes: list[fx.Node], region: str, mode: str, saved_ops: set[str]) -> dict[fx.Node, str]:
+    """The decision for each forward node of ``region`` that its backward (or a recomputation) reads."""
+    forward = {n for n in nodes if unit_of(n) == region and tags.phase(n) in (FORWARD, LOSS)}
+
+    def backward_readers(node: fx.Node) -> list[fx.Node]:
+        return [u for u in node.users if tags.phase(u) == BACKWARD]
+
+    def pinned(node: fx.Node) -> bool:
+        if not _may_run_twice(node):
+            return True
+        if mode == "selective" and name_of(node) in saved_ops:
+            return True
+        # Read outside its region (another block, the loss): the region's boundary is saved.
+        return any(unit_of(u) != region for u in node.users)
+
+    needed = [n for n in nodes if n in forward and backward_readers(n)]
+    decision: dict[fx.Node, str] = {}
+    stack = list(needed)
+    while stack:
+        node = stack.pop()
+        if node in decision:
+            continue
+        if pinned(node):
+            decision[node] = SAVE
+            continue
+        decision[node] = RECOMPUTE
+        stack.extend(a for a in node.all_input_nodes if a in forward and a not in decision)
+    # A view of a saved value costs nothing to keep (same storage): save it rather than copy it.
+    for node in nodes:  # graph order: a view's source is decided before the view
+        if decision.get(node) == RECOMPUTE and aliases_input(node):
+            sources = [a for a in node.all_input_nodes if a in forward]
+            if sources and all(decision.get(a, SAVE) == SAVE for a in sources):
+                decision[node] = SAVE
+    return decision
+
+
+def tag_activations(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+    """Tag save / recompute on the activations of every block (by ``activation_checkpoint.mode``)
+    and of every loss row block (always ``full``: their logits are what chunking frees)."""
+    ac = context.config.activation_checkpoint
+    nodes = list(gm.graph.nodes)
+    regions = {r for n in nodes if (r := unit_of(n)) is not None}
+    saved_ops = set(ac.selective_ops)
+    for region in sorted(regions):
+        mode = "full" if region.startswith(LOSS_CHUNK) else ac.mode
+        if mode == "none":
+            continue
+        for node, choice in decide_region(nodes, region, mode, saved_ops).items():
+            tags.update(node, {ACTIVATION: choice})
+    return gm
+
+
+def recompute_activations(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
+    """Copy every value tagged ``recompute`` before its first backward use (module docstring)."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    recompute = [n for n in nodes if tags.get(n, ACTIVATION) == RECOMPUTE]
+    if not recompute:
+        return gm
+    chosen = set(recompute)
+    # Where each copy must exist: before its first backward reader and before the copies that read it.
+    target: dict[fx.Node, fx.Node] = {}
+    for node in reversed(recompute):
+        candidates = [u for u in node.users if tags.phase(u) == BACKWARD]
+        candidates += [target[u] for u in node.users if u in chosen]
+        if not candidates:
+            raise RuntimeError(f"activation {node.name} is tagged recompute but nothing in backward reads it")
+        target[node] = min(candidates, key=position.__getitem__)
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in recompute:  # graph order: a copy's inputs are copied (or saved) before it
+        with graph.inserting_before(target[node]):
+            copy = graph.node_copy(node, lambda arg: copies.get(arg, arg))
+        copy.meta = dict(node.meta)
+        tags.replace(copy, {**tags.tags(node), PHASE: BACKWARD, RECOMPUTED: True, RECOMPUTE_OF: node.name})
+        tags.remove(copy, ACTIVATION)
+        copies[node] = copy
+    for node, copy in copies.items():
+        node.replace_all_uses_with(copy, delete_user_cb=functools.partial(_backward_reader_of, copy))
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _backward_reader_of(copy: fx.Node, user: fx.Node) -> bool:
+    """Whether ``user`` should read ``copy`` instead of the forward value: a backward node other than the copy."""
+    return tags.phase(user) == BACKWARD and user is not copy
+
+
+def recompute_counts(graph: fx.Graph) -> dict[str, dict[str, int]]:
+    """Per block: how many nodes were recomputed, of which matmuls, and collectives (must be 0)."""
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: {"nodes": 0, "matmuls": 0, "collectives": 0})
+    for node in graph.nodes:
+        if tags.get(node, RECOMPUTED) and tags.has(node, RECOMPUTE_OF):
+            row = counts[unit_of(node) or "?"]
+            row["nodes"] += 1
+            row["matmuls"] += is_matmul(node)
+            row["collectives"] += collective_name(node) is not None
+    return dict(counts)
+
+
+__all__ = ["decide_region", "recompute_activations", "recompute_counts", "tag_activations"]

@@ -1,0 +1,291 @@
+"""The merge behind transformer_block_bucketing: which FSDP collectives a bucket may hold
+(``collective_kind``, from the ``fsdp_role`` tags and the op), and how one bucket's collectives
+become one (``merge_all_gathers``, ``merge_reductions``), with gloo's ring alignment
+(``ring_aligned_row``). Scheduling the merged collectives is the pass's
+(``graph_trainer.compiler.passes.transformer_block_bucketing``, whose docstring states the layouts and
+their numerics).
+
+Contract: a merge replaces its members and their waits with new functional nodes (no ``out=``),
+each with a fake ``meta["val"]`` computed in the trace's fake mode and the tags of what it
+replaces; it returns a ``Merged`` saying which nodes to issue and which to wait. A collective
+whose only user is not its wait, or a node without a fake value, raises ``PassError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graph_trainer.compiler.passes.registry import PassError
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    WAIT,
+    PairingError,
+    group_name,
+    wait_of,
+)
+from graph_trainer.graph.tags import (
+    FORWARD,
+    FSDP_BUCKET,
+    FSDP_PARAM,
+    FSDP_PARAMS,
+    FSDP_ROLE,
+    MODULE_FQN,
+    REDUCE_GRAD,
+    UNSHARD,
+)
+from graph_trainer.torch_compat import fake_mode_of
+
+aten = torch.ops.aten
+
+FORWARD_GATHER, BACKWARD_GATHER = "forward all_gather", "backward all_gather"
+GRAD_REDUCE, GRAD_ALL_REDUCE = "reduce_scatter", "all_reduce"
+REDUCTIONS = (GRAD_REDUCE, GRAD_ALL_REDUCE)
+
+GLOO_MAX_SEGMENT_BYTES = 1 << 20
+"""gloo's ``AllreduceOptions::kMaxSegmentSize``: the largest piece its ring all-reduce sends at once."""
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def ring_aligned_row(row: int, world: int, itemsize: int) -> int:
+    """The smallest row length >= ``row`` for which gloo's ring all-reduce of a ``(world, length)``
+    buffer (how gloo reduce-scatters) puts its chunk boundaries exactly between the rank rows.
+
+    gloo (``allreduce.cc``, ``ring``) splits ``B`` bytes into ``S`` segments, ``S`` the multiple of
+    ``world`` at least ``max(ceil(B / 1 MiB), 2 * world)``, each ``ceil(B / S)`` bytes rounded up
+    to the element size; chunk ``c`` is segments ``[c S / world, (c + 1) S / world)``. With 2
+    ranks the order cannot matter (one addition per element), so nothing is padded."""
+    if world <= 2:
+        return row
+    length = row
+    while True:
+        total = world * length * itemsize
+        segments = _ceil_div(max(_ceil_div(total, GLOO_MAX_SEGMENT_BYTES), 2 * world), world) * world
+        segment = _ceil_div(_ceil_div(total, segments), itemsize) * itemsize
+        if segments // world * segment == length * itemsize:
+            return length
+        length += 1
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """Which FSDP bucket kind a collective belongs to, from its tags; None for all others."""
+    role = tags.get(node, FSDP_ROLE)
+    if node.target is ALL_GATHER and role == UNSHARD:
+        return FORWARD_GATHER if tags.phase(node) == FORWARD else BACKWARD_GATHER
+    if node.target is REDUCE_SCATTER and role == REDUCE_GRAD:
+        return GRAD_REDUCE
+    if node.target is ALL_REDUCE and role == REDUCE_GRAD:
+        return GRAD_ALL_REDUCE
+    return None
+
+
+def only_wait(node: fx.Node) -> fx.Node:
+    try:
+        return wait_of(node)
+    except PairingError as e:
+        raise PassError(f"transformer_block_bucketing: {e}") from None
+
+
+@dataclass
+class Merged:
+    """One bucketed collective after merging: what to issue, what to wait, what replaces the old waits."""
+
+    bucket: int
+    kind: str
+    group: str
+    issue: list[fx.Node]
+    """Copy-in nodes (casts, flattening, cat) and the collective last, in order."""
+    wait: list[fx.Node]
+    """The wait and the copy-out nodes, in order."""
+    outputs: list[fx.Node]
+    """Per member, the node now holding its result (what its old wait held)."""
+
+    @property
+    def collective(self) -> fx.Node:
+        return self.issue[-1]
+
+
+class _Emitter:
+    """Adds call_function nodes before ``anchor``, each with a fake ``val`` and its tags."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode: Any):
+        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
+        self.created: list[fx.Node] = []
+
+    def __call__(self, target, args: tuple, node_tags: dict, kwargs: dict | None = None) -> fx.Node:
+        kwargs = kwargs or {}
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = target(*vals[0], **vals[1])
+        tags.replace(node, node_tags)
+        self.created.append(node)
+        return node
+
+    def flat_rows(self, x: fx.Node, rows: int, node_tags: dict) -> fx.Node:
+        """``x`` viewed as ``(rows, -1)`` (``(-1,)`` when rows is 0), made contiguous first if needed."""
+        if not x.meta["val"].is_contiguous():
+            x = self(aten.clone.default, (x,), node_tags, {"memory_format": torch.contiguous_format})
+        return self(aten.view.default, (x, [rows, -1] if rows else [-1]), node_tags)
+
+    def take(self) -> list[fx.Node]:
+        created, self.created = self.created, []
+        return created
+
+
+def _cast_chain(collective: fx.Node) -> list[fx.Node]:
+    """The single-user ``unshard`` nodes feeding a gather (the mixed-precision cast), in order."""
+    chain: list[fx.Node] = []
+    node = collective.args[0]
+    while (
+        isinstance(node, fx.Node)
+        and tags.get(node, FSDP_ROLE) == UNSHARD
+        and len(node.users) == 1
+        and len(node.all_input_nodes) == 1
+    ):
+        chain.insert(0, node)
+        node = node.all_input_nodes[0]
+    return chain
+
+
+def _common_module(members: list[fx.Node]) -> str:
+    """The innermost module FQN containing every member's module ("" for the root)."""
+    parts = [tags.module_fqn(m).split(".") for m in members]
+    common = []
+    for names in zip(*parts, strict=False):
+        if len(set(names)) != 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
+
+
+def _shared_tags(members: list[fx.Node], name: str) -> dict:
+    return {
+        **tags.tags(members[0]),
+        MODULE_FQN: _common_module(members),
+        FSDP_PARAM: name,
+        FSDP_BUCKET: name,
+        FSDP_PARAMS: tuple(tags.get(m, FSDP_PARAM) for m in members),
+    }
+
+
+def _member_tags(member: fx.Node, bucket: str) -> dict:
+    return {**tags.tags(member), FSDP_BUCKET: bucket}
+
+
+def _replace(graph: fx.Graph, members: list[fx.Node], outputs: list[fx.Node]) -> None:
+    for member, out in zip(members, outputs, strict=True):
+        wait = only_wait(member)
+        wait.replace_all_uses_with(out)
+        graph.erase_node(wait)
+        graph.erase_node(member)
+
+
+def _unmerged(collective: fx.Node, bucket: int, kind: str, group: str, casts: list[fx.Node], name: str) -> Merged:
+    """A bucket of one collective: nothing to merge, only tagged and scheduled."""
+    wait = only_wait(collective)
+    for node in (collective, wait):
+        tags.update(node, {FSDP_BUCKET: name})
+    return Merged(bucket, kind, group, casts + [collective], [wait], [wait])
+
+
+def merge_all_gathers(graph: fx.Graph, members: list[fx.Node], bucket: int, name: str) -> Merged:
+    """Replace the gathers of one bucket (one group) with one gather of their concatenation."""
+    first, kind = members[0], collective_kind(members[0])
+    group_size, group = first.args[1], first.args[2]
+    casts = [n for m in members for n in _cast_chain(m)]
+    if len(members) == 1:
+        return _unmerged(first, bucket, kind, group, casts, name)
+    emit = _Emitter(graph, first, _fake_mode(first))
+    shared = _shared_tags(members, name)
+    as_bytes = len({m.args[0].meta["val"].dtype for m in members}) > 1
+    flats = []
+    for m in members:
+        flat = emit.flat_rows(m.args[0], 0, _member_tags(m, name))
+        flats.append(emit(aten.view.dtype, (flat, torch.uint8), _member_tags(m, name)) if as_bytes else flat)
+    sizes = [f.meta["val"].numel() for f in flats]
+    gathered = emit(ALL_GATHER, (emit(aten.cat.default, (flats,), shared), group_size, group), shared)
+    issue = casts + emit.take()
+    rows = emit(aten.view.default, (emit(WAIT, (gathered,), shared), [group_size, sum(sizes)]), shared)
+    outputs, offset = [], 0
+    for m, size in zip(members, sizes, strict=True):
+        member = _member_tags(m, name)
+        piece = emit(aten.slice.Tensor, (rows, 1, offset, offset + size), member)
+        piece = emit(aten.clone.default, (piece,), member, {"memory_format": torch.contiguous_format})
+        if as_bytes:
+            piece = emit(aten.view.dtype, (piece, m.meta["val"].dtype), member)
+        outputs.append(emit(aten.view.default, (piece, list(m.meta["val"].shape)), member))
+        offset += size
+    wait = emit.take()
+    _replace(graph, members, outputs)
+    return Merged(bucket, kind, group, issue, wait, outputs)
+
+
+def merge_reductions(graph: fx.Graph, members: list[fx.Node], bucket: int, name: str) -> Merged:
+    """Replace the gradient reductions of one bucket (one kind, group, dtype, op) with one reduction
+    of their concatenation: rank rows side by side for reduce-scatters, flat for all-reduces."""
+    first, kind = members[0], collective_kind(members[0])
+    reduce_op, group = first.args[1], group_name(first)
+    if len(members) == 1:
+        return _unmerged(first, bucket, kind, group, [], name)
+    emit = _Emitter(graph, first, _fake_mode(first))
+    shared = _shared_tags(members, name)
+    if kind == GRAD_REDUCE:
+        group_size = first.args[2]
+        rows = [emit.flat_rows(m.args[0], group_size, _member_tags(m, name)) for m in members]
+        sizes = [r.meta["val"].shape[1] for r in rows]
+        pad = ring_aligned_row(sum(sizes), group_size, rows[0].meta["val"].element_size()) - sum(sizes)
+        if pad:  # zeros at the end of each rank's row: see Numerics in the module docstring
+            rows.append(emit(aten.new_zeros.default, (rows[0], [group_size, pad]), shared))
+        flat = emit(aten.view.default, (emit(aten.cat.default, (rows, 1), shared), [-1]), shared)
+        reduced = emit(REDUCE_SCATTER, (flat, reduce_op, group_size, group), shared)
+    else:
+        flats = [emit.flat_rows(m.args[0], 0, _member_tags(m, name)) for m in members]
+        sizes = [f.meta["val"].numel() for f in flats]
+        reduced = emit(ALL_REDUCE, (emit(aten.cat.default, (flats,), shared), reduce_op, group), shared)
+    issue = emit.take()
+    result = emit(WAIT, (reduced,), shared)
+    outputs, offset = [], 0
+    for m, size in zip(members, sizes, strict=True):
+        member = _member_tags(m, name)
+        piece = emit(aten.slice.Tensor, (result, 0, offset, offset + size), member)
+        outputs.append(emit(aten.view.default, (piece, list(m.meta["val"].shape)), member))
+        offset += size
+    wait = emit.take()
+    _replace(graph, members, outputs)
+    return Merged(bucket, kind, group, issue, wait, outputs)
+
+
+def _fake_mode(node: fx.Node):
+    mode = fake_mode_of(node.meta.get("val"))
+    if mode is None:
+        raise PassError(
+            f"transformer_block_bucketing: {node.name} has no fake meta['val']; trace with "
+            "graph_trainer.compiler.tracer (fake mode) before running this pass"
+        )
+    return mode
+
+
+__all__ = [
+    "BACKWARD_GATHER",
+    "FORWARD_GATHER",
+    "GRAD_ALL_REDUCE",
+    "GRAD_REDUCE",
+    "REDUCTIONS",
+    "Merged",
+    "collective_kind",
+    "merge_all_gathers",
+    "merge_reductions",
+    "only_wait",
+    "ring_aligned_row",
+]

@@ -1,0 +1,105 @@
+"""Optimizer, learning-rate schedule and gradient clipping.
+
+The same code runs after the traced step and after the eager step, so graph and eager
+runs differ only in how the gradients were computed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from graph_trainer.config import Training
+from graph_trainer.distributed.parallel_dims import local_tensor
+
+
+def build_optimizer(params: list[torch.nn.Parameter], t: Training) -> torch.optim.AdamW:
+    """AdamW with the job's hyper-parameters.
+
+    On CUDA the multi-tensor (``foreach``) implementation: a handful of kernels over all
+    parameters instead of ~10 per parameter (the single-tensor loop was a large share of an
+    8B-shaped step on an H100; measured: docs/performance.md, profiles in docs/h100_profiles/).
+    On CPU the single-tensor one: the stored loss curves were recorded with it, and launch
+    overhead does not matter there. Graph and eager mode build it the same way, so they stay
+    bitwise."""
+    cuda = bool(params) and params[0].device.type == "cuda"
+    return torch.optim.AdamW(
+        params,
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        weight_decay=t.weight_decay,
+        foreach=cuda,
+    )
+
+
+def lr_multiplier(step: int, t: Training) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based count of steps taken).
+
+    Linear warmup over ``warmup_steps`` (never starting at 0), then ``decay_type`` down to
+    ``min_lr_ratio`` at the last step.
+    """
+    if step < t.warmup_steps:
+        return (step + 1) / (t.warmup_steps + 1)
+    decay_steps = t.steps - t.warmup_steps
+    if t.decay_type == "constant" or decay_steps <= 1:
+        return 1.0
+    progress = min((step - t.warmup_steps) / (decay_steps - 1), 1.0)
+    if t.decay_type == "linear":
+        remaining = 1.0 - progress
+    else:  # cosine
+        remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * remaining
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, t: Training) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, t))
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global sum of squared gradient entries, over every rank holding a piece.
+
+    Plain tensors count as they are. DTensor gradients are grouped by (mesh, placements);
+    each group's local sums are added, then reduced once over the mesh dimensions where the
+    gradient is sharded (replicated dimensions already hold the full value).
+    """
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        if isinstance(g, DTensor):
+            groups[(g.device_mesh, tuple(g.placements))].append(g.to_local())
+        else:
+            total = total + g.detach().float().pow(2).sum()
+    for (mesh, placements), locals_ in groups.items():
+        if any(isinstance(p, Partial) for p in placements):
+            raise RuntimeError(f"gradient with unreduced placement {placements}: reduce it before clipping")
+        local_sum = sum(t.detach().float().pow(2).sum() for t in locals_)
+        # Every non-replicated dim holds a different piece (Shard and _StridedShard, which is
+        # not a Shard subclass): the local sums add up over it.
+        partial = [Replicate() if p.is_replicate() else Partial("sum") for p in placements]
+        summed = DTensor.from_local(local_sum, mesh, partial, run_check=False).full_tensor()
+        total = total + summed.to(total.device)
+    return total
+
+
+def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
+    """Scale gradients in place so their global L2 norm is at most ``max_norm`` (0: no clipping).
+
+    ``pp_group``: the pipeline's process group, whose ranks hold different parameters (their sums
+    of squares add up). Returns the norm before clipping (a 0-d float32 tensor).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = _sum_of_squares(grads)
+    if pp_group is not None:
+        torch.distributed.all_reduce(squares, group=pp_group)
+    norm = squares.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            local = local_tensor(g)
+            local.mul_(coef.to(local.device, local.dtype))
+    return norm

@@ -1,0 +1,208 @@
+"""Checks of THIS machine against the job, before anything is built (``train.py`` runs them after
+``validate_config``; each failure is a one-line ``ConfigError``, exit code 2).
+
+* Output folders: ``job.dump_folder``, the checkpoint folder (when the job saves; a job that only
+  resumes may read a read-only one) and ``compile.dump_graphs`` must be folders this process can
+  create and write in. The test writes and removes a file, so it holds for root too and on
+  read-only mounts.
+* ``debug.num_threads`` at most the CPUs of this machine (a huge value makes OpenMP abort
+  while allocating its thread pool).
+* The batch fits: one step needs at least the output logits, ``local_batch_size x seq_len x
+  vocab/tp`` values in the compute dtype (every model here materialises them for the loss; with
+  ``training.loss_chunks`` N, one block of them: 1/N); when
+  that lower bound alone exceeds the memory of the device (a GPU's, or this machine's RAM shared
+  by its local processes), the job is refused before the data loader allocates the batch.
+
+Memory
+------
+Two more checks run later, when what they need exists, and refuse a job that does not fit with
+one line (exit code 2) before it allocates what would not fit; ``--debug.skip_memory_check True``
+turns each refusal into a warning. The memory a rank may use (``usable_memory_bytes``) is a GPU's
+total less ``GPU_RESERVE_BYTES``, or this machine's RAM shared by its local processes.
+
+* ``check_model_state_fits``, called by the build once the model is parallelised on the meta
+  device and before it is materialised: parameters, gradients and optimizer state of the rank
+  holding the largest shards (``parallel.largest_local_numel``), exact from the shapes. It
+  names how many times more sharding the state needs.
+* ``check_step_fits``, called by the trainer before the first step (graph mode: after tracing,
+  the memory policy and the passes; eager: at start, where activations are unknown and the
+  estimate is a lower bound): the peak of ``analysis.memory.estimate_step_memory``, the largest
+  over all ranks, so every rank takes the same decision. It names the settings that shrink
+  what dominates. The estimate ignores what ``GPU_RESERVE_BYTES`` stands for, so a step it
+  passes can still run out of memory; one it refuses needs more than the device has.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+
+from graph_trainer.analysis.memory import StepMemoryEstimate, optimizer_memory
+from graph_trainer.config import JobConfig
+from graph_trainer.distributed.parallel_dims import largest_local_numel
+from graph_trainer.errors import ConfigError
+from graph_trainer.validation import resolve_device
+from models.registry import model_args
+
+GIB = float(1 << 30)
+GPU_RESERVE_BYTES = 2 << 30
+"""GPU memory the estimates do not count and a job cannot use for its tensors: the CUDA context,
+NCCL's communicator buffers, kernel workspaces (cuBLAS, attention) and the caching allocator's
+rounding and fragmentation (``analysis/memory.py``, "Assumptions"). Chosen, not measured: no
+multi-GPU job has run here; an H100 run should measure it (total memory less the largest
+``torch.cuda.max_memory_reserved`` of a job that fits)."""
+_SKIP = "--debug.skip_memory_check True goes on anyway"
+logger = logging.getLogger("graph_trainer")
+
+
+def check_writable_folder(path: str, what: str) -> None:
+    """``path`` is (or can be made) a folder this process can write in; else a one-line ConfigError."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{what} = {path!r} is a file, not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create {what} = {path!r}: {e.strerror or e}") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"{what} = {path!r} is not writable: {e.strerror or e}") from None
+
+
+def check_output_folders(cfg: JobConfig) -> None:
+    from graph_trainer.checkpoint.checkpointer import checkpoint_root
+
+    check_writable_folder(cfg.job.dump_folder, "job.dump_folder")
+    root = checkpoint_root(cfg)
+    if cfg.checkpoint.interval > 0:
+        check_writable_folder(root, "checkpoint.folder")
+    elif os.path.exists(root) and not os.path.isdir(root):  # only read (resuming): may be read-only
+        raise ConfigError(f"checkpoint.folder = {root!r} is a file, not a folder")
+    if cfg.compile.dump_graphs:
+        check_writable_folder(cfg.compile.dump_graphs, "compile.dump_graphs")
+
+
+def check_threads(cfg: JobConfig) -> None:
+    cpus = os.cpu_count() or 1
+    if cfg.debug.num_threads > cpus:
+        raise ConfigError(f"debug.num_threads = {cfg.debug.num_threads} is more than this machine's {cpus} CPUs")
+
+
+def host_memory_bytes() -> int:
+    """RAM this process may use: the machine's, or its cgroup's limit when lower (containers)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def device_memory_bytes(device: str) -> tuple[int, str]:
+    """(bytes one rank may use, description) on ``device`` ('cpu' or 'cuda')."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if device == "cuda":
+        import torch
+
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        total = torch.cuda.get_device_properties(index).total_memory
+        return total, f"a {torch.cuda.get_device_name(index)} has {total / GIB:.3g} GiB"
+    total = host_memory_bytes()
+    return total // local, f"this machine has {total / GIB:.3g} GiB of memory for {local} process(es)"
+
+
+def usable_memory_bytes(device: str) -> tuple[int, str]:
+    """(bytes one rank may use for its tensors, description) on ``device`` ('cpu' or 'cuda')."""
+    total, what = device_memory_bytes(device)
+    if device == "cuda":
+        return total - GPU_RESERVE_BYTES, f"{what}, {GPU_RESERVE_BYTES / GIB:.0f} GiB of it reserved"
+    return total, what
+
+
+def _refuse_or_warn(cfg: JobConfig, message: str) -> None:
+    if not cfg.debug.skip_memory_check:
+        raise ConfigError(f"{message}; {_SKIP}")
+    logger.warning("%s (going on: debug.skip_memory_check)", message)
+
+
+def check_model_state_fits(cfg: JobConfig, params, device: str) -> None:
+    """Parameters (as stored), gradients and optimizer state of the rank with the largest shards,
+    against ``usable_memory_bytes``. ``params``: the parallelised model's parameters (meta is fine)."""
+    opt = optimizer_memory(cfg.training)
+    param_bytes = sum(largest_local_numel(p) * p.element_size() for p in params)
+    need = param_bytes * (2 + opt.state_tensors)  # parameters, gradients, the optimizer's states
+    available, what = usable_memory_bytes(device)
+    if need <= available:
+        return
+    _refuse_or_warn(
+        cfg,
+        f"the model state needs {need / GIB:,.1f} GiB per rank (parameters {param_bytes / GIB:,.1f} GiB, "
+        f"gradients as much, {opt.name} state {opt.state_tensors}x) but {what}; it needs at least "
+        f"{math.ceil(need / available)}x more sharding (parallelism.dp_shard, parallelism.tp)",
+    )
+
+
+def _ways_to_shrink(cfg: JobConfig, estimate: StepMemoryEstimate) -> list[str]:
+    """Settings that shrink the largest parts of ``estimate``'s peak, most effective first."""
+    t, ac = cfg.training, cfg.activation_checkpoint.mode
+    ways = []
+    if estimate.peak.activations > estimate.peak.params and estimate.peak.phase in ("graph", "pipeline"):
+        if estimate.peak.phase == "pipeline" and cfg.parallelism.pp_schedule != "1F1B":
+            ways.append("parallelism.pp_schedule 1F1B (the fewest microbatches in flight)")
+        if estimate.peak.phase == "pipeline":
+            ways.append(
+                "parallelism.pp_stage_blocks giving the first stages (more microbatches in flight) fewer blocks"
+            )
+        if ac != "full" and cfg.compile.mode == "graph":
+            ways.append(f"activation_checkpoint.mode {'selective or full' if ac == 'none' else 'full'}")
+        if t.local_batch_size > 1:
+            ways.append("a smaller training.local_batch_size (training.global_batch_size keeps the global batch)")
+        if t.loss_chunks == 1:
+            ways.append("training.loss_chunks > 1")
+    ways.append("more parallelism.dp_shard or parallelism.tp")
+    return ways
+
+
+def check_step_fits(cfg: JobConfig, estimate: StepMemoryEstimate, peak_bytes: int, device: str) -> None:
+    """A training step's estimated peak (``peak_bytes``: the largest over the ranks; ``estimate``:
+    this rank's, for its parts) against ``usable_memory_bytes``."""
+    available, what = usable_memory_bytes(device)
+    if peak_bytes <= available:
+        return
+    _refuse_or_warn(
+        cfg,
+        f"a training step needs an estimated {peak_bytes / GIB:,.2f} GiB per rank ({estimate.summary()}) but "
+        f"{what}; to fit: {'; '.join(_ways_to_shrink(cfg, estimate))}",
+    )
+
+
+def check_batch_fits(cfg: JobConfig) -> None:
+    import torch
+
+    t = cfg.training
+    vocab = model_args(cfg.model).vocab_size // max(1, cfg.parallelism.tp)
+    itemsize = torch.empty((), dtype=getattr(torch, t.mixed_precision_param)).element_size()
+    rows = -(-t.local_batch_size * t.seq_len // t.loss_chunks)  # a chunked loss holds one block's logits
+    need = rows * vocab * itemsize
+    available, what = device_memory_bytes(resolve_device(cfg.job.device))
+    if need > available:
+        chunks = f", in {t.loss_chunks} loss chunks" if t.loss_chunks > 1 else ""
+        raise ConfigError(
+            f"training.local_batch_size = {t.local_batch_size} with seq_len {t.seq_len}{chunks} needs at least "
+            f"{need / GIB:,.0f} GiB per rank for the output logits alone ({rows} tokens x "
+            f"{vocab} vocab x {itemsize} bytes); {what}"
+        )
+
+
+def preflight(cfg: JobConfig) -> None:
+    """Every check above; the first failure raises ConfigError."""
+    check_output_folders(cfg)
+    check_threads(cfg)
+    check_batch_fits(cfg)

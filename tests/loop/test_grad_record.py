@@ -1,0 +1,120 @@
+"""Gradient records (graph_trainer/loop/grad_record.py) and the check against one process that uses them.
+
+The cpu suite compares every layout's step-1 gradients with one process on the same global
+batch (``suites.GRAD_RTOL``). Here: the comparison itself, and real gloo jobs showing
+that the check FAILS when a layout's gradients are doubled (tests/faults/doubled_grads.py) for
+FSDP=2, TP=2 and EP=2, and passes for the same layout unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import integration_tests as it
+import suites
+from graph_trainer.loop.grad_record import compare_records, sample_positions, save_record
+from graph_trainer.loop.grad_record import main as grad_record_cli
+from tests.conftest import ROOT
+
+
+def _record(scale: float = 1.0) -> dict:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, generator=g, dtype=torch.float32)
+    b = torch.randn(5, generator=g)
+    params = {
+        name: {"shape": [t.numel()], "norm": float(t.double().norm()), "sample": t[sample_positions(t.numel())].clone()}
+        for name, t in (("w", w * scale), ("b", b * scale))
+    }
+    norm = float(torch.cat([w, b]).double().norm()) * scale
+    return {"norm": norm, "params": params}
+
+
+def test_sample_positions_are_fixed_and_cover_both_ends():
+    assert sample_positions(5).tolist() == [0, 1, 2, 3, 4]
+    pos = sample_positions(10_000)
+    assert len(pos) == 64 and pos[0] == 0 and pos[-1] == 9_999 and bool((pos[1:] > pos[:-1]).all())
+
+
+def test_compare_records_bitwise_tolerance_and_each_kind_of_difference():
+    ref = _record()
+    assert compare_records(_record(), ref, rtol=0.0) == ([], 0.0)
+
+    doubled, worst = compare_records(_record(2.0), ref, rtol=1e-5)
+    assert worst == pytest.approx(1.0)
+    assert any(p.startswith("global gradient norm") for p in doubled)
+    assert any(p.startswith("w: gradient norm") for p in doubled) and any(p.startswith("b:") for p in doubled)
+
+    nudged = _record()
+    nudged["params"]["w"]["sample"][3] *= 1 + 1e-6  # a rounding-sized change
+    assert compare_records(nudged, ref, rtol=1e-5)[0] == []
+    assert "w: sampled gradient entries differ" in compare_records(nudged, ref, rtol=0.0)[0][0]
+
+    permuted = _record()  # same norms, entries in the wrong places (a sharding mix-up)
+    permuted["params"]["w"]["sample"] = permuted["params"]["w"]["sample"].flip(0)
+    problems, _ = compare_records(permuted, ref, rtol=1e-5)
+    assert len(problems) == 1 and problems[0].startswith("w: sampled gradient entries differ"), problems
+
+    missing = _record()
+    del missing["params"]["b"]
+    assert "b: only in the reference" in compare_records(missing, ref, rtol=1.0)[0]
+    reshaped = _record()
+    reshaped["params"]["b"]["shape"] = [1, 5]
+    assert "b: shape [1, 5] vs [5]" in compare_records(reshaped, ref, rtol=1.0)[0]
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    save_record(_record(), str(tmp_path / "a.pt"))
+    save_record(_record(2.0), str(tmp_path / "b.pt"))
+    assert grad_record_cli([str(tmp_path / "a.pt"), str(tmp_path / "a.pt")]) == 0
+    assert "bitwise equal" in capsys.readouterr().out
+    assert grad_record_cli([str(tmp_path / "b.pt"), str(tmp_path / "a.pt"), "--rtol", "1e-5"]) == 1
+    assert "DIFFER" in capsys.readouterr().out
+    assert grad_record_cli([str(tmp_path / "missing.pt"), str(tmp_path / "a.pt")]) == 2
+
+
+# ---- real jobs: the suite's own cases, 2 steps each
+
+DOUBLED_GRADS = os.path.join(ROOT, "tests", "faults", "doubled_grads.py")
+SUITE = dataclasses.replace(
+    suites.SUITES["cpu"], steps=2, overrides=[*suites.SUITES["cpu"].overrides, "--metrics.log_freq", "1"]
+)
+CASES = {c.name: c for c in SUITE.cases}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """The one-process reference runs, each made on first use."""
+    out = str(tmp_path_factory.mktemp("references"))
+    done: dict[str, it.Finished] = {}
+
+    def get(name: str) -> dict[str, it.Finished]:
+        if name not in done:
+            result = it.run_case(SUITE, CASES[name], out, done)
+            assert result.problem is None, result.problem
+        return done
+
+    return get
+
+
+@pytest.mark.parametrize("layout", ["fsdp2_graph", "tp2_graph", "deepseek_ep2_graph"])
+def test_gradient_check_fails_when_a_layout_doubles_its_gradients(layout, references, tmp_path):
+    case = CASES[layout]
+    done = dict(references(case.close_to))
+    result = it.run_case(SUITE, case, str(tmp_path), done, script=DOUBLED_GRADS)
+    print(f"{layout} with doubled gradients: {result.problem}")
+    assert result.problem is not None and result.problem.startswith("step-1 gradients deviate from"), result.problem
+    assert "global gradient norm" in result.problem and "(rel 1.0e+00 > 1e-05)" in result.problem
+    # The losses alone would have passed: doubled gradients barely move them.
+    assert "losses deviate" not in result.problem
+
+
+def test_gradient_check_passes_the_same_layout_unchanged(references, tmp_path):
+    case = CASES["fsdp2_graph"]
+    done = dict(references(case.close_to))
+    result = it.run_case(SUITE, case, str(tmp_path), done)
+    assert result.problem is None, result.problem
+    assert "grads " in result.note
