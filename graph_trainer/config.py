@@ -1,4 +1,5 @@
-"""Job configuration: the documented dataclass sections of one job, and nothing else.
+"""Job configuration: the documented dataclass sections of one job, and the one path two of their
+fields combine into (``checkpoint_root``).
 
 A job is one ``JobConfig`` with the sections ``job, model, training, parallelism, compile,
 activation_checkpoint, metrics, checkpoint, comm, debug``. Every field says what it does; a
@@ -10,6 +11,7 @@ checks that involve several fields, the model or the world size are ``graph_trai
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -275,3 +277,9 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
+
+
+def checkpoint_root(cfg: JobConfig) -> str:
+    """The checkpoint folder: ``checkpoint.folder``, relative to ``job.dump_folder`` unless absolute."""
+    folder = cfg.checkpoint.folder
+    return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)

@@ -1,5 +1,5 @@
-"""The layers contract (pyproject.toml, checked by ``lint-imports`` in CI) covers every module, and
-docs/architecture.md draws the same picture."""
+"""The layers contracts (pyproject.toml, checked by ``lint-imports`` in CI) cover every module and
+every folder, and docs/architecture.md draws the same picture."""
 
 import os
 import re
@@ -23,11 +23,35 @@ CONTAINERS = {
 """Packages whose own module is empty of imports: they hold layers, they are not one."""
 
 
-def _layers() -> list[str]:
+def _contracts() -> list[dict]:
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        contracts = tomli.load(f)["tool"]["importlinter"]["contracts"]
-    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+        return tomli.load(f)["tool"]["importlinter"]["contracts"]
+
+
+def _layers() -> list[str]:
+    """The main layers contract: the one without containers."""
+    (layers,) = [c["layers"] for c in _contracts() if c["type"] == "layers" and "containers" not in c]
     return layers
+
+
+def _folder_contracts() -> dict[str, list[str]]:
+    """Each folder's own layers contract: container -> its layers, highest first."""
+    found = {}
+    for c in _contracts():
+        if c["type"] == "layers" and "containers" in c:
+            (container,) = c["containers"]
+            assert container not in found, f"{container} has two layers contracts"
+            assert c.get("exhaustive"), f"the contract of {container} must be exhaustive"
+            found[container] = c["layers"]
+    return found
+
+
+def _doc_block(tag: str) -> list[str]:
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        text = f.read()
+    block = re.search(rf"<!-- {tag}: begin -->\n```\n(.*?)```\n<!-- {tag}: end -->", text, re.S)
+    assert block, f"docs/architecture.md has no {tag} block"
+    return [line.strip() for line in block.group(1).splitlines() if line.strip()]
 
 
 def _modules() -> list[str]:
@@ -58,10 +82,15 @@ def test_containers_import_nothing():
             assert not re.search(r"^\s*(import|from)\s", f.read(), re.M), f"{path} imports something"
 
 
+def test_every_folder_orders_its_modules():
+    """Every package of graph_trainer below the top has a layers contract of its own."""
+    packages = {
+        m for m in _modules() if m.startswith("graph_trainer.") and os.path.isdir(os.path.join(ROOT, *m.split(".")))
+    }
+    assert set(_folder_contracts()) == packages
+
+
 def test_architecture_doc_shows_the_contract_layers():
-    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
-        text = f.read()
-    block = re.search(r"<!-- layers: begin -->\n```\n(.*?)```\n<!-- layers: end -->", text, re.S)
-    assert block, "docs/architecture.md has no layers block"
-    drawn = [line.strip() for line in block.group(1).splitlines() if line.strip()]
-    assert drawn == [layer.strip() for layer in _layers()]
+    assert _doc_block("layers") == [layer.strip() for layer in _layers()]
+    drawn = [f"{container}: {' > '.join(layers)}" for container, layers in _folder_contracts().items()]
+    assert _doc_block("folders") == drawn

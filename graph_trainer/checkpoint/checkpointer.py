@@ -56,7 +56,7 @@ from graph_trainer.checkpoint.state import (
     write_metadata,
     write_train_state,
 )
-from graph_trainer.config import JobConfig
+from graph_trainer.config import JobConfig, checkpoint_root
 from graph_trainer.distributed.comm import agree
 from graph_trainer.errors import ConfigError, JobError
 from graph_trainer.loop.guards import check_state
@@ -65,11 +65,6 @@ from graph_trainer.torch_compat import dcp_storage_files
 logger = logging.getLogger("graph_trainer")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def checkpoint_root(cfg: JobConfig) -> str:
-    folder = cfg.checkpoint.folder
-    return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
 
 
 def _steps_with(root: str, present: str, absent: str | None = None) -> list[int]:
@@ -243,7 +238,7 @@ class Checkpointer:
                 f"{self.root} holds checkpoints without {manifest.MANIFEST_FILE} "
                 f"({_steps(sorted(set(others) & set(unsealed)))}): saved before graph_trainer wrote "
                 f"manifests, or not by graph_trainer, so they cannot be verified; seal one you trust "
-                f"with `python -m graph_trainer.checkpoint.manifest seal <folder>`, or {hint}"
+                f"with `python -m graph_trainer.cli.manifest seal <folder>`, or {hint}"
             )
         losses = os.path.join(self.cfg.job.dump_folder, "losses.txt")
         aside = self._on_rank0(
@@ -287,7 +282,7 @@ class Checkpointer:
             if want not in sealed:
                 legacy = (
                     f" (step-{want} has no {manifest.MANIFEST_FILE}: saved before manifests; seal it with "
-                    f"`python -m graph_trainer.checkpoint.manifest seal` if you trust it)"
+                    f"`python -m graph_trainer.cli.manifest seal` if you trust it)"
                     if want in unsealed
                     else ""
                 )

@@ -24,8 +24,7 @@ What it is not: an authentication. Whoever can write the folder can write a matc
 the manifest catches damage (bit rot, truncation, an interrupted copy, a file from another
 checkpoint), and ``graph_trainer.checkpoint.safe_metadata`` keeps a crafted folder from running code.
 
-``python -m graph_trainer.checkpoint.manifest verify DIR...`` checks folders by hand; ``seal DIR...`` writes
-the manifest of a checkpoint saved before manifests existed (only for a checkpoint you trust).
+By hand: ``python -m graph_trainer.cli.manifest`` (``verify`` and ``seal`` folders).
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ import json
 import os
 import re
 import stat
-import sys
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = 1
@@ -187,23 +185,3 @@ def seal(folder: str) -> dict:
     manifest = build({name: file_entry(os.path.join(folder, name)) for name in folder_files(folder)})
     write(folder, manifest)
     return manifest
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("verify", "seal"):
-        print("usage: python -m graph_trainer.checkpoint.manifest verify|seal DIR...", file=sys.stderr)
-        return 2
-    failed = 0
-    for folder in argv[1:]:
-        if argv[0] == "seal":
-            manifest = seal(folder)
-            print(f"{folder}: sealed {len(manifest['files'])} files")
-            continue
-        problem = verify_folder(folder)
-        print(f"{folder}: {problem or 'OK'}")
-        failed += problem is not None
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -20,15 +20,12 @@ parameter's norm, and each parameter's sample (relative L2 error of the sample v
 within ``rtol``; ``rtol=0`` asks for bitwise equality. Runs of one model on the same global
 batch that differ only in how sums are ordered (another layout) agree to float32 rounding;
 the cpu suite holds its ``close_to`` cases to ``suites.GRAD_RTOL`` against one process.
-
-    python -m graph_trainer.loop.grad_record RECORD REFERENCE [--rtol R]   # exit 1 if they differ
+``python -m graph_trainer.cli.grad_record RECORD REFERENCE`` compares two files by hand.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -132,29 +129,3 @@ def compare_records(record: dict, reference: dict, rtol: float) -> tuple[list[st
         elif sample_dev > rtol:
             problems.append(f"{name}: sampled gradient entries differ (rel L2 {sample_dev:.1e} > {rtol:.0e})")
     return problems, worst
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description="Compare two gradient records (graph_trainer/loop/grad_record.py).")
-    parser.add_argument("record")
-    parser.add_argument("reference")
-    parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance; 0 (default): bitwise")
-    opts = parser.parse_args(argv)
-    try:
-        record, reference = load_record(opts.record), load_record(opts.reference)
-    except (OSError, RuntimeError) as e:
-        print(f"error: cannot read a gradient record: {e}", file=sys.stderr)
-        return 2
-    problems, worst = compare_records(record, reference, opts.rtol)
-    print(
-        f"{len(record['params'])} parameters, global norm {record['norm']:.9g} vs {reference['norm']:.9g}, "
-        f"largest relative deviation {worst:.1e}"
-    )
-    for p in problems:
-        print(f"  {p}")
-    print("DIFFER" if problems else ("bitwise equal" if worst == 0 else f"within rtol {opts.rtol:.0e}"))
-    return 1 if problems else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

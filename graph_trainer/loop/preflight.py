@@ -40,7 +40,7 @@ import os
 import tempfile
 
 from graph_trainer.analysis.memory import StepMemoryEstimate, optimizer_memory
-from graph_trainer.config import JobConfig
+from graph_trainer.config import JobConfig, checkpoint_root
 from graph_trainer.distributed.parallel_dims import largest_local_numel
 from graph_trainer.errors import ConfigError
 from graph_trainer.validation import resolve_device
@@ -74,8 +74,6 @@ def check_writable_folder(path: str, what: str) -> None:
 
 
 def check_output_folders(cfg: JobConfig) -> None:
-    from graph_trainer.checkpoint.checkpointer import checkpoint_root
-
     check_writable_folder(cfg.job.dump_folder, "job.dump_folder")
     root = checkpoint_root(cfg)
     if cfg.checkpoint.interval > 0:

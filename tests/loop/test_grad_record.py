@@ -16,8 +16,8 @@ import torch
 
 import integration_tests as it
 import suites
+from graph_trainer.cli.grad_record import main as grad_record_cli
 from graph_trainer.loop.grad_record import compare_records, sample_positions, save_record
-from graph_trainer.loop.grad_record import main as grad_record_cli
 from tests.conftest import ROOT
 
 

@@ -86,7 +86,7 @@ def test_checkpoints_without_a_manifest_are_not_loaded_until_sealed(tmp_path, th
 
 
 def test_manifest_cli_verifies_and_seals(tmp_path, three_steps, capsys):
-    from graph_trainer.checkpoint import manifest
+    from graph_trainer.cli import manifest
 
     job = copy_job(three_steps, tmp_path)
     step = str(job / "checkpoint" / "step-3")
