@@ -45,7 +45,7 @@ from graph_trainer.distributed.parallel_dims import (
     resolve_parallel_degrees,
 )
 from graph_trainer.distributed.simple_fsdp import MixedPrecision
-from graph_trainer.pipelining.schedule import PipelineLayout, plan_pipeline
+from graph_trainer.pipelining.schedule import RankPipeline, plan_pipeline
 from graph_trainer.pipelining.stages import stage_ranges
 from models.common import block_costs, draw_parameter, keep_stage, stage_view
 from models.registry import MODEL_SPECS, model_args
@@ -113,7 +113,7 @@ class JobLayout:
     mesh: DeviceMesh | None
     mp: MixedPrecision
     microbatches: int = 1
-    pipeline: PipelineLayout | None = None
+    pipeline: RankPipeline | None = None
     """The pipeline (``parallelism.pp`` > 1): schedule, stages' blocks, this rank's stages."""
 
     @property
@@ -133,11 +133,11 @@ def build_layout(cfg: JobConfig, world_size: int, device_type: str) -> JobLayout
         t.global_batch_size, t.local_batch_size, dims.dp_size, cfg.parallelism.pp_microbatches
     )
     mesh = build_mesh(dims, device_type)
-    pipeline = pipeline_layout(cfg, dims.pp, microbatches, pp_rank(mesh, dims)) if dims.pp > 1 else None
+    pipeline = rank_pipeline(cfg, dims.pp, microbatches, pp_rank(mesh, dims)) if dims.pp > 1 else None
     return JobLayout(dims, mesh, mp, microbatches, pipeline)
 
 
-def pipeline_layout(cfg: JobConfig, pp: int, microbatches: int, rank: int) -> PipelineLayout:
+def rank_pipeline(cfg: JobConfig, pp: int, microbatches: int, rank: int) -> RankPipeline:
     """The job's pipeline seen from pipeline rank ``rank``: the schedule's plan and every stage's
     blocks (``parallelism.pp_stage_blocks``, or balanced by the blocks' costs on the meta model)."""
     p = cfg.parallelism
@@ -145,10 +145,10 @@ def pipeline_layout(cfg: JobConfig, pp: int, microbatches: int, rank: int) -> Pi
     with torch.device("meta"):
         model = MODEL_SPECS[cfg.model.name].build(model_args(cfg.model))
     costs, output_cost = block_costs(model)
-    return PipelineLayout(plan, stage_ranges(p.pp_stage_blocks, plan.num_stages, costs, output_cost), rank)
+    return RankPipeline(plan, stage_ranges(p.pp_stage_blocks, plan.num_stages, costs, output_cost), rank)
 
 
-def stage_modules(model: nn.Module, pipeline: PipelineLayout) -> dict[int, nn.Module]:
+def stage_modules(model: nn.Module, pipeline: RankPipeline) -> dict[int, nn.Module]:
     """This rank's stages as modules sharing ``model``'s parameters (``models.common.stage_view``)."""
     return {
         s: stage_view(model, pipeline.stage_blocks[s], s == 0, s == pipeline.last_stage) for s in pipeline.local_stages
@@ -213,6 +213,6 @@ __all__ = [
     "clean_fqn",
     "init_parameters",
     "pass_context",
-    "pipeline_layout",
+    "rank_pipeline",
     "stage_modules",
 ]

@@ -3,8 +3,8 @@
 ``Trainer(cfg)`` builds everything from a validated ``JobConfig`` (``graph_trainer.build``);
 ``Trainer.train()`` runs ``training.steps`` steps and returns the per-step losses. In
 ``compile.mode = "graph"`` the forward and backward of a microbatch are the traced GraphModule
-(``graph_trainer.compiler.tracer.GraphStep``) after the stages of ``graph_trainer.compiler.chain`` (memory policy,
-passes, backend); in ``"eager"`` they are the same model run directly (``eager_step``), the
+(``graph_trainer.compiler.tracer.GraphStep``) after the compile chain (``graph_trainer.compiler.chain``:
+memory policy, passes, backend); in ``"eager"`` they are the same model run directly (``eager_step``), the
 numerics baseline.
 
 Starting weights: a checkpoint of the job's own (resumed, ``graph_trainer.checkpoint.checkpointer``), else a
@@ -255,7 +255,7 @@ class Trainer:
     def _prepare_graph(
         self, traced: TracedStep, context=None, dump_folder: str | None = None, report_memory: bool = True
     ) -> TracedStep:
-        """The stages after tracing (``graph_trainer.compiler.chain``): memory policy, passes, backend."""
+        """The compile chain after tracing (``graph_trainer.compiler.chain``): memory policy, passes, backend."""
         self.metrics.log_event("trace", trace_seconds=traced.trace_seconds, graph_nodes=len(traced.gm.graph.nodes))
         dumps = self.cfg.compile.dump_graphs if dump_folder is None else dump_folder
         runner = PassRunner(context or self.pass_context, dumps)

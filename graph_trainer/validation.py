@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from graph_trainer.build import pipeline_layout
+from graph_trainer.build import rank_pipeline
 from graph_trainer.compiler.passes import PASS_REGISTRY
 from graph_trainer.config import JobConfig
 from graph_trainer.config_loading import choices, field_types, not_allowed
@@ -87,7 +87,7 @@ def _check_pipeline(cfg: JobConfig, degrees: dict[str, int], microbatches: int) 
         f"pipeline schedule (parallelism.pp = {p.pp}) runs apart; use compile.inductor_scope regional",
     )
     try:
-        pipeline_layout(cfg, degrees["pp"], microbatches, rank=0)
+        rank_pipeline(cfg, degrees["pp"], microbatches, rank=0)
     except ValueError as e:
         where = "parallelism.pp_stage_blocks" if p.pp_stage_blocks.strip() else "parallelism.pp"
         plan = f"pp = {p.pp}, schedule {p.pp_schedule}, {microbatches} microbatches"

@@ -1,10 +1,10 @@
-"""What a traced step goes through before it runs, stage by stage.
+"""The compile chain: what a traced step goes through before it runs.
 
     config -> build (graph_trainer.build) -> trace (graph_trainer.compiler.tracer)
            -> memory policy (graph_trainer.compiler.memory_policy) -> passes (graph_trainer.compiler.passes)
            -> backend (graph_trainer.compiler.backend) -> run
 
-Each stage after tracing takes the graph the previous one made and returns a new one:
+After tracing, each link takes the graph the previous one made and returns a new one:
 
 - ``apply_memory_policy``: dead code out, activations saved or recomputed, parameters re-gathered
   for backward (bitwise the traced graph);
@@ -12,8 +12,8 @@ Each stage after tracing takes the graph the previous one made and returns a new
 - ``compile_graph``: op by op (``none``), or Inductor regions / the whole step (``inductor``).
 
 ``transform_graph`` runs the first two (what fake traces of real-size jobs analyse); the trainer
-calls the three in turn. One ``PassRunner`` serves both graph stages, so their pass logs and
-``--compile.dump_graphs`` files are numbered in the order the passes ran.
+calls the three in turn. One ``PassRunner`` serves the memory policy and the passes, so their pass
+logs and ``--compile.dump_graphs`` files are numbered in the order the passes ran.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ logger = logging.getLogger("graph_trainer")
 
 
 def apply_memory_policy(gm: fx.GraphModule, runner: PassRunner) -> fx.GraphModule:
-    """The memory policy stage (``graph_trainer.compiler.memory_policy``) for the runner's job."""
+    """The memory policy (``graph_trainer.compiler.memory_policy``) for the runner's job."""
     return runner.run(gm, memory_policy_passes(runner.context.config))
 
 
 def apply_passes(gm: fx.GraphModule, runner: PassRunner, names: list[str] | None = None) -> fx.GraphModule:
-    """The user's passes stage: ``names``, or the job's ``compile.passes``."""
+    """The user's passes: ``names``, or the job's ``compile.passes``."""
     if names is None:
         names = runner.context.config.compile.passes if runner.context.config is not None else []
     return runner.run(gm, user_passes(names))
@@ -52,7 +52,7 @@ def transform_graph(
 
 
 def compile_graph(gm: fx.GraphModule, settings: Compile, deterministic: bool) -> tuple[fx.GraphModule, BackendReport]:
-    """The backend stage: the graph that runs, and what the backend did (logged)."""
+    """The backend: the graph that runs, and what the backend did (logged)."""
     if settings.backend != "none":
         logger.info("compiling the graph with %s (%s) ...", settings.backend, settings.inductor_scope)
     gm, report = apply_backend(gm, settings.backend, settings.inductor_scope, settings.cache_dir, deterministic)

@@ -47,7 +47,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graph_trainer import torch_compat
-from graph_trainer.compiler.flat_tensors import TensorLayout, flatten_tensor, split_flat, unflatten_tensor
+from graph_trainer.compiler.flat_tensors import FlatTensorSpec, flatten_tensor, split_flat, unflatten_tensor
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts, format_counts, is_collective, waits_among_users
 from graph_trainer.graph.tags import (
@@ -242,9 +242,9 @@ class TracedStep:
     gm: fx.GraphModule
     param_names: list[str]
     buffer_names: list[str]
-    input_layouts: list[TensorLayout]
-    """Layouts of parameters then buffers (tokens and labels are plain)."""
-    grad_layouts: list[TensorLayout]
+    input_specs: list[FlatTensorSpec]
+    """Flat specs of parameters then buffers (tokens and labels are plain)."""
+    grad_specs: list[FlatTensorSpec]
     signature: tuple
     trace_seconds: float
 
@@ -252,7 +252,7 @@ class TracedStep:
     def num_flat_param_grads(self) -> int:
         """How many of the graph's outputs after the first are parameter gradients (DTensors'
         inner tensors counted one by one); a pipeline stage's input gradient follows them."""
-        return sum(layout.num_inner for layout in self.grad_layouts[: len(self.param_names)])
+        return sum(spec.num_inner for spec in self.grad_specs[: len(self.param_names)])
 
     def flat_inputs(
         self, params: list[torch.Tensor], buffers: list[torch.Tensor], tokens: torch.Tensor, labels: torch.Tensor
@@ -273,8 +273,8 @@ class TracedStep:
             outs = self.gm(*self.flat_inputs(params, buffers, tokens, labels))
         loss, flat_grads = outs[0], list(outs[1:])
         grads = [
-            unflatten_tensor(inner, layout)
-            for inner, layout in zip(split_flat(flat_grads, self.grad_layouts), self.grad_layouts, strict=True)
+            unflatten_tensor(inner, spec)
+            for inner, spec in zip(split_flat(flat_grads, self.grad_specs), self.grad_specs, strict=True)
         ]
         return loss, grads
 
@@ -328,27 +328,26 @@ def trace_train_step(
     param_names = [n for n, _ in named_params]
     buffer_names = [n for n, _ in named_buffers]
 
-    layouts: list[TensorLayout] = []
+    specs: list[FlatTensorSpec] = []
     flat: list[torch.Tensor] = []
     for _, t in (*named_params, *named_buffers):
-        inners, layout = flatten_tensor(t)
+        inners, spec = flatten_tensor(t)
         flat.extend(inners)
-        layouts.append(layout)
-    param_layouts, buffer_layouts = layouts[: len(named_params)], layouts[len(named_params) :]
-    grad_layouts: list[TensorLayout] = []
+        specs.append(spec)
+    param_specs, buffer_specs = specs[: len(named_params)], specs[len(named_params) :]
+    grad_specs: list[FlatTensorSpec] = []
 
     first, last = is_first_stage(model), is_last_stage(model)
 
     def step(*flat_args: torch.Tensor) -> list[torch.Tensor]:
         *state, stage_in, target = flat_args
-        groups = split_flat(list(state), layouts)
+        groups = split_flat(list(state), specs)
         params = []
-        for inner, layout in zip(groups[: len(param_layouts)], param_layouts, strict=True):
-            p = unflatten_tensor([i.detach() for i in inner], layout)
+        for inner, spec in zip(groups[: len(param_specs)], param_specs, strict=True):
+            p = unflatten_tensor([i.detach() for i in inner], spec)
             params.append(p.requires_grad_(True))
         buffers = [
-            unflatten_tensor(inner, layout)
-            for inner, layout in zip(groups[len(param_layouts) :], buffer_layouts, strict=True)
+            unflatten_tensor(inner, spec) for inner, spec in zip(groups[len(param_specs) :], buffer_specs, strict=True)
         ]
         tensors = {**dict(zip(param_names, params, strict=True)), **dict(zip(buffer_names, buffers, strict=True))}
         wrt = params if first else [*params, stage_in.detach().requires_grad_(True)]
@@ -365,11 +364,11 @@ def trace_train_step(
         with tags.annotate({PHASE: BACKWARD}):
             grads = torch.autograd.grad(seed, wrt, grad_outputs=seed_grad)
         out = [result]
-        grad_layouts.clear()
+        grad_specs.clear()
         for g in grads:
-            inners, layout = flatten_tensor(g)
+            inners, spec = flatten_tensor(g)
             out.extend(inners)
-            grad_layouts.append(layout)
+            grad_specs.append(spec)
         return out
 
     # Static shapes: a graph is made for one batch shape (see GraphStep). The ShapeEnv is still
@@ -387,8 +386,8 @@ def trace_train_step(
         gm = make_fx(step, record_stack_traces=False)(*fake_inputs)
 
     input_fqns = []
-    for (name, _), layout in zip((*named_params, *named_buffers), layouts, strict=True):
-        input_fqns.extend([name] * layout.num_inner)
+    for (name, _), spec in zip((*named_params, *named_buffers), specs, strict=True):
+        input_fqns.extend([name] * spec.num_inner)
     _finalize_meta(gm, input_fqns + [STAGE_INPUT_NAMES[first], STAGE_TARGET_NAMES[last]])
     _read_collective_sizes_from_waits(gm)
     gm.graph.lint()
@@ -397,8 +396,8 @@ def trace_train_step(
         gm=gm,
         param_names=param_names,
         buffer_names=buffer_names,
-        input_layouts=layouts,
-        grad_layouts=list(grad_layouts),
+        input_specs=specs,
+        grad_specs=list(grad_specs),
         signature=batch_signature(tokens, labels),
         trace_seconds=time.perf_counter() - start,
     )

@@ -1,6 +1,6 @@
 """Op facts: which ops a node calls, as named sets, and how to read an op's arguments.
 
-Every stage that asks "is this a matmul / a view / a read of a data-dependent size" asks here,
+Every part of the code that asks "is this a matmul / a view / a read of a data-dependent size" asks here,
 so a new op (``_scaled_mm``, another attention kernel) is added in one place.
 """
 

@@ -91,10 +91,10 @@ class GraphStageRunner:
 
     def take_grads(self) -> list[torch.Tensor]:
         """The step's summed gradients, one per parameter (DTensors rewrapped)."""
-        layouts = self.traced.grad_layouts[: len(self.traced.param_names)]
+        specs = self.traced.grad_specs[: len(self.traced.param_names)]
         flat = self.grads.take()
-        groups = split_flat(flat, layouts)
-        return [unflatten_tensor(inner, layout) for inner, layout in zip(groups, layouts, strict=True)]
+        groups = split_flat(flat, specs)
+        return [unflatten_tensor(inner, spec) for inner, spec in zip(groups, specs, strict=True)]
 
 
 class EagerStageRunner:

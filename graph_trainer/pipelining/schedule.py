@@ -105,7 +105,7 @@ def plan_pipeline(schedule: str, pp: int, microbatches: int) -> PipelinePlan:
 
 
 @dataclass(frozen=True)
-class PipelineLayout:
+class RankPipeline:
     """A job's pipeline as one rank sees it: the plan, every stage's blocks, this rank's place."""
 
     plan: PipelinePlan
@@ -133,4 +133,4 @@ class PipelineLayout:
         return self.last_stage in self.local_stages
 
 
-__all__ = ["SCHEDULES", "Action", "PipelineLayout", "PipelinePlan", "ScheduleSpec", "plan_pipeline"]
+__all__ = ["SCHEDULES", "Action", "RankPipeline", "PipelinePlan", "ScheduleSpec", "plan_pipeline"]

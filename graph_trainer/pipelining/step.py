@@ -1,6 +1,6 @@
 """One optimizer step's forwards and backwards through the pipeline, on this rank.
 
-``PipelineStep(layout, modules, ...)`` is the pipeline's counterpart of the trainer's
+``PipelineStep(pipeline, modules, ...)`` is the pipeline's counterpart of the trainer's
 microbatch loop (``Trainer.accumulate_gradients``): called with the step's microbatches, it runs
 this rank's actions of the schedule (``executor.run_pipeline``) with one runner per local stage
 and returns (the sum of the last stage's microbatch losses, or None on a rank without it; the
@@ -30,7 +30,7 @@ from graph_trainer.compiler.tracer import TracedStep, trace_train_step
 from graph_trainer.graph.collectives import collective_counts, format_counts
 from graph_trainer.pipelining.executor import run_pipeline
 from graph_trainer.pipelining.runners import EagerStageRunner, GraphStageRunner
-from graph_trainer.pipelining.schedule import PipelineLayout
+from graph_trainer.pipelining.schedule import RankPipeline
 
 logger = logging.getLogger("graph_trainer")
 
@@ -38,7 +38,7 @@ logger = logging.getLogger("graph_trainer")
 class PipelineStep:
     def __init__(
         self,
-        layout: PipelineLayout,
+        pipeline: RankPipeline,
         model: nn.Module,
         modules: dict[int, nn.Module],
         group,
@@ -51,14 +51,14 @@ class PipelineStep:
         post_trace: Callable[[TracedStep, int], TracedStep] | None = None,
         on_traced: Callable[[PipelineStep], None] | None = None,
     ):
-        self.layout, self.model, self.modules, self.group = layout, model, modules, group
+        self.pipeline, self.model, self.modules, self.group = pipeline, model, modules, group
         self.graph, self.hidden_dim, self.hidden_dtype = graph, hidden_dim, hidden_dtype
         self.loss_chunks, self.grad_scale, self.post_trace = loss_chunks, grad_scale, post_trace
         self.on_traced = on_traced
         self.runners: dict[int, GraphStageRunner | EagerStageRunner] = {}
         self.traced: dict[int, TracedStep] = {}
         if not graph:
-            last = layout.last_stage
+            last = pipeline.last_stage
             self.runners = {
                 s: EagerStageRunner(m, s == 0, s == last, loss_chunks, grad_scale) for s, m in modules.items()
             }
@@ -68,9 +68,9 @@ class PipelineStep:
 
     def _trace(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         """Trace, transform and cut every local stage (the first step)."""
-        last = self.layout.last_stage
+        last = self.pipeline.last_stage
         for stage, module in self.modules.items():
-            logger.info("tracing pipeline stage %d (blocks %s) ...", stage, _blocks(self.layout.stage_blocks[stage]))
+            logger.info("tracing pipeline stage %d (blocks %s) ...", stage, _blocks(self.pipeline.stage_blocks[stage]))
             traced = trace_train_step(
                 module,
                 tokens if stage == 0 else self._hidden(tokens),
@@ -98,8 +98,8 @@ class PipelineStep:
         if self.graph and not self.runners:
             self._trace(tokens[0], labels[0])
         losses = run_pipeline(
-            self.layout.plan,
-            self.layout.rank,
+            self.pipeline.plan,
+            self.pipeline.rank,
             self.runners,
             tokens,
             labels,
