@@ -44,19 +44,11 @@ from graph_trainer.distributed.parallel_dims import (
     pp_rank,
     resolve_parallel_degrees,
 )
-from graph_trainer.distributed.simple_fsdp import MixedPrecision
+from graph_trainer.distributed.simple_fsdp import MixedPrecision, clean_fqn
 from graph_trainer.pipelining.schedule import RankPipeline, plan_pipeline
 from graph_trainer.pipelining.stages import stage_ranges
 from models.common import block_costs, draw_parameter, keep_stage, stage_view
 from models.registry import MODEL_SPECS, model_args
-
-
-def clean_fqn(name: str) -> str:
-    """The parameter's name in the plain model ('a.parametrizations.weight.original' -> 'a.weight')."""
-    if ".parametrizations." in name:
-        owner, rest = name.split(".parametrizations.")
-        return f"{owner}.{rest.split('.')[0]}"
-    return name
 
 
 @torch.no_grad()
@@ -210,7 +202,6 @@ __all__ = [
     "build_layout",
     "build_model",
     "cast_parameters",
-    "clean_fqn",
     "init_parameters",
     "pass_context",
     "rank_pipeline",

@@ -43,6 +43,12 @@ class NonFiniteError(JobError):
     """The loss, the gradient norm or the state to be saved is not finite (``graph_trainer.loop.guards``)."""
 
 
+def require(ok: bool, message: str) -> None:
+    """Raise ``ConfigError(message)`` unless ``ok``: one configuration check, one line."""
+    if not ok:
+        raise ConfigError(message)
+
+
 def some_names(names, limit: int = 4) -> str:
     """The first ``limit`` of ``names`` (sorted) and how many more, for a one-line message."""
     names = sorted(names)

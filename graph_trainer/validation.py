@@ -19,17 +19,12 @@ from typing import Any
 import torch
 
 from graph_trainer.build import rank_pipeline
-from graph_trainer.compiler.passes import PASS_REGISTRY
+from graph_trainer.compiler.passes import PASS_REGISTRY, unknown_pass
 from graph_trainer.config import JobConfig
 from graph_trainer.config_loading import choices, field_types, not_allowed
 from graph_trainer.distributed.parallel_dims import job_microbatches, resolve_parallel_degrees
-from graph_trainer.errors import ConfigError
+from graph_trainer.errors import ConfigError, require
 from models.registry import MODEL_SPECS, model_args
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 def _check_fields(obj: Any, prefix: str) -> None:
@@ -43,7 +38,7 @@ def _check_fields(obj: Any, prefix: str) -> None:
         elif (allowed := choices(typ)) is not None and value not in allowed:
             raise not_allowed(f"{prefix}{name}", value, allowed)
         elif isinstance(value, float):
-            _require(math.isfinite(value), f"{prefix}{name} = {value} must be a finite number")
+            require(math.isfinite(value), f"{prefix}{name} = {value} must be a finite number")
 
 
 def resolve_device(requested: str) -> str:
@@ -76,12 +71,12 @@ def _check_pipeline(cfg: JobConfig, degrees: dict[str, int], microbatches: int) 
     """Pipeline parallelism (``parallelism.pp`` > 1): the schedule, the stages' blocks, and what
     cannot run per stage."""
     p, c = cfg.parallelism, cfg.compile
-    _require(
+    require(
         degrees["tp"] == 1,
         f"parallelism.pp = {p.pp} with parallelism.tp = {degrees['tp']}: tensor parallelism inside pipeline "
         f"stages is not supported yet; use dp_shard, dp_replicate or ep with pp",
     )
-    _require(
+    require(
         not (c.backend == "inductor" and c.inductor_scope == "full"),
         f"compile.inductor_scope = 'full' compiles a stage's forward and backward as one graph, which a "
         f"pipeline schedule (parallelism.pp = {p.pp}) runs apart; use compile.inductor_scope regional",
@@ -102,7 +97,7 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     if cfg.model.flavor not in spec.flavors:
         raise not_allowed(f"model.flavor (for {cfg.model.name})", cfg.model.flavor, tuple(spec.flavors))
     flavor = spec.flavors[cfg.model.flavor]
-    _require(
+    require(
         cfg.model.n_layers >= 0,
         f"model.n_layers = {cfg.model.n_layers} must be >= 0 (0: the flavor's {flavor.n_layers})",
     )
@@ -115,28 +110,28 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
 
     ck = cfg.checkpoint
     converting = t.steps == 0 and bool(ck.initial_load_hf) and ck.interval > 0
-    _require(
+    require(
         t.steps >= 1 or converting,
         f"training.steps = {t.steps} must be >= 1 (0 only converts: with checkpoint.initial_load_hf and "
         "checkpoint.interval > 0)",
     )
-    _require(t.local_batch_size >= 1, f"training.local_batch_size = {t.local_batch_size} must be >= 1")
-    _require(
+    require(t.local_batch_size >= 1, f"training.local_batch_size = {t.local_batch_size} must be >= 1")
+    require(
         1 <= t.seq_len <= args.max_seq_len,
         f"training.seq_len = {t.seq_len} must be between 1 and the flavor's max_seq_len {args.max_seq_len}",
     )
-    _require(
+    require(
         1 <= t.loss_chunks <= t.local_batch_size * t.seq_len,
         f"training.loss_chunks = {t.loss_chunks} must be between 1 and the tokens per batch "
         f"({t.local_batch_size * t.seq_len})",
     )
-    _require(t.lr > 0 and math.isfinite(t.lr), f"training.lr = {t.lr} must be a positive number")
-    _require(t.weight_decay >= 0, f"training.weight_decay = {t.weight_decay} must be >= 0")
-    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "training.beta1 and training.beta2 must be in [0, 1)")
-    _require(t.eps > 0, f"training.eps = {t.eps} must be > 0")
-    _require(t.warmup_steps >= 0, f"training.warmup_steps = {t.warmup_steps} must be >= 0")
-    _require(0 <= t.min_lr_ratio <= 1, f"training.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1]")
-    _require(t.max_norm >= 0, f"training.max_norm = {t.max_norm} must be >= 0 (0 disables clipping)")
+    require(t.lr > 0 and math.isfinite(t.lr), f"training.lr = {t.lr} must be a positive number")
+    require(t.weight_decay >= 0, f"training.weight_decay = {t.weight_decay} must be >= 0")
+    require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "training.beta1 and training.beta2 must be in [0, 1)")
+    require(t.eps > 0, f"training.eps = {t.eps} must be > 0")
+    require(t.warmup_steps >= 0, f"training.warmup_steps = {t.warmup_steps} must be >= 0")
+    require(0 <= t.min_lr_ratio <= 1, f"training.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1]")
+    require(t.max_norm >= 0, f"training.max_norm = {t.max_norm} must be >= 0 (0 disables clipping)")
 
     degrees = resolve_parallel_degrees(cfg.parallelism, world_size)
     spec.validate_parallelism(args, degrees)
@@ -145,21 +140,17 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
         _check_pipeline(cfg, degrees, microbatches)
 
     for name in c.passes:
-        _require(
-            name in PASS_REGISTRY,
-            f"unknown pass {name!r} in compile.passes; available passes: "
-            f"{', '.join(sorted(PASS_REGISTRY)) or '(none registered)'}",
-        )
-    _require(
+        require(name in PASS_REGISTRY, unknown_pass(name))
+    require(
         len(set(c.passes)) == len(c.passes),
         f"compile.passes lists a pass more than once: {','.join(c.passes)}",
     )
-    _require(not (c.passes and c.mode == "eager"), "compile.passes needs compile.mode = 'graph'")
-    _require(
+    require(not (c.passes and c.mode == "eager"), "compile.passes needs compile.mode = 'graph'")
+    require(
         c.backend == "none" or c.mode == "graph",
         f"compile.backend = {c.backend!r} needs compile.mode = 'graph' (it compiles the traced graph)",
     )
-    _require(
+    require(
         c.inductor_scope == "regional" or c.backend == "inductor",
         f"compile.inductor_scope = {c.inductor_scope!r} needs compile.backend = 'inductor'",
     )
@@ -167,26 +158,26 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
         PASS_REGISTRY[name].check_config(cfg, degrees)
 
     ac = cfg.activation_checkpoint
-    _require(
+    require(
         ac.mode == "none" or c.mode == "graph",
         f"activation_checkpoint.mode = {ac.mode!r} needs compile.mode = 'graph' (the policy rewrites the "
         f"traced graph; eager mode keeps every activation)",
     )
     unknown = [op for op in ac.selective_ops if not hasattr(torch.ops.aten, op)]
-    _require(
+    require(
         not unknown,
         f"activation_checkpoint.selective_ops: {', '.join(unknown)} is not an aten op name (e.g. mm, addmm, bmm)",
     )
-    _require(cfg.metrics.log_freq >= 1, f"metrics.log_freq = {cfg.metrics.log_freq} must be >= 1")
-    _require(cfg.metrics.peak_tflops >= 0, f"metrics.peak_tflops = {cfg.metrics.peak_tflops} must be >= 0")
-    _require(cfg.checkpoint.interval >= 0, f"checkpoint.interval = {cfg.checkpoint.interval} must be >= 0")
-    _require(cfg.checkpoint.load_step >= -1, f"checkpoint.load_step = {cfg.checkpoint.load_step} must be >= -1")
+    require(cfg.metrics.log_freq >= 1, f"metrics.log_freq = {cfg.metrics.log_freq} must be >= 1")
+    require(cfg.metrics.peak_tflops >= 0, f"metrics.peak_tflops = {cfg.metrics.peak_tflops} must be >= 0")
+    require(cfg.checkpoint.interval >= 0, f"checkpoint.interval = {cfg.checkpoint.interval} must be >= 0")
+    require(cfg.checkpoint.load_step >= -1, f"checkpoint.load_step = {cfg.checkpoint.load_step} must be >= -1")
     for name in ("init_timeout_seconds", "timeout_seconds"):
-        _require(getattr(cfg.comm, name) > 0, f"comm.{name} = {getattr(cfg.comm, name)} must be > 0")
-    _require(
+        require(getattr(cfg.comm, name) > 0, f"comm.{name} = {getattr(cfg.comm, name)} must be > 0")
+    require(
         cfg.debug.grad_record_step >= 0, f"debug.grad_record_step = {cfg.debug.grad_record_step} must be >= 0 (0: off)"
     )
-    _require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")
+    require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")
 
 
 __all__ = ["check_device", "resolve_device", "validate_config"]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -199,6 +201,33 @@ class InitRule:
             raise ValueError(f"InitRule.kind must be one of {_KINDS}, got {self.kind!r}")
         if self.kind != "ones" and self.std <= 0.0:
             raise ValueError(f"InitRule({self.kind!r}) needs std > 0, got {self.std}")
+
+
+ONES = InitRule("ones")
+"""Norm weights."""
+BASE = InitRule("trunc_normal", std=0.02)
+"""Projections reading the residual stream or a latent."""
+
+
+def depth_scaled(layer_id: int) -> InitRule:
+    """Projections writing into the residual stream (and w3): std 0.02 / sqrt(2 (layer_id + 1)), so
+    deeper blocks start with smaller updates."""
+    return InitRule("trunc_normal", std=0.02 / math.sqrt(2 * (layer_id + 1)))
+
+
+def stack_init_rules(model: nn.Module, block_rules: Callable[[nn.Module, InitRule], dict[str, InitRule]]) -> dict:
+    """Every parameter's rule in a model of ``tok_embeddings``, ``layers``, ``norm`` and ``output``
+    (and ``args.dim``):
+    embedding N(0, 1), each block's ``block_rules(block, depth_scaled(block.layer_id))`` (names
+    relative to the block), final norm ones, output truncated normal std dim**-0.5 cut at +-3 std."""
+    rules = {"tok_embeddings.weight": InitRule("normal", std=1.0)}
+    for name, block in model.layers.items():
+        own = block_rules(block, depth_scaled(block.layer_id))
+        rules.update({f"layers.{name}.{fqn}": rule for fqn, rule in own.items()})
+    out_std = model.args.dim**-0.5
+    rules["norm.weight"] = ONES
+    rules["output.weight"] = InitRule("trunc_normal", std=out_std, a=-3 * out_std, b=3 * out_std)
+    return rules
 
 
 def stable_seed(seed: int, fqn: str) -> int:

@@ -147,6 +147,35 @@ class HFAdapter:
     """``config(args, dtype)``: the ``config.json`` of the flavor, weights in ``dtype``."""
 
 
+FIXED_FIELDS = {"hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False}
+"""``config.json`` fields both families hold to one value (also the value when a file leaves one out)."""
+
+
+def decoder_fields(args) -> dict:
+    """The ``config.json`` fields of the decoder stack both families write and check alike: field ->
+    the flavor's value (``args``: either family's model arguments)."""
+    return {
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+    }
+
+
+def decoder_config(architecture: str, model_type: str, args, dtype: str) -> dict:
+    """The part of a family's ``config.json`` both families write the same way (weights in ``dtype``)."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        **decoder_fields(args),
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len,
+        **FIXED_FIELDS,
+        "torch_dtype": dtype,
+    }
+
+
 class ConfigCheck:
     """Collects the fields of a ``config.json`` that differ from the flavor, one phrase each."""
 
@@ -163,6 +192,13 @@ class ConfigCheck:
         )
         if not same:
             self.problems.append(f"{field} {theirs!r} (flavor{what}: {ours!r})")
+
+    def decoder(self, args) -> None:
+        """The fields both families check alike (``decoder_fields``, ``FIXED_FIELDS``)."""
+        for field, ours in decoder_fields(args).items():
+            self.equal(field, ours)
+        for field, ours in FIXED_FIELDS.items():
+            self.equal(field, ours, default=ours)
 
     def require(self, ok: bool, problem: str) -> None:
         if not ok:
@@ -196,7 +232,10 @@ __all__ = [
     "HFSource",
     "RotaryRows",
     "Same",
+    "FIXED_FIELDS",
     "box",
+    "decoder_config",
+    "decoder_fields",
     "hf_names",
     "rope_parameters",
 ]

@@ -40,25 +40,9 @@ sys.path.insert(0, ROOT)
 
 from graph_trainer.checkpoint.manifest import verify_folder  # noqa: E402
 from graph_trainer.config_loading import normalize_flags  # noqa: E402
+from suites import debug_job  # noqa: E402
 
-JOB = [
-    "--job.config_file",
-    os.path.join(ROOT, "configs", "llama3_debug.toml"),
-    "--job.device",
-    "cpu",
-    "--compile.mode",
-    "eager",
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--metrics.enable_tensorboard",
-    "False",
-    "--metrics.log_freq",
-    "1",
-    "--checkpoint.interval",
-    "1",
-]
+JOB = [*debug_job(), "--compile.mode", "eager", "--metrics.log_freq", "1", "--checkpoint.interval", "1"]
 """The debug LLaMA-3 in eager mode (no trace: starts fast), saving every step (74 MB per save)."""
 
 

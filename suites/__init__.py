@@ -15,8 +15,10 @@ from suites.cases import (
     GRAD_RTOL,
     INDUCTOR_RTOL,
     ROOT,
+    SMALL_CPU_JOB,
     Case,
     Suite,
+    debug_job,
     job_args,
 )
 from suites.cpu import CPU_CASES
@@ -26,20 +28,7 @@ from suites.h100 import H100_CASES
 SUITES = {
     "cpu": Suite(
         config="configs/llama3_debug.toml",
-        overrides=[
-            "--training.seq_len",
-            "64",
-            "--training.local_batch_size",
-            "2",
-            "--metrics.log_freq",
-            "5",
-            "--metrics.enable_tensorboard",
-            "False",
-            "--checkpoint.interval",
-            "0",
-            "--job.device",
-            "cpu",
-        ],
+        overrides=[*SMALL_CPU_JOB, "--metrics.log_freq", "5", "--checkpoint.interval", "0"],
         steps=10,
         record_grads=True,
         cases=CPU_CASES,
@@ -90,8 +79,10 @@ __all__ = [
     "GRAD_RTOL",
     "INDUCTOR_RTOL",
     "ROOT",
+    "SMALL_CPU_JOB",
     "SUITES",
     "Case",
     "Suite",
+    "debug_job",
     "job_args",
 ]

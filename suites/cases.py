@@ -143,6 +143,26 @@ def batch(n: int) -> list[str]:
 
 DEEPSEEK_DEBUG = "configs/deepseek_v3_debug.toml"
 LLAMA3_DEBUG = "configs/llama3_debug.toml"
+SMALL_CPU_JOB = [
+    "--job.device",
+    "cpu",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.enable_tensorboard",
+    "False",
+]
+"""A debug model's small job on the CPU (gloo, whatever GPUs the machine has): 2 x 64-token
+batches, no TensorBoard; a step takes well under a second. The cpu suite, the tests' jobs and
+the fault injection loop all start from it."""
+
+
+def debug_job(config: str = LLAMA3_DEBUG) -> list[str]:
+    """``config`` (relative to the repository, or absolute) as a ``SMALL_CPU_JOB``."""
+    return ["--job.config_file", os.path.join(ROOT, config), *SMALL_CPU_JOB]
+
+
 INDUCTOR_FLAGS = ["--compile.backend", "inductor"]
 INDUCTOR_FULL_FLAGS = [*INDUCTOR_FLAGS, "--compile.inductor_scope", "full"]
 

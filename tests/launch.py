@@ -13,24 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from suites import debug_job
 from tests.conftest import ROOT
 
-FAST_ARGS = [
-    "--job.config_file",
-    os.path.join(ROOT, "configs", "llama3_debug.toml"),
-    "--job.device",
-    "cpu",
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--metrics.enable_tensorboard",
-    "False",
-    "--metrics.log_freq",
-    "5",
-]
-"""Debug LLaMA-3 on 2x64-token batches, on CPU (gloo) whatever GPUs the machine has: a step takes
-well under a second."""
+FAST_ARGS = [*debug_job(), "--metrics.log_freq", "5"]
+"""Debug LLaMA-3 as ``suites.SMALL_CPU_JOB``: a step takes well under a second."""
 
 
 def run_torchrun(

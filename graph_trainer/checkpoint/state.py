@@ -10,7 +10,7 @@ A checkpoint folder holds:
 * DCP files (``.metadata``, ``*.distcp``): every tensor, under flat keys ``model.<fqn>`` (the
   parameter, or a persistent buffer such as a MoE ``expert_bias``) and
   ``optim.<fqn>.<exp_avg|exp_avg_sq|step>`` (AdamW state). ``<fqn>`` is the clean name
-  (``graph_trainer.build.clean_fqn``), not SimpleFSDP's ``...parametrizations.<name>.original``.
+  (``graph_trainer.distributed.simple_fsdp.clean_fqn``), not SimpleFSDP's ``...parametrizations.<name>.original``.
   Sharded parameters and their moments are saved as DTensors, i.e. as pieces of the global
   tensor, so DCP reshards on load: a checkpoint written at one layout (FSDP, HSDP, FSDPxTP) loads
   at any other, or in one process. ``.metadata`` is read with ``graph_trainer.checkpoint.safe_metadata``
@@ -45,10 +45,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from graph_trainer.build import clean_fqn
 from graph_trainer.checkpoint.safe_metadata import load_dcp_metadata, metadata_path, safe_reader
 from graph_trainer.config import Model
 from graph_trainer.distributed.comm import agree
+from graph_trainer.distributed.simple_fsdp import clean_fqn
 from graph_trainer.errors import ConfigError, some_names
 
 FORMAT_VERSION = 1

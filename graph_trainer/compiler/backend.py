@@ -150,10 +150,9 @@ def generated_collective_order(code: str) -> list[str]:
 
 
 def _fake_mode(gm: fx.GraphModule):
-    for node in gm.graph.nodes:
-        mode = torch_compat.fake_mode_of(node.meta.get("val"))
-        if mode is not None:
-            return mode
+    mode = torch_compat.fake_mode_of_nodes(gm.graph.nodes)
+    if mode is not None:
+        return mode
     raise RuntimeError("the traced graph carries no fake values (meta['val']): it cannot be compiled")
 
 

@@ -48,6 +48,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graph_trainer import torch_compat
 from graph_trainer.compiler.flat_tensors import FlatTensorSpec, flatten_tensor, split_flat, unflatten_tensor
+from graph_trainer.distributed.simple_fsdp import is_parametrization, owner_fqn
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts, format_counts, is_collective, waits_among_users
 from graph_trainer.graph.tags import (
@@ -75,17 +76,6 @@ logger = logging.getLogger("graph_trainer")
 # Module FQN annotation
 
 
-def _owner_fqn(name: str) -> str:
-    """FQN of the module owning a parameter or buffer.
-
-    'layers.0.attention.wq.weight' -> 'layers.0.attention.wq'; a parametrized parameter
-    'layers.0.attention.wq.parametrizations.weight.original' -> 'layers.0.attention.wq'.
-    """
-    if ".parametrizations." in name:
-        return name.split(".parametrizations.")[0]
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
 @contextlib.contextmanager
 def annotate_module_fqns(model: nn.Module) -> Iterator[None]:
     """While active, ops run inside a submodule's forward are tagged with its FQN."""
@@ -104,7 +94,7 @@ def annotate_module_fqns(model: nn.Module) -> Iterator[None]:
         stack.pop().__exit__(None, None, None)
 
     for fqn, module in model.named_modules():
-        if not fqn or ".parametrizations" in fqn or fqn.startswith("parametrizations"):
+        if not fqn or is_parametrization(fqn):
             continue
         handles.append(module.register_forward_pre_hook(enter(fqn)))
         handles.append(module.register_forward_hook(leave, always_call=True))
@@ -204,7 +194,7 @@ def _finalize_meta(gm: fx.GraphModule, input_fqns: list[str]) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(input_fqns), (len(placeholders), len(input_fqns))
     for node, fqn in zip(placeholders, input_fqns, strict=True):
-        owner = "" if fqn in BATCH_INPUTS else _owner_fqn(fqn)
+        owner = "" if fqn in BATCH_INPUTS else owner_fqn(fqn)
         tags.replace(node, {PHASE: INPUT, MODULE_FQN: owner, INPUT_FQN: fqn})
     _copy_forward_meta_to_backward(gm)
     for node in gm.graph.nodes:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from graph_trainer.config import Parallelism
-from graph_trainer.errors import ConfigError
+from graph_trainer.errors import require
 from graph_trainer.torch_compat import flatten_mesh_dims
 
 
@@ -102,9 +102,9 @@ def microbatches_per_step(global_batch_size: int, local_batch_size: int, dp_size
     positive multiple of one pass over the data-parallel ranks, or that disagrees with a set
     ``pp_microbatches``, is a ``ConfigError``."""
     per_microbatch = local_batch_size * dp_size
-    _require(pp_microbatches >= 0, f"parallelism.pp_microbatches = {pp_microbatches} must be >= 0 (0: from the batch)")
+    require(pp_microbatches >= 0, f"parallelism.pp_microbatches = {pp_microbatches} must be >= 0 (0: from the batch)")
     if pp_microbatches and global_batch_size:
-        _require(
+        require(
             global_batch_size == per_microbatch * pp_microbatches,
             f"training.global_batch_size = {global_batch_size} disagrees with parallelism.pp_microbatches = "
             f"{pp_microbatches} x local_batch_size x data-parallel degree = {per_microbatch * pp_microbatches}; "
@@ -112,7 +112,7 @@ def microbatches_per_step(global_batch_size: int, local_batch_size: int, dp_size
         )
     if global_batch_size == 0:
         return pp_microbatches or 1
-    _require(
+    require(
         global_batch_size > 0 and global_batch_size % per_microbatch == 0,
         f"training.global_batch_size = {global_batch_size} must be a positive multiple of "
         f"training.local_batch_size x data-parallel degree = {local_batch_size} x {dp_size} = "
@@ -135,31 +135,26 @@ def loss_scale(dp_size: int, microbatches: int) -> float:
     return 1.0 / (dp_size * microbatches)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def resolve_parallel_degrees(p: Parallelism, world_size: int) -> dict[str, int]:
     """Fill in dp_shard=-1 and check that the degrees multiply to the world size."""
     for name in ("dp_replicate", "tp", "ep", "pp"):
-        _require(getattr(p, name) >= 1, f"parallelism.{name} = {getattr(p, name)} must be >= 1")
-    _require(p.dp_shard == -1 or p.dp_shard >= 1, f"parallelism.dp_shard = {p.dp_shard} must be >= 1 or -1")
+        require(getattr(p, name) >= 1, f"parallelism.{name} = {getattr(p, name)} must be >= 1")
+    require(p.dp_shard == -1 or p.dp_shard >= 1, f"parallelism.dp_shard = {p.dp_shard} must be >= 1 or -1")
     others = p.pp * p.dp_replicate * p.tp
     dp_shard = p.dp_shard
     if dp_shard == -1:
         named = "pp*dp_replicate*tp" if p.pp > 1 else "dp_replicate*tp"
-        _require(world_size % others == 0, f"world size {world_size} is not divisible by {named} = {others}")
+        require(world_size % others == 0, f"world size {world_size} is not divisible by {named} = {others}")
         dp_shard = world_size // others
     product = p.pp * p.dp_replicate * dp_shard * p.tp
     pp = f"pp={p.pp} x " if p.pp > 1 else ""
-    _require(
+    require(
         product == world_size,
         f"parallelism degrees {pp}dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x tp={p.tp} = {product} "
         f"do not match the world size {world_size}",
     )
     # Experts are split over a sub-group of the data-parallel shard ranks (see graph_trainer.distributed.parallel_dims).
-    _require(
+    require(
         dp_shard % p.ep == 0,
         f"parallelism.ep = {p.ep} must divide parallelism.dp_shard = {dp_shard} (experts are split over "
         f"data-parallel shard ranks)",

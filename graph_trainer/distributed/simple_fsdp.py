@@ -33,9 +33,10 @@ then each tp piece is split over dp, so gathering over dp alone yields the tp pi
 Gradients come out summed over data-parallel ranks; the trainer scales the loss by
 1/dp_size, so the update equals a single process on the concatenated batch.
 
-The parametrization makes the parameter's FQN ``<module>.parametrizations.<name>.original``;
-``graph_trainer.build.clean_fqn`` maps it back to ``<module>.<name>`` for checkpoints and
-initialisation.
+The parametrization makes the parameter's FQN ``<module>.parametrizations.<name>.original``:
+``clean_fqn`` maps it back to ``<module>.<name>`` (checkpoints, initialisation, records), and
+``owner_fqn`` and ``is_parametrization`` say which module owns it and which modules are
+parametrize's own; this module is the one home of that naming.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def cast_for_compute(model: nn.Module, mp: MixedPrecision) -> nn.Module:
     parametrization (SimpleFSDP's casts itself), and not already in ``mp.param_dtype``, gets
     ``CastForCompute``. ``mp.reduce_dtype`` has nothing to act on (no gradient is reduced)."""
     for module_fqn, module in list(model.named_modules()):
-        if _is_parametrization(module_fqn):
+        if is_parametrization(module_fqn):
             continue
         for name, param in list(module.named_parameters(recurse=False)):
             if param.dtype != mp.param_dtype and not parametrize.is_parametrized(module, name):
@@ -201,8 +202,23 @@ def _replicate_mesh(mesh: DeviceMesh, mode: str | None) -> DeviceMesh | None:
     return mesh[mesh.mesh_dim_names[0]]
 
 
-def _is_parametrization(fqn: str) -> bool:
-    return fqn.startswith("parametrizations") or ".parametrizations" in fqn
+_PARAMETRIZATIONS = "parametrizations"
+
+
+def is_parametrization(fqn: str) -> bool:
+    """Whether module ``fqn`` is parametrize's own (``a.parametrizations.weight``), not the model's."""
+    return _PARAMETRIZATIONS in fqn.split(".")
+
+
+def clean_fqn(name: str) -> str:
+    """A parameter's name in the plain model ('a.parametrizations.weight.original' -> 'a.weight')."""
+    owner, found, rest = name.partition(f".{_PARAMETRIZATIONS}.")
+    return f"{owner}.{rest.split('.')[0]}" if found else name
+
+
+def owner_fqn(name: str) -> str:
+    """The FQN of the module owning a parameter or buffer ('a.b.weight' -> 'a.b', also when parametrized)."""
+    return clean_fqn(name).rpartition(".")[0]
 
 
 def data_parallel(
@@ -230,7 +246,7 @@ def data_parallel(
         raise ValueError("data_parallel needs a dp_mesh exactly when it has a mode")
     dp_dims = 0 if dp_mesh is None else dp_mesh.ndim
     for module_fqn, module in list(model.named_modules()):
-        if _is_parametrization(module_fqn):
+        if is_parametrization(module_fqn):
             continue
         for name, param in list(module.named_parameters(recurse=False)):
             if isinstance(param, DTensor):  # already split by tensor or expert parallel

@@ -30,7 +30,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from graph_trainer.build import clean_fqn
+from graph_trainer.distributed.simple_fsdp import clean_fqn
 
 SAMPLE_SIZE = 64
 """Entries kept per parameter (all of them for smaller parameters)."""

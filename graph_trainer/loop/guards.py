@@ -22,8 +22,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from graph_trainer.build import clean_fqn
 from graph_trainer.distributed.parallel_dims import local_tensor
+from graph_trainer.distributed.simple_fsdp import clean_fqn
 from graph_trainer.errors import NonFiniteError
 
 

@@ -39,6 +39,7 @@ from graph_trainer.torch_compat.distributed import (
 )
 from graph_trainer.torch_compat.fx import (
     fake_mode_of,
+    fake_mode_of_nodes,
     grouped_mm,
     has_side_effects,
     is_op_overload,
@@ -90,6 +91,7 @@ __all__ = [
     "default_cache_dir",
     "deterministic_algorithms",
     "fake_mode_of",
+    "fake_mode_of_nodes",
     "fake_store",
     "flatten_mesh_dims",
     "fuse_partitions",

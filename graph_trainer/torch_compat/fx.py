@@ -107,6 +107,15 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return kernel(a, b, offs=offs)
 
 
+def fake_mode_of_nodes(nodes):
+    """The ``FakeTensorMode`` of the first of ``nodes`` whose ``meta["val"]`` is a fake tensor, else None."""
+    for node in nodes:
+        mode = fake_mode_of(node.meta.get("val"))
+        if mode is not None:
+            return mode
+    return None
+
+
 def fake_mode_of(value):
     """The ``FakeTensorMode`` a traced node's ``meta["val"]`` belongs to (``FakeTensor.fake_mode``), else None.
 

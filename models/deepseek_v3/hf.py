@@ -20,7 +20,7 @@ experts unless a biased score of an allowed expert is negative.
 from __future__ import annotations
 
 from models.deepseek_v3.flavors import DeepSeekV3Args
-from models.hf_weights import ConfigCheck, ExpertStack, HFAdapter, HFSource, Same, rope_parameters
+from models.hf_weights import ConfigCheck, ExpertStack, HFAdapter, HFSource, Same, decoder_config, rope_parameters
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
@@ -85,11 +85,8 @@ def config_problems(config: dict, args: DeepSeekV3Args) -> list[str]:
         f"the flavor routes with {args.score_func} scores; Hugging Face's DeepSeek-V3 routes with sigmoid",
     )
     check.equal("scoring_func", "sigmoid", default="sigmoid")
-    check.equal("hidden_size", args.dim)
-    check.equal("num_hidden_layers", args.n_layers)
-    check.equal("num_attention_heads", args.n_heads)
+    check.decoder(args)
     check.equal("num_key_value_heads", args.n_heads, default=args.n_heads)
-    check.equal("vocab_size", args.vocab_size)
     check.equal("first_k_dense_replace", args.n_dense_layers)
     check.equal("q_lora_rank", args.q_lora_rank or None, what=f" {args.q_lora_rank}")
     for field, ours in (
@@ -108,12 +105,8 @@ def config_problems(config: dict, args: DeepSeekV3Args) -> list[str]:
     ):
         check.equal(field, ours)
     check.equal("routed_scaling_factor", float(args.route_scale))
-    check.equal("rms_norm_eps", args.norm_eps)
     check.equal("moe_layer_freq", 1, default=1)  # every block after the dense ones is a MoE
     check.equal("rope_interleave", True, default=True)
-    check.equal("hidden_act", "silu", default="silu")
-    check.equal("tie_word_embeddings", False, default=False)
-    check.equal("attention_bias", False, default=False)
     check.rope(args.rope_theta, _yarn(args) if args.rope_factor > 1.0 else None)
     # Hugging Face scales cos/sin by attention_factor (derived from mscale / mscale_all_dim when absent)
     attention_factor = (rope_parameters(config)[1] or {}).get("attention_factor")
@@ -124,13 +117,8 @@ def config_problems(config: dict, args: DeepSeekV3Args) -> list[str]:
 def hf_config(args: DeepSeekV3Args, dtype: str) -> dict:
     """``config.json`` of ``args`` for ``transformers``' ``DeepseekV3ForCausalLM`` (weights in ``dtype``)."""
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
+        **decoder_config(ARCHITECTURE, MODEL_TYPE, args, dtype),
         "num_key_value_heads": args.n_heads,
-        "vocab_size": args.vocab_size,
         "first_k_dense_replace": args.n_dense_layers,
         "q_lora_rank": args.q_lora_rank or None,
         "kv_lora_rank": args.kv_lora_rank,
@@ -147,16 +135,9 @@ def hf_config(args: DeepSeekV3Args, dtype: str) -> dict:
         "norm_topk_prob": args.route_norm,
         "routed_scaling_factor": float(args.route_scale),
         "scoring_func": "sigmoid",
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
         "rope_scaling": _yarn(args) if args.rope_factor > 1.0 else None,
         "rope_interleave": True,
-        "max_position_embeddings": args.max_seq_len,
         "num_nextn_predict_layers": 0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "torch_dtype": dtype,
     }
 
 

@@ -37,7 +37,18 @@ import torch.nn.functional as F
 
 from graph_trainer.graph.tags import EP_ROLE, EXPERT_COMPUTE, annotate
 from graph_trainer.torch_compat import grouped_mm
-from models.common import FeedForward, InitRule, RMSNorm, apply_rope, init_plain_parameters, rotary_table, run_stack
+from models.common import (
+    BASE,
+    ONES,
+    FeedForward,
+    InitRule,
+    RMSNorm,
+    apply_rope,
+    init_plain_parameters,
+    rotary_table,
+    run_stack,
+    stack_init_rules,
+)
 from models.deepseek_v3.flavors import DeepSeekV3Args
 
 # --------------------------------------------------------------------------------------
@@ -413,61 +424,15 @@ class DeepSeekV3(nn.Module):
             moe.tokens_per_expert.zero_()
 
     def init_rules(self) -> dict[str, InitRule]:
-        """How every parameter (FQN of the unwrapped model) is initialised.
-
-        Embedding N(0, 1); norms (incl. q_norm, kv_norm) ones; projections reading the
-        residual stream or a latent (wq, wq_a, wq_b, wkv_a, wkv_b, the w1 of every FFN/expert)
-        truncated normal std 0.02; projections writing into the residual stream plus w3 (wo,
-        w2, w3 of dense FFN, shared and routed experts) std 0.02 / sqrt(2 * (layer_id + 1)),
-        as in llama3. The router gate uses a flat 0.02: it produces routing logits, not a
-        residual update, so depth scaling would only make early routing more uniform in deep
-        layers. Output truncated normal std dim**-0.5 cut at +-3 std. Stacked expert weights
-        are drawn as one [E, ...] tensor, so the draw does not depend on expert sharding.
-        """
-        ones = InitRule("ones")
-        base = InitRule("trunc_normal", std=0.02)
-        rules = {"tok_embeddings.weight": InitRule("normal", std=1.0)}
-        for name, block in self.layers.items():
-            deep = InitRule("trunc_normal", std=0.02 / math.sqrt(2 * (block.layer_id + 1)))
-            p = f"layers.{name}."
-            rules.update(
-                {
-                    p + "attention_norm.weight": ones,
-                    p + "ffn_norm.weight": ones,
-                    p + "attention.wkv_a.weight": base,
-                    p + "attention.kv_norm.weight": ones,
-                    p + "attention.wkv_b.weight": base,
-                    p + "attention.wo.weight": deep,
-                }
-            )
-            if self.args.q_lora_rank == 0:
-                rules[p + "attention.wq.weight"] = base
-            else:
-                rules.update(
-                    {
-                        p + "attention.wq_a.weight": base,
-                        p + "attention.q_norm.weight": ones,
-                        p + "attention.wq_b.weight": base,
-                    }
-                )
-            ffns = ["moe.shared_experts"] if block.is_moe and block.moe.shared_experts is not None else []
-            if block.is_moe:
-                rules.update(
-                    {
-                        p + "moe.router.gate.weight": base,
-                        p + "moe.experts.w1": base,
-                        p + "moe.experts.w2": deep,
-                        p + "moe.experts.w3": deep,
-                    }
-                )
-            else:
-                ffns = ["feed_forward"]
-            for ffn in ffns:
-                rules.update({p + ffn + ".w1.weight": base, p + ffn + ".w2.weight": deep, p + ffn + ".w3.weight": deep})
-        out_std = self.args.dim**-0.5
-        rules["norm.weight"] = ones
-        rules["output.weight"] = InitRule("trunc_normal", std=out_std, a=-3 * out_std, b=3 * out_std)
-        return rules
+        """How every parameter (FQN of the unwrapped model) is initialised: ``models.common.stack_init_rules``,
+        as in llama3. Norms (incl. q_norm, kv_norm) ones; projections reading the residual stream or a
+        latent (wq, wq_a, wq_b, wkv_a, wkv_b, the w1 of every FFN/expert) at the base std; projections
+        writing into the residual stream plus w3 (wo, w2, w3 of dense FFN, shared and routed experts)
+        depth-scaled. The router gate uses the flat base std: it produces routing logits, not a
+        residual update, so depth scaling would only make early routing more uniform in deep layers.
+        Stacked expert weights are drawn as one [E, ...] tensor, so the draw does not depend on
+        expert sharding."""
+        return stack_init_rules(self, _block_init_rules)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -476,6 +441,30 @@ class DeepSeekV3(nn.Module):
         ``stable_seed(seed, fqn)``), then fill / reset the buffers."""
         init_plain_parameters(self, self.init_rules(), seed)
         self.init_buffers(self.output.weight.device)
+
+
+def _block_init_rules(block: nn.Module, deep: InitRule) -> dict[str, InitRule]:
+    rules = {
+        "attention_norm.weight": ONES,
+        "ffn_norm.weight": ONES,
+        "attention.wkv_a.weight": BASE,
+        "attention.kv_norm.weight": ONES,
+        "attention.wkv_b.weight": BASE,
+        "attention.wo.weight": deep,
+    }
+    if block.attention.q_lora_rank == 0:
+        rules["attention.wq.weight"] = BASE
+    else:
+        rules.update({"attention.wq_a.weight": BASE, "attention.q_norm.weight": ONES, "attention.wq_b.weight": BASE})
+    ffns = ["feed_forward"]
+    if block.is_moe:
+        rules.update(
+            {"moe.router.gate.weight": BASE, "moe.experts.w1": BASE, "moe.experts.w2": deep, "moe.experts.w3": deep}
+        )
+        ffns = ["moe.shared_experts"] if block.moe.shared_experts is not None else []
+    for ffn in ffns:
+        rules.update({f"{ffn}.w1.weight": BASE, f"{ffn}.w2.weight": deep, f"{ffn}.w3.weight": deep})
+    return rules
 
 
 __all__ = [

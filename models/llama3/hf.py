@@ -10,7 +10,7 @@ not (every field that changes shapes or numerics); ``hf_config`` writes the flav
 
 from __future__ import annotations
 
-from models.hf_weights import ConfigCheck, HFAdapter, HFSource, RotaryRows, Same
+from models.hf_weights import ConfigCheck, HFAdapter, HFSource, RotaryRows, Same, decoder_config
 from models.llama3.flavors import Llama3Args
 from models.llama3.model import _HIGH_FREQ_FACTOR, _LOW_FREQ_FACTOR, _ORIGINAL_CONTEXT, _SCALE_FACTOR
 
@@ -52,17 +52,11 @@ def sources(args: Llama3Args) -> dict[str, HFSource]:
 def config_problems(config: dict, args: Llama3Args) -> list[str]:
     """What ``config`` says that ``args`` does not, one phrase each (empty: they agree)."""
     check = ConfigCheck(config)
-    check.equal("hidden_size", args.dim)
-    check.equal("num_hidden_layers", args.n_layers)
-    check.equal("num_attention_heads", args.n_heads)
+    check.decoder(args)
     check.equal("num_key_value_heads", args.kv_heads, default=config.get("num_attention_heads"))
     check.equal("head_dim", args.head_dim, default=args.head_dim)
     check.equal("intermediate_size", args.ffn_hidden_dim)
-    check.equal("vocab_size", args.vocab_size)
-    check.equal("rms_norm_eps", args.norm_eps)
-    check.equal("hidden_act", "silu", default="silu")
-    for flag in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
-        check.equal(flag, False, default=False)
+    check.equal("mlp_bias", False, default=False)
     check.rope(args.rope_theta, _SCALING if args.rope_scaling else None)
     return check.problems
 
@@ -70,24 +64,12 @@ def config_problems(config: dict, args: Llama3Args) -> list[str]:
 def hf_config(args: Llama3Args, dtype: str) -> dict:
     """``config.json`` of ``args`` for ``transformers``' ``LlamaForCausalLM`` (weights in ``dtype``)."""
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
+        **decoder_config(ARCHITECTURE, MODEL_TYPE, args, dtype),
         "num_key_value_heads": args.kv_heads,
         "head_dim": args.head_dim,
         "intermediate_size": args.ffn_hidden_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
         "rope_scaling": dict(_SCALING) if args.rope_scaling else None,
-        "max_position_embeddings": args.max_seq_len,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "attention_bias": False,
         "mlp_bias": False,
-        "torch_dtype": dtype,
     }
 
 

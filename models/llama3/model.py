@@ -23,7 +23,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.common import FeedForward, InitRule, RMSNorm, apply_rope, init_plain_parameters, rotary_table, run_stack
+from models.common import (
+    BASE,
+    ONES,
+    FeedForward,
+    InitRule,
+    RMSNorm,
+    apply_rope,
+    init_plain_parameters,
+    rotary_table,
+    run_stack,
+    stack_init_rules,
+)
 from models.llama3.flavors import Llama3Args
 
 # --------------------------------------------------------------------------------------
@@ -169,36 +180,9 @@ class Transformer(nn.Module):
         return run_stack(self, tokens, head)
 
     def init_rules(self) -> dict[str, InitRule]:
-        """How every parameter (FQN of the unwrapped model) is initialised.
-
-        Embedding N(0, 1); norms ones; wq/wk/wv/w1 truncated normal std 0.02; wo/w2/w3
-        (the projections writing into the residual stream, plus w3) std 0.02 / sqrt(2 *
-        (layer_id + 1)), so deeper blocks start with smaller updates; output truncated
-        normal std dim**-0.5 cut at +-3 std.
-        """
-        ones = InitRule("ones")
-        base = InitRule("trunc_normal", std=0.02)
-        rules = {"tok_embeddings.weight": InitRule("normal", std=1.0)}
-        for name, block in self.layers.items():
-            deep = InitRule("trunc_normal", std=0.02 / math.sqrt(2 * (block.layer_id + 1)))
-            prefix = f"layers.{name}."
-            rules.update(
-                {
-                    prefix + "attention.wq.weight": base,
-                    prefix + "attention.wk.weight": base,
-                    prefix + "attention.wv.weight": base,
-                    prefix + "attention.wo.weight": deep,
-                    prefix + "feed_forward.w1.weight": base,
-                    prefix + "feed_forward.w2.weight": deep,
-                    prefix + "feed_forward.w3.weight": deep,
-                    prefix + "attention_norm.weight": ones,
-                    prefix + "ffn_norm.weight": ones,
-                }
-            )
-        out_std = self.args.dim**-0.5
-        rules["norm.weight"] = ones
-        rules["output.weight"] = InitRule("trunc_normal", std=out_std, a=-3 * out_std, b=3 * out_std)
-        return rules
+        """How every parameter (FQN of the unwrapped model) is initialised: ``models.common.stack_init_rules``
+        with wq/wk/wv/w1 at the base std and wo/w2/w3 depth-scaled."""
+        return stack_init_rules(self, _block_init_rules)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -209,6 +193,20 @@ class Transformer(nn.Module):
         """
         init_plain_parameters(self, self.init_rules(), seed)
         self.init_buffers(self.output.weight.device)
+
+
+def _block_init_rules(block: nn.Module, deep: InitRule) -> dict[str, InitRule]:
+    return {
+        "attention.wq.weight": BASE,
+        "attention.wk.weight": BASE,
+        "attention.wv.weight": BASE,
+        "attention.wo.weight": deep,
+        "feed_forward.w1.weight": BASE,
+        "feed_forward.w2.weight": deep,
+        "feed_forward.w3.weight": deep,
+        "attention_norm.weight": ONES,
+        "ffn_norm.weight": ONES,
+    }
 
 
 __all__ = ["Attention", "Transformer", "TransformerBlock", "rope_frequencies", "rope_table"]

@@ -1,30 +1,14 @@
 """graph_trainer/cli/lockstep.py: two runs of one job stepped together, freely or from the same state."""
 
-import os
-
 import torch
 
 from graph_trainer.cli.lockstep import copy_state, lockstep, main
 from graph_trainer.config_loading import load_config
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
-from tests.conftest import ROOT
+from suites import debug_job
 
-LLAMA = os.path.join(ROOT, "configs", "llama3_debug.toml")
-JOB = [
-    "--job.config_file",
-    LLAMA,
-    "--job.device",
-    "cpu",
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--metrics.enable_tensorboard",
-    "False",
-    "--training.steps",
-    "3",
-]
+JOB = [*debug_job(), "--training.steps", "3"]
 OTHER_EPS = ["--training.eps", "1e-3"]  # B differs from A only in its updates, not in a step's gradients
 
 

@@ -25,30 +25,14 @@ from graph_trainer.graph.tags import INDUCTOR_REGION
 from graph_trainer.torch_compat import TORCH_VERSION, default_cache_dir, fake_mode_of
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
-from suites import INDUCTOR_RTOL
+from suites import INDUCTOR_RTOL, debug_job
 from tests.conftest import NEEDS_TORCH_2_13, ROOT
 
 LLAMA = os.path.join(ROOT, "configs", "llama3_debug.toml")
 
 
 def _config(config: str, *flags: str, dump_folder: str = ""):
-    cfg = load_config(
-        [
-            "--job.config_file",
-            config,
-            "--job.device",
-            "cpu",
-            "--training.seq_len",
-            "64",
-            "--training.local_batch_size",
-            "2",
-            "--metrics.enable_tensorboard",
-            "False",
-            *(["--job.dump_folder", dump_folder] if dump_folder else []),
-            *flags,
-        ]
-    )
-    return cfg
+    return load_config([*debug_job(config), *(["--job.dump_folder", dump_folder] if dump_folder else []), *flags])
 
 
 def _traced(world_size: int, *flags: str, config: str = LLAMA):

@@ -64,3 +64,21 @@ def test_ddp_all_reduces_are_tagged_with_their_parameter():
     assert all(tags.get(n, FSDP_ROLE) == REDUCE_GRAD and tags.get(n, FSDP_PARAM) for n in collectives)
     assert len({tags.get(n, FSDP_PARAM) for n in collectives}) == len(collectives)
     assert all(n.meta["val"].dtype == torch.bfloat16 for n in collectives)
+
+
+def test_parametrized_names_map_back_to_the_plain_model():
+    """``clean_fqn``, ``owner_fqn`` and ``is_parametrization`` read the names torch's parametrize
+    gives a wrapped parameter: a change of that naming fails here, not in a checkpoint."""
+    from torch.nn.utils import parametrize
+
+    from graph_trainer.distributed.simple_fsdp import CastForCompute, clean_fqn, is_parametrization, owner_fqn
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    plain = [name for name, _ in model.named_parameters()]
+    parametrize.register_parametrization(model[1], "weight", CastForCompute(torch.bfloat16), unsafe=True)
+    names = [name for name, _ in model.named_parameters()]
+    assert "1.parametrizations.weight.original" in names
+    assert sorted(clean_fqn(n) for n in names) == sorted(plain)
+    assert [owner_fqn(n) for n in names] == [n.rpartition(".")[0] for n in plain]
+    modules = [fqn for fqn, _ in model.named_modules() if fqn]
+    assert [m for m in modules if not is_parametrization(m)] == ["0", "1"]

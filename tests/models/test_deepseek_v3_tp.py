@@ -20,8 +20,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from graph_trainer.build import build_job_model, build_layout, clean_fqn
+from graph_trainer.build import build_job_model, build_layout
 from graph_trainer.config_loading import load_config
+from graph_trainer.distributed.simple_fsdp import clean_fqn
 from graph_trainer.errors import ConfigError
 from graph_trainer.fake_trace import fake_world
 from graph_trainer.validation import validate_config

@@ -121,6 +121,21 @@ def test_fake_mode_of_a_fake_value():
     assert fake_mode_of(out) is mode and out.shape == (12,)
 
 
+def test_fake_mode_of_a_graph_is_its_first_fake_value():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graph_trainer.torch_compat import fake_mode_of_nodes
+
+    graph = torch.fx.Graph()
+    plain, faked = graph.placeholder("plain"), graph.placeholder("faked")
+    plain.meta["val"] = torch.empty(2)
+    assert fake_mode_of_nodes(graph.nodes) is None
+    mode = FakeTensorMode()
+    with mode:
+        faked.meta["val"] = torch.empty(2)
+    assert fake_mode_of_nodes(graph.nodes) is mode and fake_mode_of_nodes([plain]) is None
+
+
 def test_sym_hint_falls_back_to_hint_int_before_torch_2_13(monkeypatch):
     import torch.fx.experimental.symbolic_shapes as symbolic_shapes
     from torch._dynamo.source import ConstantSource

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from graph_trainer.compiler.passes.auto_bucketing import AUTO_BUCKETING
 from graph_trainer.compiler.passes.ep_overlap import EP_OVERLAP
-from graph_trainer.compiler.passes.registry import PASS_REGISTRY, PassContext, PassError, PassSpec, register_pass
+from graph_trainer.compiler.passes.registry import (
+    PASS_REGISTRY,
+    PassContext,
+    PassError,
+    PassSpec,
+    register_pass,
+    unknown_pass,
+)
 from graph_trainer.compiler.passes.transformer_block_bucketing import TRANSFORMER_BLOCK_BUCKETING
 
 register_pass(TRANSFORMER_BLOCK_BUCKETING)
@@ -24,7 +31,7 @@ def user_passes(names: list[str]) -> list[PassSpec]:
     """The registered passes named in ``names``, in that order (``PassError`` for an unknown one)."""
     for name in names:
         if name not in PASS_REGISTRY:
-            raise PassError(f"unknown pass {name!r}; available: {', '.join(sorted(PASS_REGISTRY))}")
+            raise PassError(unknown_pass(name))
     return [PASS_REGISTRY[name] for name in names]
 
 
@@ -42,5 +49,6 @@ __all__ = [
     "PassSpec",
     "prepare_model_for_passes",
     "register_pass",
+    "unknown_pass",
     "user_passes",
 ]

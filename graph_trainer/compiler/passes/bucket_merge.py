@@ -40,7 +40,7 @@ from graph_trainer.graph.tags import (
     REDUCE_GRAD,
     UNSHARD,
 )
-from graph_trainer.torch_compat import fake_mode_of
+from graph_trainer.torch_compat import fake_mode_of_nodes
 
 aten = torch.ops.aten
 
@@ -267,7 +267,7 @@ def merge_reductions(graph: fx.Graph, members: list[fx.Node], bucket: int, name:
 
 
 def _fake_mode(node: fx.Node):
-    mode = fake_mode_of(node.meta.get("val"))
+    mode = fake_mode_of_nodes([node])
     if mode is None:
         raise PassError(
             f"transformer_block_bucketing: {node.name} has no fake meta['val']; trace with "

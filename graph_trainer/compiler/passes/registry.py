@@ -42,6 +42,12 @@ PASS_REGISTRY: dict[str, PassSpec] = {}
 """User-selectable passes by name (``--compile.passes``)."""
 
 
+def unknown_pass(name: str) -> str:
+    """The one-line message for a ``compile.passes`` entry that names no registered pass."""
+    available = ", ".join(sorted(PASS_REGISTRY)) or "(none registered)"
+    return f"unknown pass {name!r} in compile.passes; available passes: {available}"
+
+
 def register_pass(spec: PassSpec) -> PassSpec:
     if spec.name in PASS_REGISTRY:
         raise ValueError(f"pass {spec.name!r} registered twice")
