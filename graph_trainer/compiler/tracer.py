@@ -289,6 +289,93 @@ def is_last_stage(model: nn.Module) -> bool:
     return getattr(model, "norm", True) is not None
 
 
+@dataclass(frozen=True)
+class _FlatState:
+    """A model's parameters and buffers as the graph's flat inputs (``compiler.flat_tensors``)."""
+
+    param_names: list[str]
+    buffer_names: list[str]
+    specs: list[FlatTensorSpec]
+    """Parameters then buffers."""
+    flat: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _FlatState:
+        params, buffers = list(model.named_parameters()), list(model.named_buffers())
+        specs, flat = [], []
+        for _, t in (*params, *buffers):
+            inners, spec = flatten_tensor(t)
+            flat.extend(inners)
+            specs.append(spec)
+        return cls([n for n, _ in params], [n for n, _ in buffers], specs, flat)
+
+    def input_fqns(self) -> list[str]:
+        """The ``input_fqn`` of each flat input: a tensor's name once per inner tensor."""
+        names = [*self.param_names, *self.buffer_names]
+        return [name for name, spec in zip(names, self.specs, strict=True) for _ in range(spec.num_inner)]
+
+    def rebuild(self, flat: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """(the parameters, detached and requiring grad; every tensor by name) from flat values."""
+        groups, n = split_flat(flat, self.specs), len(self.param_names)
+        params = [
+            unflatten_tensor([i.detach() for i in inner], spec).requires_grad_(True)
+            for inner, spec in zip(groups[:n], self.specs[:n], strict=True)
+        ]
+        buffers = [unflatten_tensor(inner, spec) for inner, spec in zip(groups[n:], self.specs[n:], strict=True)]
+        names = [*self.param_names, *self.buffer_names]
+        return params, dict(zip(names, [*params, *buffers], strict=True))
+
+
+class _JointStep:
+    """What ``make_fx`` traces: the flat state, the stage input and the target in; the loss (or a
+    stage's hidden state) and the flat gradients out. ``grad_specs`` holds how the gradients
+    were flattened once a call has run."""
+
+    def __init__(self, model: nn.Module, state: _FlatState, loss_chunks: int, grad_scale: float):
+        self.model, self.state, self.loss_chunks, self.grad_scale = model, state, loss_chunks, grad_scale
+        self.first, self.last = is_first_stage(model), is_last_stage(model)
+        self.grad_specs: list[FlatTensorSpec] = []
+
+    def __call__(self, *flat_args: torch.Tensor) -> list[torch.Tensor]:
+        *flat_state, stage_in, target = flat_args
+        params, tensors = self.state.rebuild(list(flat_state))
+        wrt = params if self.first else [*params, stage_in.detach().requires_grad_(True)]
+        with tags.annotate({PHASE: FORWARD}):  # the loss head tags its own nodes "loss"
+            head = {"head": loss_head(target, self.loss_chunks)} if self.last else {}
+            result = torch.func.functional_call(self.model, tensors, (stage_in if self.first else wrt[-1],), head)
+        if self.last:
+            with tags.annotate({PHASE: LOSS, MODULE_FQN: LOSS_MODULE}):
+                scaled = result * self.grad_scale if self.grad_scale != 1.0 else result
+            seed, seed_grad = scaled, None
+        else:  # the loss scale is in the output gradient the next stage hands back
+            seed, seed_grad = result, target
+        torch_compat.tag_backward_with_forward_seq_nr(seed)
+        with tags.annotate({PHASE: BACKWARD}):
+            grads = torch.autograd.grad(seed, wrt, grad_outputs=seed_grad)
+        flattened = [flatten_tensor(g) for g in grads]
+        self.grad_specs = [spec for _, spec in flattened]
+        return [result, *(inner for inners, _ in flattened for inner in inners)]
+
+
+def _make_fx(joint: _JointStep, inputs: list[torch.Tensor], fake_device: torch.device | None) -> fx.GraphModule:
+    """``joint`` traced on fake copies of ``inputs``, every node tagged with its module's FQN.
+
+    Static shapes: a graph is made for one batch shape (see ``GraphStep``). The ShapeEnv is still
+    needed for data-dependent sizes (unbacked symbols), e.g. expert-parallel split sizes."""
+    fake_mode = torch_compat.new_fake_mode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=False)
+    *state, tokens, labels = inputs
+    # (one tensor passed as both batch inputs would become one fake tensor, one graph input)
+    second = labels.clone() if labels is tokens and labels.device.type != "meta" else labels
+    fake_inputs = [_fake_like(t, fake_mode, fake_device) for t in (*state, tokens, second)]
+    with (
+        torch.fx.traceback.preserve_node_meta(),
+        annotate_module_fqns(joint.model),
+        torch.autograd.set_multithreading_enabled(False),  # keep backward on this thread
+        fake_mode,
+    ):
+        return make_fx(joint, record_stack_traces=False)(*fake_inputs)
+
+
 def trace_train_step(
     model: nn.Module,
     tokens: torch.Tensor,
@@ -313,81 +400,20 @@ def trace_train_step(
     the callables a pipeline schedule runs.
     """
     start = time.perf_counter()
-    named_params = list(model.named_parameters())
-    named_buffers = list(model.named_buffers())
-    param_names = [n for n, _ in named_params]
-    buffer_names = [n for n, _ in named_buffers]
-
-    specs: list[FlatTensorSpec] = []
-    flat: list[torch.Tensor] = []
-    for _, t in (*named_params, *named_buffers):
-        inners, spec = flatten_tensor(t)
-        flat.extend(inners)
-        specs.append(spec)
-    param_specs, buffer_specs = specs[: len(named_params)], specs[len(named_params) :]
-    grad_specs: list[FlatTensorSpec] = []
-
-    first, last = is_first_stage(model), is_last_stage(model)
-
-    def step(*flat_args: torch.Tensor) -> list[torch.Tensor]:
-        *state, stage_in, target = flat_args
-        groups = split_flat(list(state), specs)
-        params = []
-        for inner, spec in zip(groups[: len(param_specs)], param_specs, strict=True):
-            p = unflatten_tensor([i.detach() for i in inner], spec)
-            params.append(p.requires_grad_(True))
-        buffers = [
-            unflatten_tensor(inner, spec) for inner, spec in zip(groups[len(param_specs) :], buffer_specs, strict=True)
-        ]
-        tensors = {**dict(zip(param_names, params, strict=True)), **dict(zip(buffer_names, buffers, strict=True))}
-        wrt = params if first else [*params, stage_in.detach().requires_grad_(True)]
-        with tags.annotate({PHASE: FORWARD}):  # the loss head tags its own nodes "loss"
-            head = {"head": loss_head(target, loss_chunks)} if last else {}
-            result = torch.func.functional_call(model, tensors, (wrt[-1] if not first else stage_in,), head)
-        if last:
-            with tags.annotate({PHASE: LOSS, MODULE_FQN: LOSS_MODULE}):
-                scaled = result * grad_scale if grad_scale != 1.0 else result
-            seed, seed_grad = scaled, None
-        else:  # the loss scale is in the output gradient the next stage hands back
-            seed, seed_grad = result, target
-        torch_compat.tag_backward_with_forward_seq_nr(seed)
-        with tags.annotate({PHASE: BACKWARD}):
-            grads = torch.autograd.grad(seed, wrt, grad_outputs=seed_grad)
-        out = [result]
-        grad_specs.clear()
-        for g in grads:
-            inners, spec = flatten_tensor(g)
-            out.extend(inners)
-            grad_specs.append(spec)
-        return out
-
-    # Static shapes: a graph is made for one batch shape (see GraphStep). The ShapeEnv is still
-    # needed for data-dependent sizes (unbacked symbols), e.g. expert-parallel split sizes.
-    fake_mode = torch_compat.new_fake_mode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=False)
-    # (one tensor passed as both batch inputs would become one fake tensor, one graph input)
-    second = labels.clone() if labels is tokens and labels.device.type != "meta" else labels
-    fake_inputs = [_fake_like(t, fake_mode, fake_device) for t in (*flat, tokens, second)]
-    with (
-        torch.fx.traceback.preserve_node_meta(),
-        annotate_module_fqns(model),
-        torch.autograd.set_multithreading_enabled(False),  # keep backward on this thread
-        fake_mode,
-    ):
-        gm = make_fx(step, record_stack_traces=False)(*fake_inputs)
-
-    input_fqns = []
-    for (name, _), spec in zip((*named_params, *named_buffers), specs, strict=True):
-        input_fqns.extend([name] * spec.num_inner)
-    _finalize_meta(gm, input_fqns + [STAGE_INPUT_NAMES[first], STAGE_TARGET_NAMES[last]])
+    state = _FlatState.of(model)
+    joint = _JointStep(model, state, loss_chunks, grad_scale)
+    gm = _make_fx(joint, [*state.flat, tokens, labels], fake_device)
+    ends = [STAGE_INPUT_NAMES[joint.first], STAGE_TARGET_NAMES[joint.last]]
+    _finalize_meta(gm, state.input_fqns() + ends)
     _read_collective_sizes_from_waits(gm)
     gm.graph.lint()
     gm.recompile()
     return TracedStep(
         gm=gm,
-        param_names=param_names,
-        buffer_names=buffer_names,
-        input_specs=specs,
-        grad_specs=list(grad_specs),
+        param_names=state.param_names,
+        buffer_names=state.buffer_names,
+        input_specs=state.specs,
+        grad_specs=joint.grad_specs,
         signature=batch_signature(tokens, labels),
         trace_seconds=time.perf_counter() - start,
     )
