@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except OneLineError as e:  # found while building or running (checkpoint, a private API, I/O, NaN, ...)
         return _leave(_fail(e))
     except RuntimeError as e:  # a collective outside the steps (start-up, the final barrier)
-        timeout = trainer._collective_timeout() if trainer else cfg.comm.init_timeout_seconds
+        timeout = trainer.collective_timeout() if trainer else cfg.comm.init_timeout_seconds
         message = failure_message(e, timeout)
         if message is None:
             raise

@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
 
         steps = {"graph_simplefsdp": lambda tk, lb: trainer.train_step([(tk, lb)])[0], "eager_fsdp2": eager_step}
         timings = time_alternating(steps, iter(trainer.dataloader), WARMUP, MEASURED)
-        trace_seconds = next(iter(trainer.step_fn.graphs.values())).trace_seconds
+        trace_seconds = next(iter(trainer.gradients.step_fn.graphs.values())).trace_seconds
         trainer.metrics.close()
 
     if trainer.dist.rank == 0:

@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
                 if i >= warmup:
                     times[mode].append(elapsed)
                 elif mode == "graph" and i == 0:
-                    trace_seconds = next(iter(trainer.step_fn.graphs.values())).trace_seconds
+                    trace_seconds = next(iter(trainer.gradients.step_fn.graphs.values())).trace_seconds
         for trainer in trainers.values():
             trainer.metrics.close()
     eager, graph = (statistics.median(times[m]) for m in ("eager", "graph"))

@@ -28,6 +28,7 @@ model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -98,9 +99,12 @@ def build_model(
 
 @dataclass(frozen=True)
 class JobLayout:
-    """Where a job's model lives: degrees, mesh (None for one process), mixed precision, and how
-    many microbatches each data-parallel rank runs per optimizer step."""
+    """A job's facts, computed once (``build_layout``) and carried: the model's shapes, and where
+    the model lives: degrees, mesh (None for one process), mixed precision, how many microbatches
+    each data-parallel rank runs per optimizer step, the pipeline."""
 
+    model_args: Any
+    """The model's arguments: its flavor's, with ``model.n_layers`` applied (``models.registry.model_args``)."""
     dims: ParallelDims
     mesh: DeviceMesh | None
     mp: MixedPrecision
@@ -114,8 +118,10 @@ class JobLayout:
         return loss_scale(self.dims.dp_size, self.microbatches)
 
 
-def build_layout(cfg: JobConfig, world_size: int, device_type: str) -> JobLayout:
-    """The job's layout at ``world_size`` (the process group, real or fake, must exist when > 1)."""
+def build_layout(cfg: JobConfig, world_size: int, device_type: str, args=None) -> JobLayout:
+    """The job's layout at ``world_size`` (the process group, real or fake, must exist when > 1).
+    ``args`` overrides the model's arguments (e.g. analyses of smaller shapes)."""
+    args = args if args is not None else model_args(cfg.model)
     dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
     t = cfg.training
     mp = MixedPrecision(
@@ -125,19 +131,21 @@ def build_layout(cfg: JobConfig, world_size: int, device_type: str) -> JobLayout
         t.global_batch_size, t.local_batch_size, dims.dp_size, cfg.parallelism.pp_microbatches
     )
     mesh = build_mesh(dims, device_type)
-    pipeline = rank_pipeline(cfg, dims.pp, microbatches, pp_rank(mesh, dims)) if dims.pp > 1 else None
-    return JobLayout(dims, mesh, mp, microbatches, pipeline)
+    pipeline = rank_pipeline(cfg, args, dims.pp, microbatches, pp_rank(mesh, dims)) if dims.pp > 1 else None
+    return JobLayout(args, dims, mesh, mp, microbatches, pipeline)
 
 
-def rank_pipeline(cfg: JobConfig, pp: int, microbatches: int, rank: int) -> RankPipeline:
+def rank_pipeline(cfg: JobConfig, args, pp: int, microbatches: int, rank: int) -> RankPipeline:
     """The job's pipeline seen from pipeline rank ``rank``: the schedule's plan and every stage's
-    blocks (``parallelism.pp_stage_blocks``, or balanced by the blocks' costs on the meta model)."""
+    blocks (``parallelism.pp_stage_blocks``, or balanced by the blocks' costs on the meta model of
+    ``args``)."""
     p = cfg.parallelism
     plan = plan_pipeline(p.pp_schedule, pp, microbatches)
     with torch.device("meta"):
-        model = MODEL_SPECS[cfg.model.name].build(model_args(cfg.model))
+        model = MODEL_SPECS[cfg.model.name].build(args)
     costs, output_cost = block_costs(model)
-    return RankPipeline(plan, stage_ranges(p.pp_stage_blocks, plan.num_stages, costs, output_cost), rank)
+    stages = stage_ranges(p.pp_stage_blocks, plan.num_stages, costs, output_cost)
+    return RankPipeline(plan, stages, rank, tuple(costs))
 
 
 def stage_modules(model: nn.Module, pipeline: RankPipeline) -> dict[int, nn.Module]:
@@ -151,18 +159,15 @@ def build_job_model(
     cfg: JobConfig,
     layout: JobLayout,
     device: torch.device,
-    args=None,
     param_dtype: torch.dtype | None = None,
     check=None,
     init: bool = True,
 ) -> nn.Module:
-    """The job's model on ``layout``, ready to trace (module docstring, step 2).
-
-    ``args`` overrides the flavor's (e.g. fewer layers); ``param_dtype`` casts the floating-point
-    parameters after building (``cast_parameters``: analyses of pure low-precision runs);
-    ``check``, ``init``: see ``build_model``."""
-    spec = MODEL_SPECS[cfg.model.name]
-    args = args if args is not None else model_args(cfg.model)
+    """The job's model of ``layout.model_args`` on ``layout``, ready to trace (module docstring,
+    step 2). ``param_dtype`` casts the floating-point parameters after building
+    (``cast_parameters``: analyses of pure low-precision runs); ``check``, ``init``: see
+    ``build_model``."""
+    spec, args = MODEL_SPECS[cfg.model.name], layout.model_args
     pipeline = layout.pipeline
 
     def parallelize(m: nn.Module) -> nn.Module:

@@ -40,9 +40,8 @@ from graph_trainer.compiler.passes import PassContext
 from graph_trainer.compiler.tracer import TracedStep, trace_train_step
 from graph_trainer.config import JobConfig
 from graph_trainer.errors import ConfigError
+from graph_trainer.pipelining.schedule import RankPipeline
 from graph_trainer.torch_compat import clear_dtensor_sharding_caches, fake_store
-from models.common import block_costs
-from models.registry import MODEL_SPECS, model_args
 
 
 @contextlib.contextmanager
@@ -102,20 +101,29 @@ def trace_without_passes(
         raise ConfigError(
             f"parallelism.pp = {cfg.parallelism.pp}: a pipeline is traced stage by stage (trace_pipeline)"
         )
-    layout = build_layout(cfg, world_size, device_type)
-    model = build_job_model(cfg, layout, torch.device("meta"), model_args, param_dtype)
+    layout = build_layout(cfg, world_size, device_type, model_args)
+    model = build_job_model(cfg, layout, torch.device("meta"), param_dtype)
+    batch = _meta_tokens(cfg)
+    traced = _fake_trace(model, cfg, layout, batch, batch, device_type, gpu_attention)
+    return traced, pass_context(cfg, layout, model)
+
+
+def _meta_tokens(cfg: JobConfig) -> torch.Tensor:
     t = cfg.training
-    batch = torch.empty(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
+    return torch.empty(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
+
+
+def _fake_trace(model, cfg: JobConfig, layout: JobLayout, stage_in, target, device_type: str, gpu_attention: bool):
+    """``trace_train_step`` of ``model`` (the job or one stage) on meta inputs, for ``device_type``."""
     with _GpuAttention() if gpu_attention else contextlib.nullcontext():
-        traced = trace_train_step(
+        return trace_train_step(
             model,
-            batch,
-            batch,
-            t.loss_chunks,
+            stage_in,
+            target,
+            cfg.training.loss_chunks,
             grad_scale=layout.loss_scale,
             fake_device=torch.device(device_type),
         )
-    return traced, pass_context(cfg, layout, model)
 
 
 def trace_job(
@@ -139,13 +147,11 @@ def trace_job(
     return traced
 
 
-def _stage_signatures(cfg: JobConfig, layout: JobLayout) -> dict[int, tuple]:
+def _stage_signatures(pipeline: RankPipeline) -> dict[int, tuple]:
     """Per stage, what its graph depends on: whether it is first or last, and its blocks' costs
     (equal costs: equal blocks, e.g. DeepSeek's dense and MoE blocks differ). Stages of one
     signature trace to the same graph up to parameter names."""
-    with torch.device("meta"):
-        costs, _ = block_costs(MODEL_SPECS[cfg.model.name].build(model_args(cfg.model)))
-    pipeline = layout.pipeline
+    costs = pipeline.block_costs
     return {
         s: (s == 0, s == pipeline.last_stage, tuple(costs[b] for b in blocks))
         for s, blocks in enumerate(pipeline.stage_blocks)
@@ -187,36 +193,26 @@ def trace_pipeline(
     pipeline = layout.pipeline
     if pipeline is None:
         raise ConfigError("trace_pipeline needs parallelism.pp > 1")
-    t = cfg.training
-    tokens = torch.empty(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
-    hidden = torch.empty(
-        t.local_batch_size,
-        t.seq_len,
-        model_args(cfg.model).dim,
-        dtype=param_dtype or layout.mp.param_dtype,
-        device="meta",
-    )
+    tokens = _meta_tokens(cfg)
+    hidden_dtype = param_dtype or layout.mp.param_dtype
+    hidden = torch.empty(*tokens.shape, layout.model_args.dim, dtype=hidden_dtype, device="meta")
     traced_by_signature: dict[tuple, tuple[TracedStep, range]] = traces if traces is not None else {}
     stages: dict[int, TracedStep] = {}
     traced_blocks: dict[int, range] = {}
     modules_of_rank: dict[int, dict[int, nn.Module]] = {}
-    for stage, signature in _stage_signatures(cfg, layout).items():
+    for stage, signature in _stage_signatures(pipeline).items():
         if signature not in traced_by_signature:
             rank = pipeline.plan.stage_to_rank[stage]
             rank_layout = dataclasses.replace(layout, pipeline=dataclasses.replace(pipeline, rank=rank))
             if rank not in modules_of_rank:
-                model = build_job_model(cfg, rank_layout, torch.device("meta"), None, param_dtype)
+                model = build_job_model(cfg, rank_layout, torch.device("meta"), param_dtype)
                 modules_of_rank[rank] = stage_modules(model, rank_layout.pipeline)
             module = modules_of_rank[rank][stage]
-            with _GpuAttention() if gpu_attention else contextlib.nullcontext():
-                traced = trace_train_step(
-                    module,
-                    tokens if stage == 0 else hidden,
-                    tokens if stage == pipeline.last_stage else hidden.clone(),
-                    t.loss_chunks,
-                    grad_scale=layout.loss_scale,
-                    fake_device=torch.device(device_type),
-                )
+            stage_in, target = (
+                tokens if stage == 0 else hidden,
+                tokens if stage == pipeline.last_stage else hidden.clone(),
+            )
+            traced = _fake_trace(module, cfg, layout, stage_in, target, device_type, gpu_attention)
             if passes:
                 traced.gm = transform_graph(traced.gm, pass_context(cfg, rank_layout, module))
             traced_by_signature[signature] = (traced, pipeline.stage_blocks[stage])

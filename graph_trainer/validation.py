@@ -67,7 +67,7 @@ def check_device(requested: str) -> None:
             )
 
 
-def _check_pipeline(cfg: JobConfig, degrees: dict[str, int], microbatches: int) -> None:
+def _check_pipeline(cfg: JobConfig, degrees: dict[str, int], microbatches: int, args) -> None:
     """Pipeline parallelism (``parallelism.pp`` > 1): the schedule, the stages' blocks, and what
     cannot run per stage."""
     p, c = cfg.parallelism, cfg.compile
@@ -82,17 +82,15 @@ def _check_pipeline(cfg: JobConfig, degrees: dict[str, int], microbatches: int) 
         f"pipeline schedule (parallelism.pp = {p.pp}) runs apart; use compile.inductor_scope regional",
     )
     try:
-        rank_pipeline(cfg, degrees["pp"], microbatches, rank=0)
+        rank_pipeline(cfg, args, degrees["pp"], microbatches, rank=0)
     except ValueError as e:
         where = "parallelism.pp_stage_blocks" if p.pp_stage_blocks.strip() else "parallelism.pp"
         plan = f"pp = {p.pp}, schedule {p.pp_schedule}, {microbatches} microbatches"
         raise ConfigError(f"{where} ({plan}): {e}") from None
 
 
-def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
-    """Check every field before anything is built; raise ConfigError on the first problem."""
-    t, c = cfg.training, cfg.compile
-    _check_fields(cfg, "")
+def _check_model(cfg: JobConfig):
+    """The model: a flavor of its family, a block count that fits it; the model's arguments."""
     spec = MODEL_SPECS[cfg.model.name]
     if cfg.model.flavor not in spec.flavors:
         raise not_allowed(f"model.flavor (for {cfg.model.name})", cfg.model.flavor, tuple(spec.flavors))
@@ -102,13 +100,16 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
         f"model.n_layers = {cfg.model.n_layers} must be >= 0 (0: the flavor's {flavor.n_layers})",
     )
     try:
-        args = model_args(cfg.model)
+        return model_args(cfg.model)
     except ValueError as e:  # the flavor's own shape checks (e.g. DeepSeek-V3's dense layers)
         raise ConfigError(
             f"model.n_layers = {cfg.model.n_layers} does not fit flavor {cfg.model.flavor}: {e}"
         ) from None
 
-    ck = cfg.checkpoint
+
+def _check_training(cfg: JobConfig, args) -> None:
+    """Steps, batch and sequence against the model, the optimizer's and schedule's numbers."""
+    t, ck = cfg.training, cfg.checkpoint
     converting = t.steps == 0 and bool(ck.initial_load_hf) and ck.interval > 0
     require(
         t.steps >= 1 or converting,
@@ -133,18 +134,24 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     require(0 <= t.min_lr_ratio <= 1, f"training.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1]")
     require(t.max_norm >= 0, f"training.max_norm = {t.max_norm} must be >= 0 (0 disables clipping)")
 
+
+def _check_parallelism(cfg: JobConfig, world_size: int, args) -> dict[str, int]:
+    """Degrees against the world size and the model's shapes, the pipeline; the resolved degrees."""
+    t = cfg.training
     degrees = resolve_parallel_degrees(cfg.parallelism, world_size)
-    spec.validate_parallelism(args, degrees)
+    MODEL_SPECS[cfg.model.name].validate_parallelism(args, degrees)
     microbatches = job_microbatches(cfg.parallelism, t.global_batch_size, t.local_batch_size, world_size)
     if degrees["pp"] > 1:
-        _check_pipeline(cfg, degrees, microbatches)
+        _check_pipeline(cfg, degrees, microbatches, args)
+    return degrees
 
+
+def _check_compile(cfg: JobConfig, degrees: dict[str, int]) -> None:
+    """The passes (known, once each, against the layout), the mode, backend and memory policy."""
+    c, ac = cfg.compile, cfg.activation_checkpoint
     for name in c.passes:
         require(name in PASS_REGISTRY, unknown_pass(name))
-    require(
-        len(set(c.passes)) == len(c.passes),
-        f"compile.passes lists a pass more than once: {','.join(c.passes)}",
-    )
+    require(len(set(c.passes)) == len(c.passes), f"compile.passes lists a pass more than once: {','.join(c.passes)}")
     require(not (c.passes and c.mode == "eager"), "compile.passes needs compile.mode = 'graph'")
     require(
         c.backend == "none" or c.mode == "graph",
@@ -156,8 +163,6 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     )
     for name in c.passes:
         PASS_REGISTRY[name].check_config(cfg, degrees)
-
-    ac = cfg.activation_checkpoint
     require(
         ac.mode == "none" or c.mode == "graph",
         f"activation_checkpoint.mode = {ac.mode!r} needs compile.mode = 'graph' (the policy rewrites the "
@@ -168,16 +173,30 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
         not unknown,
         f"activation_checkpoint.selective_ops: {', '.join(unknown)} is not an aten op name (e.g. mm, addmm, bmm)",
     )
+
+
+def _check_around_the_loop(cfg: JobConfig) -> None:
+    """Metrics, checkpoints, collective timeouts and the debug settings."""
     require(cfg.metrics.log_freq >= 1, f"metrics.log_freq = {cfg.metrics.log_freq} must be >= 1")
     require(cfg.metrics.peak_tflops >= 0, f"metrics.peak_tflops = {cfg.metrics.peak_tflops} must be >= 0")
     require(cfg.checkpoint.interval >= 0, f"checkpoint.interval = {cfg.checkpoint.interval} must be >= 0")
     require(cfg.checkpoint.load_step >= -1, f"checkpoint.load_step = {cfg.checkpoint.load_step} must be >= -1")
     for name in ("init_timeout_seconds", "timeout_seconds"):
         require(getattr(cfg.comm, name) > 0, f"comm.{name} = {getattr(cfg.comm, name)} must be > 0")
-    require(
-        cfg.debug.grad_record_step >= 0, f"debug.grad_record_step = {cfg.debug.grad_record_step} must be >= 0 (0: off)"
-    )
+    step = cfg.debug.grad_record_step
+    require(step >= 0, f"debug.grad_record_step = {step} must be >= 0 (0: off)")
     require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")
+
+
+def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
+    """Check every field before anything is built; raise ConfigError on the first problem, in the
+    order of the sections (model, training, parallelism, compile and memory policy, the rest)."""
+    _check_fields(cfg, "")
+    args = _check_model(cfg)
+    _check_training(cfg, args)
+    degrees = _check_parallelism(cfg, world_size, args)
+    _check_compile(cfg, degrees)
+    _check_around_the_loop(cfg)
 
 
 __all__ = ["check_device", "resolve_device", "validate_config"]

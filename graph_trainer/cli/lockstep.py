@@ -58,16 +58,16 @@ class StepDiff:
 
 
 def _recording(trainer) -> dict:
-    """Wrap ``trainer.accumulate_gradients`` so each step's gradients (summed over its
-    microbatches) are kept (a copy: clipping scales them in place)."""
-    accumulate, seen = trainer.accumulate_gradients, {}
+    """Wrap ``trainer.gradients`` so each step's gradients (summed over its microbatches) are
+    kept (a copy: clipping scales them in place)."""
+    accumulate, seen = trainer.gradients, {}
 
     def recorded(microbatches):
         loss, grads = accumulate(microbatches)
         seen["grads"] = [local_tensor(g).detach().clone() for g in grads]
         return loss, grads
 
-    trainer.accumulate_gradients = recorded
+    trainer.gradients = recorded
     return seen
 
 

@@ -4,7 +4,7 @@ Both runners keep what a microbatch's backward needs from its forward until that
 graph runner: the forward graph's saved values; the eager runner: the autograd graph), and
 accumulate the stage's parameter gradients over the step's microbatches in the order the
 schedule runs their backwards (the first one's gradients are the buffer, later ones are added
-in place, as ``Trainer.accumulate_gradients`` does without a pipeline). ``take_grads()`` hands
+in place, as ``loop.gradients.AccumulatedGradients`` does without a pipeline). ``take_grads()`` hands
 the sums over and starts the next step.
 
 The last stage's loss is scaled by ``grad_scale`` (``JobLayout.loss_scale``: 1 / (dp x

@@ -113,6 +113,9 @@ class RankPipeline:
     """The transformer blocks of every stage, in stage order."""
     rank: int
     """This rank's pipeline coordinate."""
+    block_costs: tuple[float, ...] = ()
+    """Each block's cost (``models.common.block_costs``): what the stages were balanced by, and what
+    makes two stages' graphs alike."""
 
     @property
     def local_stages(self) -> list[int]:

@@ -1,7 +1,7 @@
 """One optimizer step's forwards and backwards through the pipeline, on this rank.
 
 ``PipelineStep(pipeline, modules, ...)`` is the pipeline's counterpart of the trainer's
-microbatch loop (``Trainer.accumulate_gradients``): called with the step's microbatches, it runs
+microbatch loop (``loop.gradients.AccumulatedGradients``): called with the step's microbatches, it runs
 this rank's actions of the schedule (``executor.run_pipeline``) with one runner per local stage
 and returns (the sum of the last stage's microbatch losses, or None on a rank without it; the
 step's gradients, one per parameter of the rank's model, in ``named_parameters`` order).

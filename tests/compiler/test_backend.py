@@ -158,7 +158,7 @@ def _losses(config: str, steps: int, tmp_path, name: str, *flags: str) -> tuple[
     validate_config(cfg)
     trainer = Trainer(cfg)
     losses = trainer.train()
-    (traced,) = trainer.step_fn.graphs.values()
+    (traced,) = trainer.gradients.step_fn.graphs.values()
     return losses, sum(tags.has(n, INDUCTOR_REGION) for n in traced.gm.graph.nodes)
 
 

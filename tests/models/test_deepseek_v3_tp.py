@@ -90,7 +90,7 @@ def _built(world_size: int, *flags: str, args=None) -> tuple[dict[str, tuple[tup
     cfg = load_config([*DEEPSEEK, *flags])
     validate_config(cfg, world_size=world_size)
     with fake_world(world_size):
-        model = build_job_model(cfg, build_layout(cfg, world_size, "cpu"), torch.device("meta"), args=args)
+        model = build_job_model(cfg, build_layout(cfg, world_size, "cpu", args), torch.device("meta"))
     layout = {
         clean_fqn(name): (p.device_mesh.mesh_dim_names, tuple(p.placements)) if isinstance(p, DTensor) else ((), ())
         for name, p in model.named_parameters()

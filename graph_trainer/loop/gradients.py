@@ -1,0 +1,191 @@
+"""How a training step gets the loss and the gradients of its microbatches.
+
+``build_gradients`` picks one of three from the job's config and layout:
+
+- eager (``compile.mode = "eager"``): the model run directly, forward then ``autograd.grad``
+  (``compiler.tracer.eager_step``): the numerics baseline;
+- graph: the traced step (``compiler.tracer.GraphStep``), traced at the first batch of a shape and
+  sent through the compile chain (memory policy, passes, backend: ``compiler.chain``);
+- pipeline (``parallelism.pp`` > 1): the schedule over this rank's stages
+  (``pipelining.step.PipelineStep``), each stage traced and sent through the same chain.
+
+Each is a callable ``gradients(microbatches) -> (loss_sum, grads)``: the sum of the microbatches'
+losses (each the mean over its tokens) and, in the parameters' order, their gradients of the
+scaled losses summed over the microbatches, in microbatch order (graph and eager alike, so graph
+== eager holds bitwise). A pipeline's last stage shares its loss sum with every pipeline rank.
+
+Memory: before a step allocates what would not fit, the job's estimated peak per rank (the
+largest over the ranks, so every rank decides alike) is checked against the device
+(``loop.preflight.check_step_fits``): eager and pipeline jobs at once (parameters, gradients and
+optimizer state), a pipeline again once its stages are traced (with the activations its schedule
+keeps in flight), a graph job after the memory policy and the passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from graph_trainer.analysis.memory import StepMemoryEstimate, estimate_step_memory
+from graph_trainer.build import JobLayout, pass_context, stage_modules
+from graph_trainer.compiler.chain import apply_memory_policy, apply_passes, compile_graph
+from graph_trainer.compiler.passes.runner import PassRunner
+from graph_trainer.compiler.tracer import GraphStep, TracedStep, eager_step
+from graph_trainer.config import JobConfig
+from graph_trainer.distributed.parallel_dims import pp_group
+from graph_trainer.loop.metrics import MetricsLogger
+from graph_trainer.loop.preflight import check_step_fits
+from graph_trainer.pipelining.step import PipelineStep
+from graph_trainer.pipelining.timeline import rank_memory, stage_cost
+
+logger = logging.getLogger("graph_trainer")
+
+Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
+Gradients = Callable[[Microbatches], tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+class AccumulatedGradients:
+    """Forward and backward of each microbatch in turn through ``step_fn``. The first microbatch's
+    gradients are the accumulation buffer: each later one is added into it in place and dropped,
+    so at most one more set is alive at a time."""
+
+    def __init__(self, step_fn: Callable, device: torch.device):
+        self.step_fn, self.device = step_fn, device
+
+    def __call__(self, microbatches: Microbatches) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        loss_sum, accumulated = None, None
+        for tokens, labels in microbatches:
+            tokens = tokens.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            loss, grads = self.step_fn(tokens, labels)
+            if accumulated is None:
+                loss_sum, accumulated = loss, list(grads)
+                continue
+            loss_sum = loss_sum + loss
+            for acc, g in zip(accumulated, grads, strict=True):
+                acc.add_(g)
+            del grads
+        return loss_sum, accumulated
+
+
+class PipelineGradients:
+    """The microbatches through the pipeline schedule; the last stage's loss sum is shared with
+    every pipeline rank (the others add 0), so every rank logs and checks it."""
+
+    def __init__(self, pipeline_step: PipelineStep, group, device: torch.device):
+        self.pipeline_step, self.group, self.device = pipeline_step, group, device
+
+    def __call__(self, microbatches: Microbatches) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        moved = [
+            (t.to(self.device, non_blocking=True), la.to(self.device, non_blocking=True)) for t, la in microbatches
+        ]
+        loss_sum, grads = self.pipeline_step(moved)
+        if loss_sum is None:
+            loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        loss_sum = loss_sum.detach().clone()
+        dist.all_reduce(loss_sum, group=self.group)
+        return loss_sum, grads
+
+
+class StepPreparation:
+    """What a job does to a traced graph before it runs (the compile chain, logged), and the memory
+    checks of its steps (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        layout: JobLayout,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        metrics: MetricsLogger,
+        device: torch.device,
+    ):
+        self.cfg, self.layout, self.model, self.optimizer = cfg, layout, model, optimizer
+        self.metrics, self.device = metrics, device
+        self.params = list(model.parameters())
+
+    def check_memory(self, graph: fx.Graph | None, estimate: StepMemoryEstimate | None = None) -> None:
+        """Log the estimated per-rank peak with its parts; refuse the job when the largest over the
+        ranks exceeds the device. ``graph`` None: no traced graph (a lower bound), unless ``estimate``."""
+        if estimate is None:
+            micro = self.layout.microbatches
+            estimate = estimate_step_memory(graph, self.params, self.optimizer, microbatches=micro)
+        logger.info("estimated memory per rank: %s", estimate.summary())
+        peak = torch.tensor([float(estimate.peak_bytes)], dtype=torch.float64, device=self.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # uneven shards differ a little
+        check_step_fits(self.cfg, estimate, int(peak.item()), self.device.type)
+
+    def compile(self, traced: TracedStep, context=None, dumps: str | None = None, check: bool = True) -> TracedStep:
+        """The compile chain after tracing: memory policy, passes (then the memory check), backend."""
+        self.metrics.log_event("trace", trace_seconds=traced.trace_seconds, graph_nodes=len(traced.gm.graph.nodes))
+        dumps = self.cfg.compile.dump_graphs if dumps is None else dumps
+        runner = PassRunner(context or pass_context(self.cfg, self.layout, self.model), dumps)
+        gm = apply_passes(apply_memory_policy(traced.gm, runner), runner)
+        if check:
+            self.check_memory(gm.graph)
+        deterministic = self.device.type == "cpu" or self.cfg.debug.deterministic
+        traced.gm, report = compile_graph(gm, self.cfg.compile, deterministic)
+        if report.backend != "none":
+            self.metrics.log_event(
+                "compile",
+                backend=report.backend,
+                scope=report.scope,
+                compile_seconds=report.seconds,
+                regions=report.regions,
+            )
+        return traced
+
+    def compile_stage(self, traced: TracedStep, stage: int, module: nn.Module) -> TracedStep:
+        """``compile`` for one pipeline stage's graph: the passes see that stage's modules; the memory
+        check waits for every local stage (``check_pipeline_memory``)."""
+        dumps = self.cfg.compile.dump_graphs and os.path.join(self.cfg.compile.dump_graphs, f"stage{stage}")
+        return self.compile(traced, pass_context(self.cfg, self.layout, module), dumps, check=False)
+
+    def check_pipeline_memory(self, step: PipelineStep) -> None:
+        """The memory check of a pipeline rank once its stages are traced: parameters, gradient
+        buffer, optimizer state and the activations its schedule keeps in flight
+        (``pipelining.timeline.rank_memory``), before the first microbatch allocates them."""
+        costs = {s: stage_cost(runner.graphs, step.traced[s]) for s, runner in step.runners.items()}
+        pipeline = self.layout.pipeline
+        self.check_memory(None, rank_memory(pipeline.plan, pipeline.rank, costs, self.optimizer))
+
+
+def build_gradients(prep: StepPreparation, hidden_dim: int) -> Gradients:
+    """The job's gradients (module docstring): pipeline, graph or eager."""
+    cfg, layout, model = prep.cfg, prep.layout, prep.model
+    loss_chunks, grad_scale = cfg.training.loss_chunks, layout.loss_scale
+    if layout.pipeline is not None:
+        prep.check_memory(None)  # (parameters, gradients, optimizer state; no stage graph yet)
+        modules, group = stage_modules(model, layout.pipeline), pp_group(layout.mesh, layout.dims)
+        pipeline_step = PipelineStep(
+            layout.pipeline,
+            model,
+            modules,
+            group,
+            graph=cfg.compile.mode == "graph",
+            hidden_dim=hidden_dim,
+            hidden_dtype=layout.mp.param_dtype,
+            loss_chunks=loss_chunks,
+            grad_scale=grad_scale,
+            post_trace=lambda traced, stage: prep.compile_stage(traced, stage, modules[stage]),
+            on_traced=prep.check_pipeline_memory,
+        )
+        return PipelineGradients(pipeline_step, group, prep.device)
+    if cfg.compile.mode == "graph":
+        return AccumulatedGradients(GraphStep(model, loss_chunks, grad_scale, post_trace=prep.compile), prep.device)
+    prep.check_memory(None)
+
+    def step_fn(tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return eager_step(model, tokens, labels, loss_chunks, grad_scale)
+
+    return AccumulatedGradients(step_fn, prep.device)
+
+
+__all__ = ["AccumulatedGradients", "Gradients", "PipelineGradients", "StepPreparation", "build_gradients"]
