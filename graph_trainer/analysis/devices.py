@@ -86,7 +86,7 @@ class DeviceModel:
         return self.peak_flops_fp32
 
 
-# Calibration of H100_SXM's kernels (2026-11; the runs are in docs/performance.md, the two
+# Calibration of H100_SXM's kernels (the runs are in docs/performance.md, the two
 # torch.profiler tables in docs/h100_profiles/: llama3 8B shape x 4 layers at 1 x 8192 and
 # deepseek_v3 16B shape x 4 layers at 2 x 4096, pure bf16, traced graph, 2 steady steps).
 # Each profiled aten op (name + input shapes) was matched to the nodes of the same graph

@@ -9,22 +9,22 @@ job's ``Training`` section, or an ``OptimizerMemory``). Sizes come from ``node.m
 (fake or real tensors recorded while tracing) and the tensors' metadata, so real-size
 models traced on the fake process group are estimated without allocating anything.
 
-Reports (``StepMemoryEstimate``): per phase of the step, the bytes of
+Reports (``StepMemoryEstimate``): per moment of the step, the bytes of
 
 - **params**: the parameters as stored (the local shard of each DTensor parameter, in its
   own dtype: the fp32 master weights under mixed precision);
-- **grads**: the gradients alive at that phase's peak (the local reduced shard of each, as
+- **grads**: the gradients alive at that moment's peak (the local reduced shard of each, as
   the graph outputs them; the parameters' layout and dtype when no graph is given);
 - **optimizer**: the state the optimizer keeps between steps (AdamW: ``exp_avg`` and
   ``exp_avg_sq``, each of the parameter's shape and dtype; its ``step`` scalars are
   negligible and not counted);
-- **activations**: the phase's transient memory. In the graph: everything the graph
+- **activations**: the moment's transient memory. In the graph: everything the graph
   allocates besides gradients (activations saved for backward, gathered parameters,
   collectives' buffers, the loss region) plus the non-parameter inputs (buffers, tokens,
   labels), which ``estimate_peak_memory`` below replays node by node. In the optimizer step:
   the temporaries of clipping and of the update of one parameter;
 
-and the peak: the phase with the largest sum of its parts.
+and the peak: the moment with the largest sum of its parts.
 
 Model of time (one steady-state step, i.e. from the second step on, per rank):
 
@@ -48,12 +48,12 @@ Model of time (one steady-state step, i.e. from the second step on, per rank):
 With gradient accumulation (``microbatches`` M > 1, ``graph_trainer.trainer``) the graph runs M
 times per step; from the second microbatch on, the sum of the earlier microbatches' gradients
 (all gradient outputs' bytes: the accumulation buffer) is resident beside the graph's own, so
-phase 2 counts it as ``accumulated_grads``. Phase 3 is unchanged: each microbatch's gradients
+moment 2 counts it as ``accumulated_grads``. Moment 3 is unchanged: each microbatch's gradients
 are added into the buffer and dropped, and the optimizer sees the buffer.
 
-The peak is the larger of phases 2 and 3. The first step is lower: the optimizer state is
+The peak is the larger of moments 2 and 3. The first step is lower: the optimizer state is
 created lazily inside its first ``step()``. In eager mode (no graph) the activations are not
-known: the estimate is phase 3 only, a lower bound (``activations_estimated`` is False).
+known: the estimate is moment 3 only, a lower bound (``activations_estimated`` is False).
 
 Assumptions and what is ignored: allocations are counted, not nodes (a view, a
 ``wait_tensor`` share their source's memory; each output of a multi-output kernel, taken by
@@ -302,16 +302,16 @@ def optimizer_memory(optimizer) -> OptimizerMemory:
 
 @dataclass(frozen=True)
 class MemoryParts:
-    """Bytes resident at one phase's peak, by kind (see the module docstring)."""
+    """Bytes resident at one moment's peak, by kind (see the module docstring)."""
 
-    phase: str
+    moment: str
     """"graph", "pipeline" (a pipeline rank's stage graphs over its schedule:
     ``graph_trainer.pipelining.timeline``) or "optimizer step"."""
     params: int
     grads: int
     optimizer: int
     activations: int
-    """The phase's transient memory: the graph's activations, gathered parameters, collective
+    """The moment's transient memory: the graph's activations, gathered parameters, collective
     buffers and non-parameter inputs; or the optimizer step's temporaries."""
     peak_node: str = ""
     """The graph node at which the graph's peak is reached."""
@@ -326,16 +326,16 @@ class MemoryParts:
 
 @dataclass(frozen=True)
 class StepMemoryEstimate:
-    """Per-rank memory of one steady-state training step, by phase."""
+    """Per-rank memory of one steady-state training step, by moment."""
 
-    phases: tuple[MemoryParts, ...]
+    moments: tuple[MemoryParts, ...]
     """The graph (when one was given), then the optimizer step."""
     activations_estimated: bool
     """False without a graph (eager): the peak is then a lower bound."""
 
     @property
     def peak(self) -> MemoryParts:
-        return max(self.phases, key=lambda p: p.total)
+        return max(self.moments, key=lambda p: p.total)
 
     @property
     def peak_bytes(self) -> int:
@@ -344,9 +344,9 @@ class StepMemoryEstimate:
     def summary(self) -> str:
         """One line: the peak, its parts and where it happens."""
         p = self.peak
-        at = "during" if p.phase == "pipeline" else "at node"  # (a pipeline's peak is an action)
-        where = p.phase + (f", {at} {p.peak_node}" if p.peak_node else "")
-        transient = "step temporaries" if p.phase == "optimizer step" else "activations"
+        at = "during" if p.moment == "pipeline" else "at node"  # (a pipeline's peak is an action)
+        where = p.moment + (f", {at} {p.peak_node}" if p.peak_node else "")
+        transient = "step temporaries" if p.moment == "optimizer step" else "activations"
         bound = "" if self.activations_estimated else "at least "
         note = "" if self.activations_estimated else "; activations not estimated (no graph)"
         accumulated = f" + accumulated grads {_gib(p.accumulated_grads)}" if p.accumulated_grads else ""
@@ -411,14 +411,14 @@ def estimate_step_memory(
     opt = optimizer_memory(optimizer)
     param_bytes = sum(_nbytes(p) for p in local)
     state_bytes = opt.state_tensors * param_bytes
-    phases = []
+    moments = []
     other_inputs = 0
     grad_bytes = param_bytes  # the parameters' layout and dtype, without a graph
     if graph is not None:
         g = estimate_peak_memory(graph, sizes)
         other_inputs = g.input_bytes - g.param_bytes
         grad_bytes = g.total_grad_bytes
-        phases.append(
+        moments.append(
             MemoryParts(
                 "graph",
                 param_bytes,
@@ -429,12 +429,12 @@ def estimate_step_memory(
                 accumulated_grads=g.total_grad_bytes if microbatches > 1 else 0,
             )
         )
-    phases.append(
+    moments.append(
         MemoryParts(
             "optimizer step", param_bytes, grad_bytes, state_bytes, other_inputs + _step_temporary_bytes(local, opt)
         )
     )
-    return StepMemoryEstimate(tuple(phases), activations_estimated=graph is not None)
+    return StepMemoryEstimate(tuple(moments), activations_estimated=graph is not None)
 
 
 def memory_warning(

@@ -7,38 +7,8 @@ and every value with a meaning is a constant here: no module spells one as a str
 Read with ``get(node, KEY)`` (or the few named getters), write with ``update(node, ...)`` or
 ``replace(node, {...})``.
 
-============================  ============================================  ===========================================
-key (constant)                written by                                    read by
-============================  ============================================  ===========================================
-``phase`` (PHASE)             tracer: INPUT, FORWARD, LOSS, BACKWARD,       every stage (which half of the step a node
-                              OUTPUT; memory policy copies: BACKWARD;       is in)
-                              backend ``full``: STEP
-``module_fqn`` (MODULE_FQN)   tracer (innermost module; backward nodes      memory policy and backend (``block_of``,
-                              get their forward op's); ``LOSS_MODULE``     ``unit_of``), bucketing passes, simulator
-                              for the loss
-``input_fqn`` (INPUT_FQN)     tracer, placeholders: parameter/buffer name,  tests, dumps
-                              ``tokens`` or ``labels``
-``fsdp_role`` (FSDP_ROLE)     SimpleFSDP: UNSHARD on a parameter's cast +   reshard_after_forward, memory policy (never
-                              gather chain; tracer: REDUCE_GRAD on its      recomputed), transformer_block_bucketing,
-                              backward (the gradient reduction)             ep_overlap (not region nodes)
-``fsdp_param`` (FSDP_PARAM)   SimpleFSDP (the parameter's FQN); copied to   reshard_after_forward, bucketing
-                              its reduction by the tracer
-``fsdp_bucket``,              transformer_block_bucketing on the nodes      dumps, tests
-``fsdp_params``               it makes: bucket name, its parameters
-``ep_role`` (EP_ROLE)         expert_parallel: COUNT_EXCHANGE, DISPATCH,    ep_overlap, dry run, tests
-                              COMBINE; the MoE model: EXPERT_COMPUTE
-``moe_fqn`` (MOE_FQN)         expert_parallel: the MoE module's FQN         dry run, tests
-``chunk_region`` (CHUNK_      chunking (ep_overlap's model preparation):    ep_overlap
-REGION), ``chunk_id``         the chunked module, chunk 0 or 1
-``loss_chunk`` (LOSS_CHUNK)   loss: which row block of a chunked loss       memory policy, backend (``unit_of``)
-``activation`` (ACTIVATION)   memory policy ``tag_activations``: SAVE or    memory policy ``recompute_activations``
-                              RECOMPUTE
-``recomputed`` (RECOMPUTED),  reshard_after_forward and memory policy on    transformer_block_bucketing (not a
-``recompute_of``              their copies; recompute_of: the original      block's first compute), tests
-``inductor_region``           backend: the compiled region a call runs      backend report, tests
-``auto_bucket``               auto_bucketing on nodes PyTorch's bucketer    tests
-                              made untagged
-============================  ============================================  ===========================================
+Who writes each key and who reads it: ``KEYS`` below (docs/architecture.md shows it as a table,
+which ``tests/test_docs.py`` holds equal to ``KEYS``).
 
 The tracer copies the keys in ``INHERITED_BY_BACKWARD`` from a forward node onto the backward
 nodes that differentiate it, so a tag written once in the forward also marks its backward.
@@ -49,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -76,6 +47,70 @@ RECOMPUTED = "recomputed"
 RECOMPUTE_OF = "recompute_of"
 INDUCTOR_REGION = "inductor_region"
 AUTO_BUCKET = "auto_bucket"
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """Who writes a key (or a pair of keys written together) and who reads it."""
+
+    keys: tuple[str, ...]
+    written_by: str
+    read_by: str
+
+
+KEYS = (
+    KeyDoc(
+        (PHASE,),
+        "tracer: INPUT, FORWARD, LOSS, BACKWARD, OUTPUT; memory policy copies: BACKWARD; backend `full`: STEP",
+        "every part of the compile chain (which half of the step a node is in)",
+    ),
+    KeyDoc(
+        (MODULE_FQN,),
+        "tracer (innermost module; backward nodes get their forward op's); `LOSS_MODULE` for the loss",
+        "memory policy and backend (`block_of`, `unit_of`), bucketing passes, simulator",
+    ),
+    KeyDoc((INPUT_FQN,), "tracer, placeholders: parameter/buffer name, `tokens` or `labels`", "tests, dumps"),
+    KeyDoc(
+        (FSDP_ROLE,),
+        "SimpleFSDP: UNSHARD on a parameter's cast + gather chain; tracer: REDUCE_GRAD on its backward "
+        "(the gradient reduction)",
+        "reshard_after_forward, memory policy (never recomputed), transformer_block_bucketing, ep_overlap "
+        "(not chunked-module nodes)",
+    ),
+    KeyDoc(
+        (FSDP_PARAM,),
+        "SimpleFSDP (the parameter's FQN); copied to its reduction by the tracer",
+        "reshard_after_forward, bucketing",
+    ),
+    KeyDoc(
+        (FSDP_BUCKET, FSDP_PARAMS),
+        "transformer_block_bucketing on the nodes it makes: bucket name, its parameters",
+        "dumps, tests",
+    ),
+    KeyDoc(
+        (EP_ROLE,),
+        "expert_parallel: COUNT_EXCHANGE, DISPATCH, COMBINE; the MoE model: EXPERT_COMPUTE",
+        "ep_overlap, dry run, tests",
+    ),
+    KeyDoc((MOE_FQN,), "expert_parallel: the MoE module's FQN", "dry run, tests"),
+    KeyDoc(
+        (CHUNK_REGION, CHUNK_ID),
+        "chunking (ep_overlap's model preparation): the chunked module, chunk 0 or 1",
+        "ep_overlap",
+    ),
+    KeyDoc((LOSS_CHUNK,), "loss: which row block of a chunked loss", "memory policy, backend (`unit_of`)"),
+    KeyDoc(
+        (ACTIVATION,), "memory policy `tag_activations`: SAVE or RECOMPUTE", "memory policy `recompute_activations`"
+    ),
+    KeyDoc(
+        (RECOMPUTED, RECOMPUTE_OF),
+        "reshard_after_forward and memory policy on their copies; `recompute_of`: the original",
+        "transformer_block_bucketing (not a block's first compute), tests",
+    ),
+    KeyDoc((INDUCTOR_REGION,), "backend: the compiled region a call runs", "backend report, tests"),
+    KeyDoc((AUTO_BUCKET,), "auto_bucketing on nodes PyTorch's bucketer made untagged", "tests"),
+)
+"""Every key, who writes it and who reads it (one entry per key or pair of keys written together)."""
 
 # --- values ---------------------------------------------------------------------------------
 INPUT, FORWARD, LOSS, BACKWARD, OUTPUT, STEP = "input", "forward", "loss", "backward", "output", "step"
@@ -186,6 +221,8 @@ __all__ = [
     "FSDP_ROLE",
     "INDUCTOR_REGION",
     "INHERITED_BY_BACKWARD",
+    "KEYS",
+    "KeyDoc",
     "INPUT",
     "INPUT_FQN",
     "LOSS",

@@ -151,10 +151,10 @@ def _ways_to_shrink(cfg: JobConfig, estimate: StepMemoryEstimate) -> list[str]:
     """Settings that shrink the largest parts of ``estimate``'s peak, most effective first."""
     t, ac = cfg.training, cfg.activation_checkpoint.mode
     ways = []
-    if estimate.peak.activations > estimate.peak.params and estimate.peak.phase in ("graph", "pipeline"):
-        if estimate.peak.phase == "pipeline" and cfg.parallelism.pp_schedule != "1F1B":
+    if estimate.peak.activations > estimate.peak.params and estimate.peak.moment in ("graph", "pipeline"):
+        if estimate.peak.moment == "pipeline" and cfg.parallelism.pp_schedule != "1F1B":
             ways.append("parallelism.pp_schedule 1F1B (the fewest microbatches in flight)")
-        if estimate.peak.phase == "pipeline":
+        if estimate.peak.moment == "pipeline":
             ways.append(
                 "parallelism.pp_stage_blocks giving the first stages (more microbatches in flight) fewer blocks"
             )

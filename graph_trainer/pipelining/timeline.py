@@ -18,7 +18,7 @@ the order, not on the clock) as the runners hold tensors (``graph_trainer.pipeli
 a forward's saved values from it until the microbatch's backward (or dW), and from dI until dW
 what dI keeps for dW and the output gradient. The peak is the largest (held + the running piece's
 own allocations) on top of the rank's parameters, gradient accumulation buffer and AdamW state;
-the optimizer step is the other phase, as ``analysis.memory.estimate_step_memory`` has it.
+the optimizer step is the other moment, as ``analysis.memory.estimate_step_memory`` has it.
 
 Reads: ``input_fqn`` on the stage graphs' placeholders (``tracer.BATCH_INPUTS``: what is held per
 microbatch rather than once). Nothing is written. Fails: a plan whose actions can never all run
@@ -216,7 +216,7 @@ def _activation_peak(actions: list[Action], costs: dict[int, StageCost]) -> tupl
 
 def rank_memory(plan: PipelinePlan, rank: int, costs: dict[int, StageCost], optimizer=None) -> StepMemoryEstimate:
     """One rank's step memory (module docstring) as ``estimate_step_memory`` reports a step's:
-    the pipeline phase (activations: the in-flight microbatches and the running piece) and the
+    the pipeline moment (activations: the in-flight microbatches and the running piece) and the
     optimizer step."""
     stages = plan.local_stages(rank)
     params = [p for s in stages for p in costs[s].params]
@@ -233,8 +233,8 @@ def rank_memory(plan: PipelinePlan, rank: int, costs: dict[int, StageCost], opti
         where,
         accumulated_grads=grads,
     )
-    (step,) = estimate_step_memory(None, params, optimizer).phases
-    step = MemoryParts(step.phase, step.params, grads, step.optimizer, step.activations)
+    (step,) = estimate_step_memory(None, params, optimizer).moments
+    step = MemoryParts(step.moment, step.params, grads, step.optimizer, step.activations)
     return StepMemoryEstimate((pipeline, step), activations_estimated=True)
 
 

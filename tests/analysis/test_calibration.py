@@ -10,7 +10,7 @@ size 1, fake tensors; ``fake_trace`` with ``param_dtype=bfloat16`` for "pure bf1
 The step time is tokens per step over the measured tok/s. AdamW and clipping run outside the
 graph (``Trainer.train_step``); their GPU time comes from the two profiles and is scaled to the
 other cases by parameter count, since every one of their kernels streams parameter-sized
-tensors (``_optimizer_ms``). Sources: ``docs/performance.md`` (the H100 table of 2026-11-24, H100
+tensors (``_optimizer_ms``). Sources: ``docs/performance.md`` (its first H100 table: H100
 80GB HBM3, torch 2.11.0+cu130, project commit 515ebdd, mode "graph") and
 ``docs/h100_profiles/{l8b4,d16b4}_shapes.txt`` (torch.profiler, 2 steady steps, so every
 profiled number below is halved).

@@ -94,13 +94,13 @@ def test_parts_add_up_and_optimizer_is_two_fp32_moments():
     graph, _ = _step_graph()
     est = estimate_step_memory(graph)
     params = (64 * 64 + 64 * 32) * FP32
-    assert [p.phase for p in est.phases] == ["graph", "optimizer step"]
-    for p in est.phases:
+    assert [p.moment for p in est.moments] == ["graph", "optimizer step"]
+    for p in est.moments:
         assert p.total == p.params + p.grads + p.optimizer + p.activations and p.accumulated_grads == 0
         assert p.params == params and p.optimizer == 2 * params
-    assert est.peak_bytes == max(p.total for p in est.phases) == est.peak.total
-    graph_phase = est.phases[0]
-    assert graph_phase.total == estimate_peak_memory(graph).peak_bytes + 2 * params
+    assert est.peak_bytes == max(p.total for p in est.moments) == est.peak.total
+    graph_moment = est.moments[0]
+    assert graph_moment.total == estimate_peak_memory(graph).peak_bytes + 2 * params
 
 
 def test_accumulation_buffer_is_resident_during_a_later_microbatchs_graph():
@@ -108,11 +108,11 @@ def test_accumulation_buffer_is_resident_during_a_later_microbatchs_graph():
     one, four = estimate_step_memory(graph), estimate_step_memory(graph, microbatches=4)
     all_grads = estimate_peak_memory(graph).total_grad_bytes
     assert all_grads > 0
-    assert four.phases[0] == dataclasses.replace(one.phases[0], accumulated_grads=all_grads)
-    assert four.phases[0].total == one.phases[0].total + all_grads
-    assert four.phases[1] == one.phases[1]  # the optimizer sees the buffer as its gradients
+    assert four.moments[0] == dataclasses.replace(one.moments[0], accumulated_grads=all_grads)
+    assert four.moments[0].total == one.moments[0].total + all_grads
+    assert four.moments[1] == one.moments[1]  # the optimizer sees the buffer as its gradients
     assert estimate_step_memory(graph, microbatches=2) == four  # one buffer, however many microbatches
-    assert ("accumulated grads" in four.summary()) == (four.peak.phase == "graph")
+    assert ("accumulated grads" in four.summary()) == (four.peak.moment == "graph")
     with pytest.raises(ValueError, match="microbatches = 0 must be >= 1"):
         estimate_step_memory(graph, microbatches=0)
 
@@ -120,10 +120,10 @@ def test_accumulation_buffer_is_resident_during_a_later_microbatchs_graph():
 def test_eager_estimate_is_model_state_and_a_lower_bound():
     params = [_meta(1000, 10), _meta(10)]
     est = estimate_step_memory(None, params, ADAMW)
-    (phase,) = est.phases
+    (moment,) = est.moments
     n = 10_010 * FP32
-    assert (phase.params, phase.grads, phase.optimizer) == (n, n, 2 * n)
-    assert phase.activations == 2 * 10_000 * FP32  # AdamW's two temporaries of the largest parameter
+    assert (moment.params, moment.grads, moment.optimizer) == (n, n, 2 * n)
+    assert moment.activations == 2 * 10_000 * FP32  # AdamW's two temporaries of the largest parameter
     assert not est.activations_estimated and "at least" in est.summary()
 
 
@@ -140,7 +140,7 @@ def test_optimizer_memory_from_the_config_or_a_torch_optimizer():
 
 
 def _estimate(peak: int) -> StepMemoryEstimate:
-    """A graph-phase estimate of ``peak`` bytes: params 1/4, optimizer 1/2, activations the rest."""
+    """A graph-moment estimate of ``peak`` bytes: params 1/4, optimizer 1/2, activations the rest."""
     return StepMemoryEstimate(
         (MemoryParts("graph", peak // 4, 0, peak // 2, peak - peak // 4 - peak // 2, "mm"),), True
     )
@@ -207,16 +207,16 @@ def test_traced_debug_model_optimizer_is_exactly_two_fp32_moments_per_local_elem
     from_graph = estimate_step_memory(graph, None, cfg.training)
     as_trainer = estimate_step_memory(graph, params, build_optimizer(params, cfg.training))
     assert as_trainer == from_graph
-    for phase in from_graph.phases:
-        assert phase.optimizer == 2 * 4 * local_elements
-        assert phase.params == 4 * local_elements
-    assert from_graph.phases[-1].grads == 4 * local_elements  # all gradients, once the graph has run
+    for moment in from_graph.moments:
+        assert moment.optimizer == 2 * 4 * local_elements
+        assert moment.params == 4 * local_elements
+    assert from_graph.moments[-1].grads == 4 * local_elements  # all gradients, once the graph has run
 
 
 def test_fsdp8_divides_params_grads_and_optimizer_by_about_8():
     one = estimate_step_memory(_debug_step(1)[0])
     eight = estimate_step_memory(_debug_step(8)[0])
-    after_graph = [e.phases[-1] for e in (one, eight)]  # every gradient alive
+    after_graph = [e.moments[-1] for e in (one, eight)]  # every gradient alive
     for part in ("params", "grads", "optimizer"):
         ratio = getattr(after_graph[0], part) / getattr(after_graph[1], part)
         assert ratio == pytest.approx(8, rel=0.02), part

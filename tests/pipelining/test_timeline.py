@@ -70,9 +70,9 @@ def test_in_flight_activations_per_schedule(pp, m):
     one_f_one_b, gpipe = plan_pipeline("1F1B", pp, m), plan_pipeline("GPipe", pp, m)
     for rank in range(pp):
         # 1F1B: rank r holds min(M, pp - r) microbatches before its first backward; GPipe all M
-        held = rank_memory(one_f_one_b, rank, _uniform(one_f_one_b, saved, peak=peak)).phases[0].activations
+        held = rank_memory(one_f_one_b, rank, _uniform(one_f_one_b, saved, peak=peak)).moments[0].activations
         assert held == min(m, pp - rank) * saved + peak
-        held = rank_memory(gpipe, rank, _uniform(gpipe, saved, peak=peak)).phases[0].activations
+        held = rank_memory(gpipe, rank, _uniform(gpipe, saved, peak=peak)).moments[0].activations
         assert held == m * saved + peak
 
 
@@ -84,7 +84,7 @@ def test_split_backward_holds_what_dw_needs_until_dw():
             most = max(most, held)  # (the pieces' own peaks are 0 here)
             held += {"F": 10, "B": -10, "I": 3, "W": -13}[kind]
         assert held == 0
-        assert rank_memory(plan, rank, _uniform(plan, saved=10, kept=3)).phases[0].activations == most
+        assert rank_memory(plan, rank, _uniform(plan, saved=10, kept=3)).moments[0].activations == most
 
 
 def test_estimate_of_a_traced_pipeline_splits_the_model_over_its_ranks():
@@ -104,7 +104,7 @@ def test_estimate_of_a_traced_pipeline_splits_the_model_over_its_ranks():
     with torch.device("meta"):
         model = MODEL_SPECS["llama3"].build(model_args(cfg.model))
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert whole <= sum(m.phases[0].params for m in estimate.memory.values()) < 1.05 * whole  # (+ buffers)
+    assert whole <= sum(m.moments[0].params for m in estimate.memory.values()) < 1.05 * whole  # (+ buffers)
     assert 0 < estimate.timeline.bubble_fraction < 1
     # the first stage holds no stage input to differentiate; its dI is empty
     assert estimate.costs[0].seconds["I"] == 0 and estimate.costs[1].seconds["I"] > 0

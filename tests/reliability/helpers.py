@@ -1,12 +1,11 @@
-"""Helpers shared by the long-job reliability tests (issue 18); not a test module.
+"""Helpers shared by the long-job reliability tests; not a test module.
 
-The tests are one file per numbered item of the issue. Most cases run one eager process in this
-process, whose steps are quick (measured: docs/performance.md); the ones that need a real exit
-code, a resource limit or several ranks run ``train.py`` (under torchrun for the latter).
-``scripts/fault_injection.py`` kills and corrupts in a loop; these tests pin each behaviour.
-Modules added for issue 18 are imported inside the tests (and helpers) that use them, so that the
-tests also run against the code before it (each behavioural test then fails on the behaviour).
-The ``three_steps`` fixture they share is in ``conftest.py``.
+Each test file pins one behaviour a long job relies on (verified loads, finite state, atomic
+saves, timeouts, one-line errors, ...). Most cases run one eager process in this process, whose
+steps are quick (measured: docs/performance.md); the ones that need a real exit code, a resource
+limit or several ranks run ``train.py`` (under torchrun for the latter).
+``scripts/fault_injection.py`` kills and corrupts in a loop; these tests pin each behaviour. The
+``three_steps`` fixture they share is in ``conftest.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ import sys
 import pytest
 import torch
 
+from graph_trainer.checkpoint import manifest
+from graph_trainer.checkpoint.safe_metadata import load_dcp_metadata, metadata_path, safe_reader
 from graph_trainer.config_loading import load_config
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
@@ -96,8 +97,6 @@ def saved_tensors_finite(step_dir) -> bool:
     """Whether every tensor saved in the checkpoint folder ``step_dir`` is finite."""
     import torch.distributed.checkpoint as dcp
 
-    from graph_trainer.checkpoint.safe_metadata import load_dcp_metadata, metadata_path, safe_reader
-
     index = load_dcp_metadata(metadata_path(str(step_dir))).state_dict_metadata
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in index.items()}
     dcp.load(state, storage_reader=safe_reader(str(step_dir)), no_dist=True)
@@ -105,9 +104,5 @@ def saved_tensors_finite(step_dir) -> bool:
 
 
 def seal(folder) -> None:
-    """Rewrite the manifest of a checkpoint folder as it is now (before issue 18 there was none)."""
-    try:
-        from graph_trainer.checkpoint import manifest
-    except ImportError:
-        return
+    """Rewrite the manifest of a checkpoint folder as it is now (after the test changed a file)."""
     manifest.seal(str(folder))

@@ -1,5 +1,5 @@
-"""Issue 18, item 8 (leftovers, re-saves, losses.txt): what interrupted saves leave is cleaned at the
-next start, re-saving a step is atomic, and ``losses.txt`` is trimmed atomically."""
+"""Interrupted saves: what they leave is cleaned at the next start, re-saving a step is atomic, and
+``losses.txt`` is trimmed atomically."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from graph_trainer.checkpoint.atomic_files import clean_leftovers, replace_dir
 from graph_trainer.checkpoint.checkpointer import Checkpointer, complete_steps
 from graph_trainer.config_loading import load_config
 from tests.reliability.helpers import EAGER, copy_job, make_trainer
@@ -50,7 +51,6 @@ def test_resaving_a_step_is_atomic(tmp_path, monkeypatch):
 
 
 def test_replace_dir_fallback_is_recovered_at_the_next_start(tmp_path, monkeypatch):
-    from graph_trainer.checkpoint.atomic_files import clean_leftovers, replace_dir
 
     root = tmp_path / "checkpoint"
     (root / "step-1").mkdir(parents=True)

@@ -1,5 +1,5 @@
-"""Issue 18, item 3 (resuming runs code from the folder): a crafted ``.metadata`` is refused with one
-line and nothing in it runs; entries that are not tensors are refused."""
+"""Resuming never runs code from the folder: a crafted ``.metadata`` is refused with one line and
+nothing in it runs; entries that are not tensors are refused."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pickle
 import pytest
 import torch
 
+from graph_trainer.checkpoint.safe_metadata import UnsafeCheckpointError, load_dcp_metadata
 from graph_trainer.errors import ConfigError
 from tests.reliability.helpers import copy_job, make_trainer, seal
 
@@ -38,8 +39,6 @@ def test_crafted_metadata_is_refused_with_one_line_and_nothing_runs(tmp_path, th
 def test_non_tensor_entries_are_refused(tmp_path):
     # DCP reads a non-tensor entry back with torch.load(weights_only=False); graph_trainer never saves one.
     import torch.distributed.checkpoint as dcp
-
-    from graph_trainer.checkpoint.safe_metadata import UnsafeCheckpointError, load_dcp_metadata
 
     with pytest.warns(UserWarning):
         dcp.save(

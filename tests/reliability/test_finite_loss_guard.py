@@ -1,6 +1,6 @@
-"""Issue 18, item 1 (NaN is never detected): non-finite hyper-parameters are refused; a non-finite
-loss or gradient norm stops the job with one line naming the step and the first non-finite
-parameter or gradient, and no non-finite state is ever checkpointed."""
+"""The finite-loss guard: non-finite hyper-parameters are refused; a non-finite loss or gradient norm
+stops the job with one line naming the step and the first non-finite parameter or gradient, and no
+non-finite state is ever checkpointed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from graph_trainer.checkpoint.checkpointer import complete_steps
 from graph_trainer.config_loading import load_config
-from graph_trainer.errors import ConfigError
+from graph_trainer.errors import ConfigError, NonFiniteError
+from graph_trainer.loop.guards import check_step
 from graph_trainer.validation import validate_config
 from tests.launch import read_losses
 from tests.reliability.helpers import EAGER, error_lines, saved_tensors_finite, train_py
@@ -37,8 +38,6 @@ def test_non_finite_hyper_parameters_are_rejected(field, value):
 
 
 def test_check_step_names_the_step_and_the_first_non_finite_parameter():
-    from graph_trainer.errors import NonFiniteError
-    from graph_trainer.loop.guards import check_step
 
     good = torch.nn.Parameter(torch.ones(3))
     bad = torch.nn.Parameter(torch.tensor([1.0, float("inf")]))

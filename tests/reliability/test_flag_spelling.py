@@ -1,11 +1,12 @@
-"""Issue 18, item 5 (``--job.config-file`` is ignored): every entry point reads flags with dashes
-or underscores alike."""
+"""Every entry point reads flags with dashes or underscores alike (``--job.config-file`` is
+``--job.config_file``, as ``--help`` shows it)."""
 
 from __future__ import annotations
 
 import pytest
 
-from graph_trainer.config_loading import load_config
+from graph_trainer.cli import analyze
+from graph_trainer.config_loading import load_config, normalize_flags
 from tests.reliability.helpers import DEBUG_TOML
 
 
@@ -23,7 +24,6 @@ def test_config_file_flag_in_either_spelling(argv):
 
 
 def test_every_entry_point_accepts_either_spelling(tmp_path, capsys):
-    from graph_trainer.config_loading import normalize_flags
 
     assert normalize_flags(["--a-b.c-d", "x-y", "--e-f=g-h", "-1", "--"]) == [
         "--a_b.c_d",
@@ -32,7 +32,6 @@ def test_every_entry_point_accepts_either_spelling(tmp_path, capsys):
         "-1",
         "--",
     ]
-    from graph_trainer.cli import analyze
 
     assert analyze.main(["--device-memory-gib", "lots"]) == 2  # read as --device_memory_gib, before any tracing
     assert "--device_memory_gib 'lots' is not a number" in capsys.readouterr().err

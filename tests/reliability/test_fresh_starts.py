@@ -1,5 +1,5 @@
-"""Issue 18, item 4 (a fresh start mixes runs): starting fresh, or from an earlier step, beside
-another run's checkpoints is refused, or moves them aside with ``checkpoint.move_aside``."""
+"""A folder describes one run: starting fresh, or from an earlier step, beside another run's
+checkpoints is refused, or moves them aside with ``checkpoint.move_aside``."""
 
 from __future__ import annotations
 

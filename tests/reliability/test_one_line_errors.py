@@ -1,5 +1,5 @@
-"""Issue 18, item 7 (tracebacks instead of one line): bad input, unwritable folders, a full disk and
-a non-finite loss end the job with one ``error:`` line and its exit code, also under torchrun."""
+"""One line, not a traceback: bad input, unwritable folders, a full disk and a non-finite loss end the
+job with one ``error:`` line and its exit code, also under torchrun."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 import pytest
 
 from graph_trainer.checkpoint.checkpointer import complete_steps
+from graph_trainer.errors import JobError
 from tests.conftest import ROOT
 from tests.launch import read_losses, run_torchrun
 from tests.reliability.helpers import EAGER, error_lines, immutable, make_trainer, saved_tensors_finite, train_py
@@ -85,7 +86,6 @@ def test_folder_that_is_not_writable_is_one_line_exit_2(tmp_path, capsys):
 
 
 def test_read_only_checkpoint_folder_during_a_save_is_one_job_error(tmp_path):
-    from graph_trainer.errors import JobError
 
     trainer = make_trainer(tmp_path, "--training.steps", "2", "--checkpoint.interval", "1")
     root = tmp_path / "checkpoint"

@@ -1,5 +1,5 @@
-"""Issue 18, item 6 (a stuck rank hangs the job): a rank that stops answering ends the job within
-the collective timeout (``comm.timeout_seconds``), with one line."""
+"""A stuck rank never hangs the job: a rank that stops answering ends the job within the collective
+timeout (``comm.timeout_seconds``), with one line."""
 
 from __future__ import annotations
 

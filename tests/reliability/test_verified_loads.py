@@ -1,6 +1,6 @@
-"""Issue 18, item 2 (corrupt checkpoints load silently): every checkpoint is verified against its
-manifest before a load; a damaged one is named in one line and set aside, and the newest one that
-verifies resumes, bitwise. Checkpoints without a manifest load only once sealed."""
+"""Verified loads: every checkpoint is verified against its manifest before a load; a damaged one is
+named in one line and set aside, and the newest one that verifies resumes, bitwise. Checkpoints
+without a manifest load only once sealed."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import pytest
 
 from graph_trainer.checkpoint.checkpointer import complete_steps
+from graph_trainer.cli import manifest
 from graph_trainer.errors import ConfigError
 from tests.reliability.helpers import copy_job, logged_warnings, make_trainer, seal
 
@@ -86,7 +87,6 @@ def test_checkpoints_without_a_manifest_are_not_loaded_until_sealed(tmp_path, th
 
 
 def test_manifest_cli_verifies_and_seals(tmp_path, three_steps, capsys):
-    from graph_trainer.cli import manifest
 
     job = copy_job(three_steps, tmp_path)
     step = str(job / "checkpoint" / "step-3")

@@ -157,7 +157,7 @@ def test_each_mode_lowers_the_estimated_peak():
     peaks = {}
     for mode in ("none", "selective", "full"):
         gm = _graph((*longer, *_ac(mode)))
-        peaks[mode] = estimate_step_memory(gm.graph, None, load_config(longer).training).phases[0].activations
+        peaks[mode] = estimate_step_memory(gm.graph, None, load_config(longer).training).moments[0].activations
     assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
 
 
@@ -172,7 +172,7 @@ def test_chunked_loss_recomputes_each_chunk_and_lowers_the_peak():
     assert not any(k.startswith("layers.") for k in counts)  # mode none: the blocks keep everything
     assert collective_counts(four.graph) == collective_counts(one.graph)
     training = load_config(longer).training
-    peak = lambda gm: estimate_step_memory(gm.graph, None, training).phases[0].activations  # noqa: E731
+    peak = lambda gm: estimate_step_memory(gm.graph, None, training).moments[0].activations  # noqa: E731
     assert peak(four) < peak(one)
 
 
