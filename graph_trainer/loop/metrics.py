@@ -12,6 +12,12 @@ What is measured, and how:
   So it includes data loading and everything else the loop does between steps.
 * MFU (model FLOPs utilisation) relates the model FLOPs that throughput implies
   to the device's peak dense FLOP/s; with no known peak (CPU) it is ``n/a``.
+* ``forward_backward_s`` (when the trainer gives it): the seconds the step's forward, loss and
+  backward took on the device (``ForwardBackwardTimer``), without clipping and the optimizer.
+* With ``json_lines``, ``<dump_folder>/metrics.jsonl`` gets one JSON object a line, flushed at
+  once: ``{"step": N, <the logged scalars>}`` for every logged step, ``{"event": <message>,
+  <values>}`` for every ``log_event`` and ``record_event`` (the machine-readable twin of the
+  log, for scripts that tabulate runs; non-finite numbers are written as NaN / Infinity).
 
 Only rank 0 writes anything (files, TensorBoard); the other ranks compute the
 same numbers, return them, and log them at DEBUG level only.
@@ -19,6 +25,7 @@ same numbers, return them, and log them at DEBUG level only.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import numbers
@@ -34,6 +41,7 @@ import torch
 from graph_trainer.errors import ConfigError
 
 __all__ = [
+    "ForwardBackwardTimer",
     "MetricsLogger",
     "StepTimer",
     "peak_flops_per_device",
@@ -153,6 +161,49 @@ class StepTimer:
         self.seconds = self.elapsed()
 
 
+class ForwardBackwardTimer:
+    """Device time of the blocks run inside it (the step's forward, loss and backward), summed
+    until ``pop_seconds()``; usable as a context manager once per block.
+
+    On CUDA a block is timed by two CUDA events recorded on the current stream around it, so
+    timing adds no synchronisation: ``pop_seconds`` reads them after the step has synchronised
+    anyway (the trainer reads the loss back as a Python float after the last block). The time
+    covers the stream from the first kernel the block launched to its last, idle gaps while the
+    host launches kernels included. Elsewhere (the CPU runs ops synchronously) it is the wall
+    time of each block.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._start: Any = None
+        self._events: list[tuple[Any, Any]] = []
+        self._seconds = 0.0
+
+    def __enter__(self) -> ForwardBackwardTimer:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start, end))
+        else:
+            self._seconds += time.perf_counter() - self._start
+
+    def pop_seconds(self) -> float:
+        """Seconds of the blocks timed since the last call (waits for their last CUDA event)."""
+        for start, end in self._events:
+            end.synchronize()
+            self._seconds += start.elapsed_time(end) / 1e3  # (milliseconds)
+        seconds, self._seconds, self._events = self._seconds, 0.0, []
+        return seconds
+
+
 def _format_value(value: Any) -> str:
     """Human-readable rendering of one :meth:`MetricsLogger.log_event` value."""
     if isinstance(value, bool):
@@ -180,6 +231,14 @@ def _numeric_scalars(name: str, value: Any) -> list[tuple[str, float]]:
     return []
 
 
+def _json_value(value: Any) -> Any:
+    """What ``json.dumps`` writes for a value it has no rule for: a one-element tensor's number,
+    else its text."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return str(value)
+
+
 class MetricsLogger:
     """Records per-step training metrics; see the module docstring for the definitions.
 
@@ -204,7 +263,9 @@ class MetricsLogger:
             to the devices that shared the work. 1 for pure data parallelism.
         logger: Where lines go; defaults to the ``"graph_trainer"`` logger.
         clock: Zero-argument time source in seconds (tests pass a fake one).
-        append_losses: Append to an existing ``losses.txt`` instead of truncating.
+        append_losses: Append to an existing ``losses.txt`` (and ``metrics.jsonl``)
+            instead of truncating.
+        json_lines: Also write ``<dump_folder>/metrics.jsonl`` (module docstring).
     """
 
     def __init__(
@@ -221,6 +282,7 @@ class MetricsLogger:
         logger: logging.Logger | None = None,
         clock: Callable[[], float] = time.perf_counter,
         append_losses: bool = False,
+        json_lines: bool = False,
     ):
         if log_freq < 1:
             raise ConfigError(f"metrics.log_freq must be >= 1, got {log_freq}")
@@ -248,15 +310,20 @@ class MetricsLogger:
         """Path of the per-step loss file (only created on rank 0)."""
         self.tb_dir = os.path.join(dump_folder, "tb")
         """TensorBoard event folder (only created on rank 0 when enabled)."""
+        self.json_path = os.path.join(dump_folder, "metrics.jsonl")
+        """Path of the JSON-lines record (only created on rank 0 with ``json_lines``)."""
 
         self._window_start: float | None = None  # set by the first recorded step
         self._window_tokens = 0
         self._closed = False
         self._loss_file = None
+        self._json_file = None
         self._writer = None
         if rank == 0:
             os.makedirs(dump_folder, exist_ok=True)
             self._loss_file = open(self.losses_path, "a" if append_losses else "w", encoding="utf-8")
+            if json_lines:
+                self._json_file = open(self.json_path, "a" if append_losses else "w", encoding="utf-8")
             if enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -276,7 +343,15 @@ class MetricsLogger:
         return step == 1 or step % self.log_freq == 0
 
     def record_step(
-        self, *, step: int, loss: float, grad_norm: float, lr: float, ntokens: int, step_time_s: float
+        self,
+        *,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        ntokens: int,
+        step_time_s: float,
+        forward_backward_s: float | None = None,
     ) -> dict[str, float] | None:
         """Record one finished training step; call it once per step, in order.
 
@@ -287,6 +362,8 @@ class MetricsLogger:
             lr: Learning rate used by the step.
             ntokens: Tokens this rank fed to the model in this step (batch x sequence).
             step_time_s: Seconds the step itself took (shown as is).
+            forward_backward_s: Device seconds of the step's forward, loss and backward
+                (``ForwardBackwardTimer``), recorded as a scalar when given.
 
         Throughput on a logged step is ``sum(ntokens over the window) / window
         seconds / num_devices_per_replica``. The window starts at the previous
@@ -298,7 +375,8 @@ class MetricsLogger:
         Returns:
             On logged steps the scalars logged (keys ``loss``, ``grad_norm``, ``lr``,
             ``tokens_per_sec_per_device``, ``mfu_percent`` when the peak is known,
-            ``memory_gib``, ``step_time_s``), on every rank; None on other steps.
+            ``memory_gib``, ``step_time_s``, ``forward_backward_s`` when given), on every
+            rank; None on other steps.
         """
         self._check_open()
         now = self.clock()
@@ -327,6 +405,8 @@ class MetricsLogger:
             scalars["mfu_percent"] = 100.0 * self.flops_per_token * tokens_per_sec / self.peak_flops
         scalars["memory_gib"] = peak_memory_bytes(self.device) / _GIB
         scalars["step_time_s"] = float(step_time_s)
+        if forward_backward_s is not None:
+            scalars["forward_backward_s"] = float(forward_backward_s)
 
         mfu = f"{scalars['mfu_percent']:.2f}%" if "mfu_percent" in scalars else "n/a"
         mem_kind = "peak alloc" if self.device.type == "cuda" else "peak rss"
@@ -336,6 +416,7 @@ class MetricsLogger:
             f"mem {scalars['memory_gib']:.2f} GiB ({mem_kind}) | step {step_time_s:.3f}s"
         )
         self.logger.log(logging.INFO if self.writes else logging.DEBUG, line)
+        self._write_json({"step": step, **scalars})
         if self._writer is not None:
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, global_step=step)
@@ -355,20 +436,33 @@ class MetricsLogger:
             return
         parts = [message] + [f"{name} {_format_value(value)}" for name, value in scalars.items()]
         self.logger.info(" | ".join(parts))
+        self._write_json({"event": message, **scalars})
         if self._writer is not None:
             for name, value in scalars.items():
                 for tag, number in _numeric_scalars(name, value):
                     self._writer.add_scalar(f"setup/{tag}", number, global_step=0)
             self._writer.flush()
 
+    def record_event(self, message: str, **values: Any) -> None:
+        """Write ``{"event": message, **values}`` to ``metrics.jsonl`` only (rank 0, with
+        ``json_lines``): the machine-readable twin of something logged in words elsewhere."""
+        self._check_open()
+        self._write_json({"event": message, **values})
+
+    def _write_json(self, record: dict[str, Any]) -> None:
+        if self._json_file is not None:
+            self._json_file.write(json.dumps(record, default=_json_value) + "\n")
+            self._json_file.flush()
+
     def close(self) -> None:
-        """Flush and close the loss file and the TensorBoard writer; safe to call twice."""
+        """Flush and close the loss file, the JSON lines and the TensorBoard writer; safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        if self._loss_file is not None:
-            self._loss_file.close()
-            self._loss_file = None
+        for f in (self._loss_file, self._json_file):
+            if f is not None:
+                f.close()
+        self._loss_file = self._json_file = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None

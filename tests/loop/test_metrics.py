@@ -8,6 +8,7 @@ import torch
 
 from graph_trainer.errors import ConfigError
 from graph_trainer.loop.metrics import (
+    ForwardBackwardTimer,
     MetricsLogger,
     StepTimer,
     peak_flops_per_device,
@@ -182,6 +183,57 @@ def test_tensorboard_events(tmp_path, capture):
     assert {"setup/trace_seconds", "setup/graph_nodes", "setup/collectives/all_reduce"} <= tags
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(s, pytest.approx(loss)) for s, loss in losses.items()]
     assert [(e.step, e.value) for e in acc.Scalars("setup/graph_nodes")] == [(0, 1234.0)]
+
+
+def test_json_lines_hold_logged_steps_and_events(tmp_path, capture):
+    import json
+
+    log, handler = capture
+    with make(tmp_path, log, log_freq=2, json_lines=True) as m:
+        m.log_event("trace", trace_seconds=1.5, collectives={"all_reduce": 3}, mode="graph")
+        m.record_event("memory estimate", peak_bytes=1 << 30, count=torch.tensor(7))
+        for step in range(1, 4):
+            m.record_step(
+                step=step,
+                loss=5.0 - step,
+                grad_norm=1.0,
+                lr=1e-3,
+                ntokens=8,
+                step_time_s=0.1,
+                **({"forward_backward_s": 0.075} if step == 2 else {}),
+            )
+    records = [json.loads(line) for line in (tmp_path / "dump" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0] == {"event": "trace", "trace_seconds": 1.5, "collectives": {"all_reduce": 3}, "mode": "graph"}
+    assert records[1] == {"event": "memory estimate", "peak_bytes": 1 << 30, "count": 7}
+    assert [r["step"] for r in records[2:]] == [1, 2]  # the logged steps only
+    assert records[3]["loss"] == 3.0 and records[3]["forward_backward_s"] == 0.075
+    assert "forward_backward_s" not in records[2]
+    assert not any(line.startswith("memory estimate") for line in handler.lines)  # record_event is JSON only
+    with make(tmp_path, log, json_lines=True, append_losses=True) as m:  # a resumed run appends
+        m.record_step(step=4, loss=1.0, grad_norm=1.0, lr=1e-3, ntokens=8, step_time_s=0.1)
+    assert len((tmp_path / "dump" / "metrics.jsonl").read_text().splitlines()) == 5
+
+
+def test_no_json_lines_unless_asked(tmp_path, capture):
+    with make(tmp_path, capture[0]) as m:
+        m.record_event("memory estimate", peak_bytes=1)
+        m.record_step(step=1, loss=1.0, grad_norm=1.0, lr=1.0, ntokens=1, step_time_s=1.0)
+    assert not (tmp_path / "dump" / "metrics.jsonl").exists()
+
+
+def test_forward_backward_timer_sums_blocks_until_popped_on_cpu(monkeypatch):
+    import graph_trainer.metrics as metrics
+
+    clock = iter([10.0, 10.5, 20.0, 20.25, 30.0, 31.0])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    timer = ForwardBackwardTimer(CPU)
+    for _ in range(2):
+        with timer:
+            pass
+    first = timer.pop_seconds()
+    with timer:
+        pass
+    assert (first, timer.pop_seconds(), timer.pop_seconds()) == (0.75, 1.0, 0.0)
 
 
 def test_close_is_idempotent_and_final(tmp_path, capture):
