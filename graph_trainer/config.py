@@ -30,6 +30,8 @@ InductorScope = Literal["regional", "full"]
 AcMode = Literal["none", "selective", "full"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"]
+SimulatedDevice = Literal["none", "h100", "cpu"]
+"""'none' and the keys of ``graph_trainer.analysis.devices.DEVICES`` (a test holds them equal)."""
 
 SELECTIVE_OPS = [*MATMUL_OP_NAMES, *ATTENTION_FORWARD_OP_NAMES]
 """``activation_checkpoint.selective_ops`` by default: matmuls, grouped and scaled matmuls, attention."""
@@ -208,6 +210,13 @@ class Metrics:
     """Write TensorBoard events under <dump_folder>/tb."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for MFU; 0 looks it up for CUDA devices and reports n/a on CPU."""
+    json_lines: bool = False
+    """Also write <dump_folder>/metrics.jsonl: one JSON object per logged step (its scalars) and per
+    setup event (trace, compile, the memory estimate, the simulated step), for scripts that tabulate runs."""
+    simulate_device: SimulatedDevice = "none"
+    """Before the first step, simulate the graph the job will run (after the memory policy and passes,
+    before the backend) on this device model of graph_trainer/analysis/devices.py and log its step time
+    (graph mode, not pipeline stages); 'none': do not."""
 
 
 @dataclass

@@ -28,6 +28,12 @@ reduce-scatters its gradients, so what accumulates is the local shard (docs/para
 why, with the cost model's figures). The logged loss is the mean of the M microbatch losses
 averaged over the data-parallel ranks: every microbatch has the same number of tokens, all of
 them counted, so that is the mean over the global batch's tokens.
+
+Before the first step (graph mode, once traced) the trainer logs the estimated peak memory per
+rank and, with ``metrics.simulate_device``, the step the analysis simulator predicts for the graph
+it will run; every step it records the device time of the forward, loss and backward
+(``loop.gradients``). With ``metrics.json_lines`` all of it also goes to
+``<dump_folder>/metrics.jsonl`` (``loop.metrics``).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from graph_trainer.distributed.parallel_dims import ParallelDims, average_over_d
 from graph_trainer.loop.grad_record import gather_record, merge_over, record_path, save_record
 from graph_trainer.loop.gradients import StepPreparation, build_gradients
 from graph_trainer.loop.guards import check_step
-from graph_trainer.loop.metrics import MetricsLogger, peak_flops_per_device, setup_logging
+from graph_trainer.loop.metrics import ForwardBackwardTimer, MetricsLogger, peak_flops_per_device, setup_logging
 from graph_trainer.loop.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from graph_trainer.loop.preflight import check_model_state_fits
 from graph_trainer.torch_compat import cpu_backend
@@ -121,6 +127,9 @@ class Trainer:
         self.microbatches, self.grad_scale = self.layout.microbatches, self.layout.loss_scale
         self.pp_group = pp_group(self.mesh, self.dims)
         self.stepped = False  # whether this run has finished a step (``collective_timeout``)
+        self.forward_backward_s: float | None = None
+        """Device seconds of the last step's forward, loss and backward (None with a pipeline: its
+        stages overlap)."""
         comm.set_timeout(cfg.comm.init_timeout_seconds)  # the mesh's own groups start with torch's default
         # Decide what to resume before building anything, so a wrong checkpoint fails fast.
         self.checkpointer = Checkpointer(
@@ -137,7 +146,8 @@ class Trainer:
         self.step = self._resume(resume_step)
         self.metrics = self._metrics_logger(append_losses=resume_step is not None)
         prep = StepPreparation(cfg, self.layout, self.model, self.optimizer, self.metrics, self.dist.device)
-        self.gradients = build_gradients(prep, self.model_args.dim)
+        self.timer = ForwardBackwardTimer(self.dist.device) if self.layout.pipeline is None else None
+        self.gradients = build_gradients(prep, self.model_args.dim, self.timer)
         # Last: the memory checks above refuse a job that cannot fit before the folder is read.
         self.hf_bytes_read, self.hf_load_seconds = self._load_hf_weights(hf_weights)
 
@@ -213,6 +223,7 @@ class Trainer:
             num_devices_per_replica=self.dims.tp * self.dims.pp,
             logger=self.logger,
             append_losses=append_losses,  # losses.txt continues the resumed run's file
+            json_lines=cfg.metrics.json_lines,
         )
 
     def _load_hf_weights(self, hf_weights: HFWeights | None) -> tuple[int, float]:
@@ -248,6 +259,8 @@ class Trainer:
             record["norm"] = grad_norm.item()
             save_record(record, record_path(self.cfg.job.dump_folder, self.step))
         loss, grad_norm = average_over_dp(loss, self.dims).item(), grad_norm.item()
+        # (the reads above waited for the graphs: their timing events are done)
+        self.forward_backward_s = self.timer.pop_seconds() if self.timer is not None else None
         check_step(self.step, loss, grad_norm, list(self.model.named_parameters()))  # before the update
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -298,6 +311,7 @@ class Trainer:
                 lr=lr,
                 ntokens=sum(tokens.numel() for tokens, _ in microbatches),
                 step_time_s=elapsed,
+                forward_backward_s=self.forward_backward_s,
             )
             if self.checkpointer.should_save(self.step, t.steps):
                 self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, self.dataloader)

@@ -323,6 +323,17 @@ def test_model_names_are_the_registry_and_help_lists_choices(capsys):
     assert "{none,inductor}" in out and "{graph,eager}" in out, out[:2000]
 
 
+def test_simulated_devices_are_the_analysis_devices():
+    import typing
+
+    from graph_trainer.analysis.devices import DEVICES
+    from graph_trainer.config import SimulatedDevice
+
+    assert typing.get_args(SimulatedDevice) == ("none", *DEVICES)
+    with pytest.raises(ConfigError, match="metrics.simulate_device .*'a100' is not allowed; choose one of: none, h100"):
+        load_config(["--metrics.simulate_device", "a100"])
+
+
 @pytest.mark.parametrize(
     "flags, world_size, message",
     [

@@ -14,6 +14,13 @@ losses (each the mean over its tokens) and, in the parameters' order, their grad
 scaled losses summed over the microbatches, in microbatch order (graph and eager alike, so graph
 == eager holds bitwise). A pipeline's last stage shares its loss sum with every pipeline rank.
 
+Measured beside the step: ``AccumulatedGradients`` times each microbatch's forward, loss and
+backward on the device (``loop.metrics.ForwardBackwardTimer``; not under a pipeline schedule,
+whose stages overlap). Predicted for it: the memory estimate is logged and recorded as numbers,
+and with ``metrics.simulate_device`` the step the analysis simulator predicts for the graph the
+job will run (after the memory policy and passes, as the ``none`` backend runs it; clipping and
+the optimizer step are not simulated).
+
 Memory: before a step allocates what would not fit, the job's estimated peak per rank (the
 largest over the ranks, so every rank decides alike) is checked against the device
 (``loop.preflight.check_step_fits``): eager and pipeline jobs at once (parameters, gradients and
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -32,14 +40,16 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from graph_trainer.analysis.devices import DEVICES
 from graph_trainer.analysis.memory import StepMemoryEstimate, estimate_step_memory
+from graph_trainer.analysis.simulator import simulate
 from graph_trainer.build import JobLayout, pass_context, stage_modules
 from graph_trainer.compiler.chain import apply_memory_policy, apply_passes, compile_graph
 from graph_trainer.compiler.passes.runner import PassRunner
 from graph_trainer.compiler.tracer import GraphStep, TracedStep, eager_step
 from graph_trainer.config import JobConfig
 from graph_trainer.distributed.parallel_dims import pp_group
-from graph_trainer.loop.metrics import MetricsLogger
+from graph_trainer.loop.metrics import ForwardBackwardTimer, MetricsLogger
 from graph_trainer.loop.preflight import check_step_fits
 from graph_trainer.pipelining.step import PipelineStep
 from graph_trainer.pipelining.timeline import rank_memory, stage_cost
@@ -50,20 +60,37 @@ Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
 Gradients = Callable[[Microbatches], tuple[torch.Tensor, list[torch.Tensor]]]
 
 
+def _memory_record(estimate: StepMemoryEstimate) -> dict:
+    """``estimate`` as numbers for ``metrics.jsonl``: the peak (bytes, moment, parts) and each
+    moment's total."""
+    p = estimate.peak
+    return {
+        "peak_bytes": estimate.peak_bytes,
+        "peak_moment": p.moment,
+        "params_bytes": p.params,
+        "grads_bytes": p.grads + p.accumulated_grads,
+        "optimizer_bytes": p.optimizer,
+        "transient_bytes": p.activations,
+        "moment_bytes": {moment.moment: moment.total for moment in estimate.moments},
+        "activations_estimated": estimate.activations_estimated,
+    }
+
+
 class AccumulatedGradients:
     """Forward and backward of each microbatch in turn through ``step_fn``. The first microbatch's
     gradients are the accumulation buffer: each later one is added into it in place and dropped,
-    so at most one more set is alive at a time."""
+    so at most one more set is alive at a time. ``timer`` times each forward and backward."""
 
-    def __init__(self, step_fn: Callable, device: torch.device):
-        self.step_fn, self.device = step_fn, device
+    def __init__(self, step_fn: Callable, device: torch.device, timer: ForwardBackwardTimer):
+        self.step_fn, self.device, self.timer = step_fn, device, timer
 
     def __call__(self, microbatches: Microbatches) -> tuple[torch.Tensor, list[torch.Tensor]]:
         loss_sum, accumulated = None, None
         for tokens, labels in microbatches:
             tokens = tokens.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            loss, grads = self.step_fn(tokens, labels)
+            with self.timer:
+                loss, grads = self.step_fn(tokens, labels)
             if accumulated is None:
                 loss_sum, accumulated = loss, list(grads)
                 continue
@@ -117,6 +144,7 @@ class StepPreparation:
             micro = self.layout.microbatches
             estimate = estimate_step_memory(graph, self.params, self.optimizer, microbatches=micro)
         logger.info("estimated memory per rank: %s", estimate.summary())
+        self.metrics.record_event("memory estimate", **_memory_record(estimate))
         peak = torch.tensor([float(estimate.peak_bytes)], dtype=torch.float64, device=self.device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # uneven shards differ a little
@@ -130,6 +158,7 @@ class StepPreparation:
         gm = apply_passes(apply_memory_policy(traced.gm, runner), runner)
         if check:
             self.check_memory(gm.graph)
+            self.simulate(gm.graph)
         deterministic = self.device.type == "cpu" or self.cfg.debug.deterministic
         traced.gm, report = compile_graph(gm, self.cfg.compile, deterministic)
         if report.backend != "none":
@@ -141,6 +170,25 @@ class StepPreparation:
                 regions=report.regions,
             )
         return traced
+
+    def simulate(self, graph: fx.Graph) -> None:
+        """Log the step ``metrics.simulate_device``'s model predicts for ``graph``, ranks placed on
+        nodes of this node's size (module docstring)."""
+        name = self.cfg.metrics.simulate_device
+        if name == "none":
+            return
+        start = time.perf_counter()
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        result = simulate(graph, DEVICES[name], ranks_per_node=ranks_per_node, record_events=False)
+        self.metrics.log_event(
+            "simulated step",
+            device=result.device,
+            step_ms=result.step_time * 1e3,
+            compute_ms=result.compute_time * 1e3,
+            exposed_comm_ms=result.exposed_comm_time * 1e3,
+            simulate_seconds=time.perf_counter() - start,
+        )
 
     def compile_stage(self, traced: TracedStep, stage: int, module: nn.Module) -> TracedStep:
         """``compile`` for one pipeline stage's graph: the passes see that stage's modules; the memory
@@ -157,8 +205,9 @@ class StepPreparation:
         self.check_memory(None, rank_memory(pipeline.plan, pipeline.rank, costs, self.optimizer))
 
 
-def build_gradients(prep: StepPreparation, hidden_dim: int) -> Gradients:
-    """The job's gradients (module docstring): pipeline, graph or eager."""
+def build_gradients(prep: StepPreparation, hidden_dim: int, timer: ForwardBackwardTimer) -> Gradients:
+    """The job's gradients (module docstring): pipeline, graph or eager; ``timer`` times the
+    forward and backward of eager and graph jobs."""
     cfg, layout, model = prep.cfg, prep.layout, prep.model
     loss_chunks, grad_scale = cfg.training.loss_chunks, layout.loss_scale
     if layout.pipeline is not None:
@@ -179,13 +228,15 @@ def build_gradients(prep: StepPreparation, hidden_dim: int) -> Gradients:
         )
         return PipelineGradients(pipeline_step, group, prep.device)
     if cfg.compile.mode == "graph":
-        return AccumulatedGradients(GraphStep(model, loss_chunks, grad_scale, post_trace=prep.compile), prep.device)
+        return AccumulatedGradients(
+            GraphStep(model, loss_chunks, grad_scale, post_trace=prep.compile), prep.device, timer
+        )
     prep.check_memory(None)
 
     def step_fn(tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         return eager_step(model, tokens, labels, loss_chunks, grad_scale)
 
-    return AccumulatedGradients(step_fn, prep.device)
+    return AccumulatedGradients(step_fn, prep.device, timer)
 
 
 __all__ = ["AccumulatedGradients", "Gradients", "PipelineGradients", "StepPreparation", "build_gradients"]

@@ -222,7 +222,7 @@ def test_no_json_lines_unless_asked(tmp_path, capture):
 
 
 def test_forward_backward_timer_sums_blocks_until_popped_on_cpu(monkeypatch):
-    import graph_trainer.metrics as metrics
+    import graph_trainer.loop.metrics as metrics
 
     clock = iter([10.0, 10.5, 20.0, 20.25, 30.0, 31.0])
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
