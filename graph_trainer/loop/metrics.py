@@ -408,20 +408,23 @@ class MetricsLogger:
         if forward_backward_s is not None:
             scalars["forward_backward_s"] = float(forward_backward_s)
 
-        mfu = f"{scalars['mfu_percent']:.2f}%" if "mfu_percent" in scalars else "n/a"
-        mem_kind = "peak alloc" if self.device.type == "cuda" else "peak rss"
-        line = (
-            f"step {step} | loss {loss:.6f} | grad_norm {scalars['grad_norm']:.4f} | "
-            f"lr {scalars['lr']:.2e} | tok/s/dev {tokens_per_sec:,.0f} | mfu {mfu} | "
-            f"mem {scalars['memory_gib']:.2f} GiB ({mem_kind}) | step {step_time_s:.3f}s"
-        )
-        self.logger.log(logging.INFO if self.writes else logging.DEBUG, line)
+        self.logger.log(logging.INFO if self.writes else logging.DEBUG, self._step_line(step, scalars))
         self._write_json({"step": step, **scalars})
         if self._writer is not None:
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, global_step=step)
             self._writer.flush()
         return scalars
+
+    def _step_line(self, step: int, scalars: dict[str, float]) -> str:
+        """The log line of a logged step."""
+        mfu = f"{scalars['mfu_percent']:.2f}%" if "mfu_percent" in scalars else "n/a"
+        mem_kind = "peak alloc" if self.device.type == "cuda" else "peak rss"
+        return (
+            f"step {step} | loss {scalars['loss']:.6f} | grad_norm {scalars['grad_norm']:.4f} | "
+            f"lr {scalars['lr']:.2e} | tok/s/dev {scalars['tokens_per_sec_per_device']:,.0f} | mfu {mfu} | "
+            f"mem {scalars['memory_gib']:.2f} GiB ({mem_kind}) | step {scalars['step_time_s']:.3f}s"
+        )
 
     def log_event(self, message: str, **scalars: Any) -> None:
         """Log one-off information, e.g. ``log_event("trace", trace_seconds=3.2, graph_nodes=5120)``.
