@@ -75,6 +75,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     opts = parser.parse_args(argv)
     mode = "smoke" if opts.smoke else "gpu"
     opts.mode = mode
+    opts.output_dir = os.path.abspath(opts.output_dir)  # the jobs run in ROOT
     opts.steps = DEFAULT_STEPS[mode] if opts.steps is None else opts.steps
     opts.budget = DEFAULT_BUDGET_S[mode] if opts.budget is None else opts.budget
     if opts.steps <= WARMUP_STEPS:
@@ -130,7 +131,8 @@ def job_command(row: Row, folder: str, device: str) -> list[str]:
 
 def run_job(command: list[str], log_path: str, timeout: float) -> int | None:
     """Run ``command`` in ROOT, its output into ``log_path``; its exit code, or None when it was
-    killed at ``timeout`` seconds (with every process it started)."""
+    killed at ``timeout`` seconds (with every process it started: it runs in a session of its
+    own, so its compile workers are killed with it, and so is it when this script is stopped)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w", encoding="utf-8") as log:
         process = subprocess.Popen(
@@ -139,9 +141,19 @@ def run_job(command: list[str], log_path: str, timeout: float) -> int | None:
         try:
             return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            _kill(process)
             return None
+        except BaseException:  # Ctrl-C: the job is in its own session and would not see it
+            _kill(process)
+            raise
+
+
+def _kill(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # (it ended meanwhile)
+        pass
+    process.wait()
 
 
 def _tail(path: str, size: int = 20000) -> str:

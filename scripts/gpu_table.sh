@@ -12,18 +12,18 @@
 # .devicegpu/ (their install script also checks the GPU). PYTHON picks the interpreter
 # (default python3, that machine's torch).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+root=$(cd "$(dirname "$0")/.." && pwd)  # (no cd: OUT is relative to where the command runs)
 py=${PYTHON:-python3}
 missing=$("$py" -c '
 import importlib.util
 print(" ".join(m for m in ("tomli", "tyro", "torchtitan", "datasets") if importlib.util.find_spec(m) is None))')
 if [ -n "$missing" ]; then
-    if [ ! -f .devicegpu/install.sh ]; then
+    if [ ! -f "$root/.devicegpu/install.sh" ]; then
         echo "error: $py lacks $missing and there is no .devicegpu/install.sh: run bash ../shared/gpu/prepare.sh" \
              "on a machine with a package registry and copy .devicegpu/ here" >&2
         exit 2
     fi
     echo "installing the carried wheels for: $missing"
-    bash .devicegpu/install.sh
+    bash "$root/.devicegpu/install.sh"
 fi
-exec "$py" -m benchmarks.gpu_table "$@"
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m benchmarks.gpu_table "$@"

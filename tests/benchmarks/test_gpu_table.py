@@ -89,9 +89,11 @@ def test_rows_beyond_the_budget_are_skipped_without_starting(tmp_path):
 
 
 @pytest.mark.parametrize("smoke", [False, True])
-def test_every_row_is_a_valid_job(smoke, tmp_path):
+def test_every_row_is_a_valid_job(smoke, tmp_path, monkeypatch):
     from graph_trainer.config_loading import load_config
     from graph_trainer.validation import validate_config
+
+    monkeypatch.chdir(ROOT)  # where the jobs run: their config files are relative to it
 
     rows = table_rows(smoke, steps=8)
     assert len({r.name for r in rows}) == len(rows) == 7
