@@ -7,7 +7,7 @@ ep_overlap hides expert-parallel all_to_alls behind the other chunk's compute. I
 modules holding an expert-parallel MoE, so one process cannot run it. What one process can
 measure is the chunking it installs: this job builds the ``Trainer`` of the flags (one process,
 ``world_size`` 1), then makes the modules ``compile.ep_overlap.module_fqn`` selects that hold a
-MoE run as two chunks along ``compile.ep_overlap.chunk_dim`` (``graph_trainer.chunking``, the
+MoE run as two chunks along ``compile.ep_overlap.chunk_dim`` (``graph_trainer.distributed.chunking``, the
 call ep_overlap's ``prepare_model`` makes), before the first step traces the model. The graph is
 what ep_overlap's chunked twin (``compile.ep_overlap.reorder = false``) traces, without the
 all_to_alls; everything else (memory policy, backend, logs, ``metrics.jsonl``) is the trainer's.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from graph_trainer.chunking import install_chunking, match_modules
+from graph_trainer.distributed.chunking import install_chunking, match_modules
 from graph_trainer.errors import ConfigError, OneLineError
 
 
@@ -51,7 +51,7 @@ def chunk_moe_modules(model, settings) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from graph_trainer.config_loading import load_config
-    from graph_trainer.preflight import preflight
+    from graph_trainer.loop.preflight import preflight
     from graph_trainer.trainer import Trainer
     from graph_trainer.validation import check_device, validate_config
 

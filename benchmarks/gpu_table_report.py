@@ -102,7 +102,7 @@ def estimate_figures(records: list[dict]) -> dict:
     parts = ("params", "grads", "optimizer", "transient")
     return {
         "estimated_peak_gib": memory["peak_bytes"] / GIB if memory else None,
-        "estimated_peak_phase": memory.get("peak_phase"),
+        "estimated_peak_moment": memory.get("peak_moment"),
         "estimated_parts_gib": {p: memory[f"{p}_bytes"] / GIB for p in parts} if memory else None,
         "simulated_ms": simulated.get("step_ms"),
         "simulated_device": simulated.get("device"),

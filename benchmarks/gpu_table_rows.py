@@ -21,7 +21,7 @@ process start to its last step):
   chunking (its default selection: whole blocks holding a MoE, split along the batch). ep_overlap
   itself refuses expert parallelism 1 (one process has no all_to_all to hide), and its model
   preparation selects only modules holding an expert-parallel MoE; so the chunked row installs
-  the same chunking (``graph_trainer.chunking``) without the pass: the graph ep_overlap's chunked
+  the same chunking (``graph_trainer.distributed.chunking``) without the pass: the graph ep_overlap's chunked
   twin (``compile.ep_overlap.reorder = false``) would trace, minus the all_to_alls. It measures
   what chunking costs on one GPU, the part of ep_overlap one process can show.
 

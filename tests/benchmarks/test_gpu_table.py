@@ -22,7 +22,7 @@ from tests.conftest import ROOT
 SMOKE_ROWS = ["llama3_graph_ac_selective", "deepseek_v3_chunked_graph_ac_full"]
 """A train.py row through the memory policy, and the chunked row through benchmarks.chunked_job:
 both entry points (the Inductor rows add a minute of compiling each on 2 cores; their flags are
-checked by test_every_row_is_a_valid_job, their backend by tests/test_backend.py)."""
+checked by test_every_row_is_a_valid_job, their backend by tests/compiler/test_backend.py)."""
 
 
 def _table(out) -> dict:
@@ -126,7 +126,7 @@ def test_chunking_selects_the_modules_holding_a_moe():
 def _records(tok_s: list[float], mfu: bool = True) -> list[dict]:
     records = [
         {"event": "trace", "trace_seconds": 2.0, "graph_nodes": 10},
-        {"event": "memory estimate", "peak_bytes": 3 << 30, "peak_phase": "graph"}
+        {"event": "memory estimate", "peak_bytes": 3 << 30, "peak_moment": "graph"}
         | {f"{p}_bytes": 1 << 29 for p in ("params", "grads", "optimizer", "transient")},
         {"event": "simulated step", "device": "H100 SXM", "step_ms": 110.0},
         {"event": "compile", "compile_seconds": 30.0},
