@@ -1,0 +1,1 @@
+"""The commands: ``python -m graph_trainer.cli.<name>`` (docs/architecture.md, "Commands")."""

@@ -1,0 +1,1 @@
+"""The data a job reads: the resumable loader, the synthetic corpus, tokenizers."""
