@@ -184,82 +184,129 @@ def simulate(
 
     ``group_sizes`` overrides the size of process groups by name (for graphs built without a
     live process group); otherwise sizes come from the ops' arguments or the live groups.
+    ``record_events`` keeps every compute kernel's span for ``to_chrome_trace``.
     """
     if isinstance(graph, fx.GraphModule):
         graph = graph.graph
     hints = SizeHints.from_graph(graph)
-    group_sizes = group_sizes or {}
-    now = 0.0  # the compute stream's clock
-    compute_total = exposed_total = 0.0
-    stream_free: dict[str, float] = {}
-    ready: dict[fx.Node, float] = {}
-    launches: dict[fx.Node, CollectiveRecord] = {}
-    infos: dict[str, GroupInfo] = {}
-    records: list[CollectiveRecord] = []
-    compute_events: list[tuple[str, float, float, str]] = []
-    wait_events: list[tuple[str, float, float]] = []
-    by_class: dict[str, float] = {}
+    step = _StepSimulation(device, hints, ranks_per_node, group_sizes or {}, record_events)
     for node in graph.nodes:
-        inputs_ready = max((ready.get(a, 0.0) for a in node.all_input_nodes), default=0.0)
+        step.run(node)
+    return step.result(estimate_peak_memory(graph, hints))
+
+
+@dataclass
+class _StepSimulation:
+    """One step being simulated, node by node in graph order: the compute stream's clock, when each
+    process group's communication stream is next free, when each node's output is ready, and the
+    totals, records and events the ``SimulationResult`` reports."""
+
+    device: DeviceModel
+    hints: SizeHints
+    ranks_per_node: int
+    group_sizes: dict[str, int]
+    """Process group sizes by name that override the ops' arguments and the live groups."""
+    record_events: bool
+    now: float = 0.0
+    """The compute stream's clock."""
+    compute_total: float = 0.0
+    exposed_total: float = 0.0
+    stream_free: dict[str, float] = field(default_factory=dict)
+    """Per process group: when its communication stream has finished what was issued to it."""
+    ready: dict[fx.Node, float] = field(default_factory=dict)
+    """Per node: when its output is available to the nodes that read it."""
+    launches: dict[fx.Node, CollectiveRecord] = field(default_factory=dict)
+    """Per collective node: its record, which the wait on it reads."""
+    infos: dict[str, GroupInfo] = field(default_factory=dict)
+    records: list[CollectiveRecord] = field(default_factory=list)
+    compute_events: list[tuple[str, float, float, str]] = field(default_factory=list)
+    wait_events: list[tuple[str, float, float]] = field(default_factory=list)
+    by_class: dict[str, float] = field(default_factory=dict)
+
+    def run(self, node: fx.Node) -> None:
+        """Advance the streams by ``node``: a wait blocks the compute stream until its collective
+        ends, a collective is queued on its group's stream, any other node runs on the compute stream."""
+        inputs_ready = max((self.ready.get(a, 0.0) for a in node.all_input_nodes), default=0.0)
         if is_wait(node):
-            record = launches.get(launch_of(node))
-            if record is not None and record.end > now:
-                blocked = record.end - now
-                record.exposed += blocked
-                exposed_total += blocked
-                wait_events.append((record.name, now, blocked))
-                now = record.end
-            ready[node] = now
+            self.ready[node] = self._wait(node)
         elif is_collective(node):
-            group = group_name(node)
-            if group not in infos:
-                infos[group] = group_info(node, ranks_per_node, group_sizes.get(group))
-            info = infos[group]
-            start = max(now, stream_free.get(group, 0.0), inputs_ready)
-            traffic = collective_traffic(node, info.size, ranks_per_node, hints, info.spans_nodes)
-            end = start + traffic_time(traffic, device)
-            stream_free[group] = end
-            record = CollectiveRecord(
-                name=node.name,
-                kind=collectives.kind(node),
-                group=group,
-                group_size=info.size,
-                bytes=collective_bytes(node, hints),
-                issue=now,
-                start=start,
-                end=end,
-                module_fqn=tags.module_fqn(node),
-                bytes_sent=traffic.bytes_sent,
-                inter_node=traffic.inter_node,
-            )
-            launches[node] = record
-            records.append(record)
-            ready[node] = end
+            self.ready[node] = self._issue_collective(node, inputs_ready)
         else:
-            cost = node_compute_time(node, device, hints)
-            if cost > 0:
-                now = max(now, inputs_ready)
-                if record_events:
-                    compute_events.append((node.name, now, cost, tags.module_fqn(node)))
-                now += cost
-                compute_total += cost
-                cls = kernel_class(node, hints)
-                by_class[cls] = by_class.get(cls, 0.0) + cost
-            ready[node] = max(now, inputs_ready)
-    step = max([now, *(r.end for r in records)])
-    memory = estimate_peak_memory(graph, hints)
-    return SimulationResult(
-        device=device.name,
-        step_time=step,
-        compute_time=compute_total,
-        comm_time=sum(r.duration for r in records),
-        exposed_comm_time=exposed_total,
-        collectives=records,
-        memory=memory,
-        compute_events=compute_events,
-        wait_events=wait_events,
-        compute_by_class=by_class,
-    )
+            self.ready[node] = self._compute(node, inputs_ready)
+
+    def _wait(self, node: fx.Node) -> float:
+        """Block the compute stream until the collective ``node`` waits for has ended; the blocked
+        time is that collective's exposed time. Returns when the wait's output is ready."""
+        record = self.launches.get(launch_of(node))
+        if record is not None and record.end > self.now:
+            blocked = record.end - self.now
+            record.exposed += blocked
+            self.exposed_total += blocked
+            self.wait_events.append((record.name, self.now, blocked))
+            self.now = record.end
+        return self.now
+
+    def _group(self, node: fx.Node) -> tuple[str, GroupInfo]:
+        """The collective's process group: its name and (resolved once per group) its size and span."""
+        group = group_name(node)
+        if group not in self.infos:
+            self.infos[group] = group_info(node, self.ranks_per_node, self.group_sizes.get(group))
+        return group, self.infos[group]
+
+    def _issue_collective(self, node: fx.Node, inputs_ready: float) -> float:
+        """Issue the collective ``node`` at the compute stream's clock (costing it nothing) on its
+        group's stream: it starts once issued, its inputs are ready and the stream is free, and
+        holds the stream for its transfer time. Returns when it ends."""
+        group, info = self._group(node)
+        start = max(self.now, self.stream_free.get(group, 0.0), inputs_ready)
+        traffic = collective_traffic(node, info.size, self.ranks_per_node, self.hints, info.spans_nodes)
+        end = start + traffic_time(traffic, self.device)
+        self.stream_free[group] = end
+        record = CollectiveRecord(
+            name=node.name,
+            kind=collectives.kind(node),
+            group=group,
+            group_size=info.size,
+            bytes=collective_bytes(node, self.hints),
+            issue=self.now,
+            start=start,
+            end=end,
+            module_fqn=tags.module_fqn(node),
+            bytes_sent=traffic.bytes_sent,
+            inter_node=traffic.inter_node,
+        )
+        self.launches[node] = record
+        self.records.append(record)
+        return end
+
+    def _compute(self, node: fx.Node, inputs_ready: float) -> float:
+        """Run ``node`` on the compute stream once its inputs are ready, for its compute cost (nodes
+        that cost nothing, such as views, do not wait). Returns when its output is ready."""
+        cost = node_compute_time(node, self.device, self.hints)
+        if cost > 0:
+            self.now = max(self.now, inputs_ready)
+            if self.record_events:
+                self.compute_events.append((node.name, self.now, cost, tags.module_fqn(node)))
+            self.now += cost
+            self.compute_total += cost
+            cls = kernel_class(node, self.hints)
+            self.by_class[cls] = self.by_class.get(cls, 0.0) + cost
+        return max(self.now, inputs_ready)
+
+    def result(self, memory: MemoryEstimate) -> SimulationResult:
+        """The step as simulated so far: it ends when the last stream finishes."""
+        return SimulationResult(
+            device=self.device.name,
+            step_time=max([self.now, *(r.end for r in self.records)]),
+            compute_time=self.compute_total,
+            comm_time=sum(r.duration for r in self.records),
+            exposed_comm_time=self.exposed_total,
+            collectives=self.records,
+            memory=memory,
+            compute_events=self.compute_events,
+            wait_events=self.wait_events,
+            compute_by_class=self.by_class,
+        )
 
 
 def _sent_key(inter_node: bool) -> str:
