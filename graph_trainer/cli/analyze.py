@@ -7,7 +7,7 @@
     python -m graph_trainer.cli.analyze --world_size 8 --model.flavor 8B --training.seq_len 8192 \\
         --training.local_batch_size 1 --training.mixed_precision_param bfloat16
 
-The job flags are those of ``train.py`` (``graph_trainer.config.load_config``); the flags
+The job flags are those of ``train.py`` (``graph_trainer.config_loading.load_config``); the flags
 above are taken out first. The job is traced on the fake process group at ``world_size``
 (``graph_trainer.fake_trace``: fake tensors, nothing allocated, no communication),
 its passes run (``compile.passes``, or each list given to ``--compare``, one trace per list;
@@ -45,6 +45,28 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
+
+from graph_trainer.analysis.devices import DEVICES, DeviceModel
+from graph_trainer.analysis.memory import (
+    DEVICE_MEMORY_BYTES,
+    adamw_memory,
+    estimate_peak_memory,
+    estimate_step_memory,
+    memory_warning,
+)
+from graph_trainer.analysis.simulator import format_table, simulate
+from graph_trainer.config import JobConfig
+from graph_trainer.config_loading import load_config, normalize_pass_list, take_flag
+from graph_trainer.distributed.parallel_dims import ParallelDims, job_microbatches, resolve_parallel_degrees
+from graph_trainer.errors import ConfigError
+from graph_trainer.fake_trace import fake_world, trace_job, trace_pipeline
+from graph_trainer.graph import tags
+from graph_trainer.graph.collectives import is_collective
+from graph_trainer.graph.tags import FSDP_ROLE, REDUCE_GRAD
+from graph_trainer.pipelining.timeline import estimate_pipeline
+from graph_trainer.validation import validate_config
+from models.registry import MODEL_SPECS, model_args
 
 GIB = float(1 << 30)
 GB = 1e9
@@ -54,8 +76,6 @@ _KIND_COLUMNS = (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", 
 
 def parse_pass_lists(spec: str) -> list[list[str]]:
     """'none;a;a,b' -> [[], ['a'], ['a', 'b']]."""
-    from graph_trainer.config_loading import normalize_pass_list
-
     lists = []
     for item in spec.split(";"):
         passes = normalize_pass_list([item])
@@ -68,9 +88,6 @@ def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
 
     Returns (traced step, SimulationResult, seconds tracing + passes, seconds simulating).
     """
-    from graph_trainer.analysis.simulator import simulate
-    from graph_trainer.fake_trace import fake_world, trace_job
-
     start = time.perf_counter()
     with fake_world(world_size):
         traced = trace_job(cfg, world_size, gpu_attention=device.fused_attention)
@@ -85,9 +102,6 @@ def analyze_pipeline(cfg, world_size: int, device, ranks_per_node: int = 8, opti
 
     Returns (``timeline.PipelineEstimate``, the stages' blocks, seconds tracing + passes, seconds estimating).
     """
-    from graph_trainer.fake_trace import fake_world, trace_pipeline
-    from graph_trainer.pipelining.timeline import estimate_pipeline
-
     start = time.perf_counter()
     with fake_world(world_size):
         traced = trace_pipeline(cfg, world_size, gpu_attention=device.fused_attention)
@@ -101,9 +115,6 @@ def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> t
     """(The summary row of one pipeline estimate, one row per stage.) Tokens per step are the global
     batch's (local batch x seq x microbatches x data-parallel ranks); model TFLOP/s count the
     model's FLOPs per token (``flops_per_token``, as the trainer's MFU does)."""
-    from graph_trainer.distributed.parallel_dims import ParallelDims, resolve_parallel_degrees
-    from models.registry import MODEL_SPECS, model_args
-
     t, plan, timeline = cfg.training, estimate.plan, estimate.timeline
     dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
     tokens = t.local_batch_size * t.seq_len * plan.microbatches * dims.dp_size
@@ -213,11 +224,6 @@ def gradient_reduction_costs(graph, result) -> tuple[float, int, int]:
     simulation of ``graph``: (bytes this rank sends for them, bytes of the reduced gradients the
     graph outputs, bytes of the unreduced gradients they read: the reduce-scatters' full inputs, or
     the all-reduces' where nothing is scattered (DDP), in the reduce dtype)."""
-    from graph_trainer.analysis.memory import estimate_peak_memory
-    from graph_trainer.graph import tags
-    from graph_trainer.graph.collectives import is_collective
-    from graph_trainer.graph.tags import FSDP_ROLE, REDUCE_GRAD
-
     reductions = {n.name for n in graph.nodes if is_collective(n) and tags.get(n, FSDP_ROLE) == REDUCE_GRAD}
     records = [c for c in result.collectives if c.name in reductions]
     # HSDP's all-reduce reads the reduce-scatter's shard: only the reduce-scatters read whole gradients.
@@ -252,131 +258,197 @@ def _trace_path(path: str, label: str, several: bool) -> str:
     return f"{root}.{label.replace(',', '+').replace(' ', '_')}{ext or '.json'}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    from graph_trainer.analysis.devices import DEVICES
-    from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES, adamw_memory, estimate_step_memory, memory_warning
-    from graph_trainer.analysis.simulator import format_table
-    from graph_trainer.config_loading import load_config, take_flag
-    from graph_trainer.distributed.parallel_dims import job_microbatches
-    from graph_trainer.errors import ConfigError
-    from graph_trainer.validation import validate_config
+@dataclass
+class CommandLine:
+    """The command line read: this command's own flags and the jobs to analyze, one config per pass
+    list, activation-checkpointing mode and pipeline schedule compared (``labels``: what each row
+    calls its job)."""
 
+    world_size: int
+    device_name: str
+    device: DeviceModel
+    ranks_per_node: int
+    trace_out: str | None
+    memory_limit: int | None
+    """Bytes of device memory a rank's peak is warned against (None: no warning)."""
+    cfg: JobConfig
+    """The job as given, before the comparisons replace its passes, mode and schedule."""
+    configs: list[JobConfig]
+    labels: list[str]
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """Take this command's flags out of ``argv``, read the job's config from the rest and build
+    (and validate) one config per compared variant; raises ``ConfigError`` on a wrong flag or job."""
+    argv, world_size = take_flag(argv, "--world_size", 8, int)
+    argv, device_name = take_flag(argv, "--device", "h100")
+    argv, ranks_per_node = take_flag(argv, "--ranks_per_node", 8, int)
+    argv, trace_out = take_flag(argv, "--trace_out", None)
+    argv, compare = take_flag(argv, "--compare", None)
+    argv, device_memory_gib = take_flag(argv, "--device_memory_gib", None, float)
+    argv, ac_modes = take_flag(argv, "--ac_modes", None)
+    argv, pp_schedules = take_flag(argv, "--pp_schedules", None)
+    if ranks_per_node < 1:
+        raise ConfigError(f"--ranks_per_node {ranks_per_node} must be >= 1 (GPUs per node)")
+    if device_name not in DEVICES:
+        raise ConfigError(f"unknown --device {device_name!r}; choose from {', '.join(DEVICES)}")
+    limit = round(device_memory_gib * GIB) if device_memory_gib is not None else DEVICE_MEMORY_BYTES.get(device_name)
+    cfg = load_config(argv)
+    pass_lists = parse_pass_lists(compare) if compare is not None else [cfg.compile.passes]
+    modes = _comma_list(ac_modes) if ac_modes is not None else [cfg.activation_checkpoint.mode]
+    schedules = _comma_list(pp_schedules) if pp_schedules is not None else [cfg.parallelism.pp_schedule]
+    if pp_schedules is not None and cfg.parallelism.pp == 1:
+        raise ConfigError("--pp_schedules compares pipeline schedules: it needs --parallelism.pp > 1")
+    configs = _job_variants(argv, world_size, pass_lists, modes, schedules)
+    labels = [
+        (",".join(c.compile.passes) or "none") + (f" ac={c.activation_checkpoint.mode}" if ac_modes is not None else "")
+        for c in configs
+    ]
+    return CommandLine(
+        world_size, device_name, DEVICES[device_name], ranks_per_node, trace_out, limit, cfg, configs, labels
+    )
+
+
+def _comma_list(spec: str) -> list[str]:
+    """'a, b,' -> ['a', 'b']."""
+    return [x.strip() for x in spec.split(",") if x.strip()]
+
+
+def _job_variants(
+    argv: list[str], world_size: int, pass_lists: list[list[str]], modes: list[str], schedules: list[str]
+) -> list[JobConfig]:
+    """The job read from ``argv`` once per (pass list, activation-checkpointing mode, pipeline
+    schedule), in that nesting, each validated at ``world_size``."""
+    configs = []
+    for passes in pass_lists:
+        for mode in modes:
+            for schedule in schedules:
+                c = load_config(argv)
+                c.compile.passes = passes
+                c.activation_checkpoint.mode = mode
+                c.parallelism.pp_schedule = schedule
+                validate_config(c, world_size)
+                configs.append(c)
+    return configs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command (module docstring); returns its exit code, 2 for a wrong flag or job config."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        argv, world_size = take_flag(argv, "--world_size", 8, int)
-        argv, device_name = take_flag(argv, "--device", "h100")
-        argv, ranks_per_node = take_flag(argv, "--ranks_per_node", 8, int)
-        argv, trace_out = take_flag(argv, "--trace_out", None)
-        argv, compare = take_flag(argv, "--compare", None)
-        argv, device_memory_gib = take_flag(argv, "--device_memory_gib", None, float)
-        argv, ac_modes = take_flag(argv, "--ac_modes", None)
-        argv, pp_schedules = take_flag(argv, "--pp_schedules", None)
-        if ranks_per_node < 1:
-            raise ConfigError(f"--ranks_per_node {ranks_per_node} must be >= 1 (GPUs per node)")
-        if device_name not in DEVICES:
-            raise ConfigError(f"unknown --device {device_name!r}; choose from {', '.join(DEVICES)}")
-        device = DEVICES[device_name]
-        limit = (
-            round(device_memory_gib * GIB) if device_memory_gib is not None else DEVICE_MEMORY_BYTES.get(device_name)
-        )
-        cfg = load_config(argv)
-        pass_lists = parse_pass_lists(compare) if compare is not None else [cfg.compile.passes]
-        modes = (
-            [m.strip() for m in ac_modes.split(",") if m.strip()]
-            if ac_modes is not None
-            else [cfg.activation_checkpoint.mode]
-        )
-        schedules = (
-            [x.strip() for x in pp_schedules.split(",") if x.strip()]
-            if pp_schedules is not None
-            else [cfg.parallelism.pp_schedule]
-        )
-        if pp_schedules is not None and cfg.parallelism.pp == 1:
-            raise ConfigError("--pp_schedules compares pipeline schedules: it needs --parallelism.pp > 1")
-        configs = []
-        for passes in pass_lists:
-            for mode in modes:
-                for schedule in schedules:
-                    c = load_config(argv)
-                    c.compile.passes = passes
-                    c.activation_checkpoint.mode = mode
-                    c.parallelism.pp_schedule = schedule
-                    validate_config(c, world_size)
-                    configs.append(c)
+        command = parse_command_line(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    cfg, t = command.cfg, command.cfg.training
+    microbatches = job_microbatches(cfg.parallelism, t.global_batch_size, t.local_batch_size, command.world_size)
+    print(job_header(command, microbatches))
+    optimizer = adamw_memory("cpu" if command.device_name == "cpu" else "cuda")
+    jobs = zip(command.configs, command.labels, strict=True)
+    if cfg.parallelism.pp > 1:
+        print_pipeline_reports([pipeline_report(c, label, command, optimizer) for c, label in jobs])
+    else:
+        print_graph_reports([graph_report(c, label, command, optimizer, microbatches) for c, label in jobs])
+    return 0
 
-    t = cfg.training
-    microbatches = job_microbatches(cfg.parallelism, t.global_batch_size, t.local_batch_size, world_size)
+
+def job_header(command: CommandLine, microbatches: int) -> str:
+    """The first line: the job as given and the device it is simulated on."""
+    cfg, t = command.cfg, command.cfg.training
     accumulating = f" x {microbatches} microbatches" if microbatches > 1 else ""
-    print(
-        f"{cfg.model.name} {cfg.model.flavor}, world size {world_size}, per-rank batch "
+    return (
+        f"{cfg.model.name} {cfg.model.flavor}, world size {command.world_size}, per-rank batch "
         f"{t.local_batch_size}x{t.seq_len}{accumulating}, param dtype {t.mixed_precision_param}, reduce dtype "
         f"{t.mixed_precision_reduce}, activation checkpointing {cfg.activation_checkpoint.mode}, "
-        f"loss chunks {t.loss_chunks}; simulated on {device.name} ({ranks_per_node} ranks/node)"
+        f"loss chunks {t.loss_chunks}; simulated on {command.device.name} ({command.ranks_per_node} ranks/node)"
     )
-    optimizer = adamw_memory("cpu" if device_name == "cpu" else "cuda")
-    labels = []
-    for c in configs:
-        label = ",".join(c.compile.passes) or "none"
-        labels.append(label + (f" ac={c.activation_checkpoint.mode}" if ac_modes is not None else ""))
-    if cfg.parallelism.pp > 1:
-        return _print_pipelines(configs, labels, world_size, device, ranks_per_node, optimizer, limit)
-    summary, kinds, traffic_lines, memory_lines, accumulation_lines = [], [], [], [], []
-    for c, label in zip(configs, labels, strict=True):
-        traced, result, trace_s, sim_s = analyze_job(c, world_size, device, ranks_per_node)
-        memory = estimate_step_memory(traced.gm.graph, None, optimizer, microbatches=microbatches)
-        if microbatches > 1:
-            accumulation_lines.append(accumulation_line(label, traced.gm.graph, result, microbatches))
-        summary.append(summary_row(label, result, trace_s, sim_s, len(traced.gm.graph.nodes), memory))
-        memory_lines.append(f"memory per rank ({label}): {memory.summary()}")
-        warning = memory_warning(memory, limit, device.name)
-        if warning:
-            memory_lines.append(f"WARNING ({label}): {warning}")
-        kinds.extend(kind_rows(label, result))
-        traffic_lines.append(traffic_line(label, result))
-        if trace_out:
-            path = _trace_path(trace_out, label, len(configs) > 1)
-            result.to_chrome_trace(path)
-            print(f"wrote {path}")
-    print(format_table(summary))
+
+
+@dataclass
+class GraphReport:
+    """What the tables say of one job without a pipeline (one compared variant)."""
+
+    summary: dict[str, object]
+    kinds: list[dict[str, object]]
+    traffic: str
+    memory: list[str]
+    """Its memory line, and a warning line where the peak exceeds the device's memory."""
+    accumulation: str | None
+    """``accumulation_line`` with more than one microbatch per step."""
+
+
+def graph_report(cfg: JobConfig, label: str, command: CommandLine, optimizer, microbatches: int) -> GraphReport:
+    """Trace and simulate one job (``analyze_job``) and estimate its step's memory; with
+    ``--trace_out``, write its timeline and say where."""
+    traced, result, trace_s, sim_s = analyze_job(cfg, command.world_size, command.device, command.ranks_per_node)
+    graph = traced.gm.graph
+    memory = estimate_step_memory(graph, None, optimizer, microbatches=microbatches)
+    accumulation = accumulation_line(label, graph, result, microbatches) if microbatches > 1 else None
+    summary = summary_row(label, result, trace_s, sim_s, len(graph.nodes), memory)
+    memory_lines = [f"memory per rank ({label}): {memory.summary()}"]
+    warning = memory_warning(memory, command.memory_limit, command.device.name)
+    if warning:
+        memory_lines.append(f"WARNING ({label}): {warning}")
+    report = GraphReport(summary, kind_rows(label, result), traffic_line(label, result), memory_lines, accumulation)
+    if command.trace_out:
+        path = _trace_path(command.trace_out, label, len(command.configs) > 1)
+        result.to_chrome_trace(path)
+        print(f"wrote {path}")
+    return report
+
+
+def print_graph_reports(reports: list[GraphReport]) -> None:
+    """The summary table, the table by collective kind, then the traffic, memory and gradient
+    accumulation lines (module docstring)."""
+    print(format_table([r.summary for r in reports]))
     print()
-    print(format_table(kinds))
+    print(format_table([row for r in reports for row in r.kinds]))
     print()
-    print("\n".join(traffic_lines))
+    print("\n".join(r.traffic for r in reports))
     print()
-    print("\n".join(memory_lines))
-    if accumulation_lines:
+    print("\n".join(line for r in reports for line in r.memory))
+    accumulation = [r.accumulation for r in reports if r.accumulation is not None]
+    if accumulation:
         print()
-        print("\n".join(accumulation_lines))
-    return 0
+        print("\n".join(accumulation))
 
 
-def _print_pipelines(configs, labels, world_size, device, ranks_per_node, optimizer, limit) -> int:
-    """``main``'s output for a pipeline job (module docstring)."""
-    from graph_trainer.analysis.memory import memory_warning
-    from graph_trainer.analysis.simulator import format_table
+@dataclass
+class PipelineReport:
+    """What the tables say of one pipeline job (one compared variant)."""
 
-    summary, stages, memory_lines = [], [], []
-    for c, label in zip(configs, labels, strict=True):
-        estimate, stage_blocks, trace_s, estimate_s = analyze_pipeline(c, world_size, device, ranks_per_node, optimizer)
-        row, stage_rows = pipeline_rows(label, c, world_size, estimate, stage_blocks)
-        summary.append({**row, "trace s": trace_s, "sim s": estimate_s})
-        stages.extend(stage_rows)
-        name = f"{label}, {estimate.plan.schedule}"
-        for rank, memory in sorted(estimate.memory.items()):
-            memory_lines.append(f"memory of pipeline rank {rank} ({name}): {memory.summary()}")
-        worst_rank, worst = estimate.worst_memory()
-        warning = memory_warning(worst, limit, device.name)
-        if warning:
-            memory_lines.append(f"WARNING ({name}, pipeline rank {worst_rank}): {warning}")
-    print(format_table(summary))
+    summary: dict[str, object]
+    stages: list[dict[str, object]]
+    memory: list[str]
+    """The memory line of every pipeline rank, and a warning line for the highest peak where it
+    exceeds the device's memory."""
+
+
+def pipeline_report(cfg: JobConfig, label: str, command: CommandLine, optimizer) -> PipelineReport:
+    """Trace a pipeline job stage by stage and estimate its step (``analyze_pipeline``)."""
+    estimate, stage_blocks, trace_s, estimate_s = analyze_pipeline(
+        cfg, command.world_size, command.device, command.ranks_per_node, optimizer
+    )
+    row, stage_rows = pipeline_rows(label, cfg, command.world_size, estimate, stage_blocks)
+    name = f"{label}, {estimate.plan.schedule}"
+    memory_lines = [
+        f"memory of pipeline rank {rank} ({name}): {memory.summary()}"
+        for rank, memory in sorted(estimate.memory.items())
+    ]
+    worst_rank, worst = estimate.worst_memory()
+    warning = memory_warning(worst, command.memory_limit, command.device.name)
+    if warning:
+        memory_lines.append(f"WARNING ({name}, pipeline rank {worst_rank}): {warning}")
+    return PipelineReport({**row, "trace s": trace_s, "sim s": estimate_s}, stage_rows, memory_lines)
+
+
+def print_pipeline_reports(reports: list[PipelineReport]) -> None:
+    """The summary table (one row per compared variant), the table of stages, then the memory lines."""
+    print(format_table([r.summary for r in reports]))
     print()
-    print(format_table(stages))
+    print(format_table([row for r in reports for row in r.stages]))
     print()
-    print("\n".join(memory_lines))
-    return 0
+    print("\n".join(line for r in reports for line in r.memory))
 
 
 if __name__ == "__main__":
