@@ -86,106 +86,185 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
     * ``ep_overlap``: a forward and a backward chunked region per MoE layer and, unless
       ``reorder`` is off, the schedule ``ep_overlap.verify_schedule`` checks (after every pass).
     """
-    from graph_trainer.compiler.passes.ep_overlap import find_regions, verify_schedule
-    from graph_trainer.compiler.passes.transformer_block_bucketing import bucket_index
-    from graph_trainer.graph.collectives import collective_name, group_name
     from models.registry import model_args
 
     args = model_args(cfg.model)
-    problems = []
     nodes, ref_nodes = _launches(gm), _launches(reference)
+    passes = list(cfg.compile.passes)
+    n = args.n_layers
+    return [
+        *_data_parallel_problems(nodes, degrees),
+        *_hsdp_order_problems(ref_nodes),
+        *_tensor_parallel_problems(nodes, cfg, degrees),
+        *_all_to_all_problems(nodes, args, degrees),
+        *_problem(
+            len(plan) == n + 2, f"the model's bucket plan has {len(plan)} groups, expected n_layers + 2 = {n + 2}"
+        ),
+        *_block_bucket_problems(nodes, ref_nodes, passes, _expected_block_buckets(cfg, degrees, n), plan),
+        *_non_fsdp_collective_problems(nodes, ref_nodes, passes),
+        *_ep_overlap_problems(gm, cfg, args, passes),
+        *_auto_bucketing_problems(nodes, ref_nodes, passes, degrees),
+    ]
 
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            problems.append(message)
 
-    def ops(ns, kind):
-        return [n for n in ns if collective_name(n) in _KINDS[kind]]
+def _problem(ok: bool, message: str) -> list[str]:
+    """``[message]`` where a check fails, nothing where it holds."""
+    return [] if ok else [message]
 
-    problems += _data_parallel_problems(nodes, degrees)
-    need(
-        not _full_gradient_all_reduces(ref_nodes),
-        f"HSDP all-reduces before reduce-scattering: {_full_gradient_all_reduces(ref_nodes)[:3]}",
-    )
-    if cfg.model.name == "llama3":
-        tp_reduce = [n for n in ops(nodes, "AR") if not tags.get(n, FSDP_ROLE)]
-        need(bool(tp_reduce) or degrees["tp"] == 1, f"tp={degrees['tp']} but no TP all-reduce")
-        need(
-            bool(ops(nodes, "AR")) == (degrees["tp"] > 1 or degrees["dp_replicate"] > 1),
-            f"{len(ops(nodes, 'AR'))} all-reduces with tp={degrees['tp']}, dp_replicate={degrees['dp_replicate']}",
-        )
-    a2a = ops(nodes, "A2A")
-    need(bool(a2a) == (degrees.get("ep", 1) > 1), f"ep={degrees.get('ep', 1)} but {len(a2a)} all_to_alls")
+
+def _of_kind(nodes, kind: str) -> list:
+    """The collectives among ``nodes`` of one ``_KINDS`` kind ("AG", "RS", "AR", "A2A")."""
+    from graph_trainer.graph.collectives import collective_name
+
+    return [n for n in nodes if collective_name(n) in _KINDS[kind]]
+
+
+def _hsdp_order_problems(ref_nodes) -> list[str]:
+    """HSDP reduce-scatters a gradient before all-reducing its shard (``_full_gradient_all_reduces``),
+    checked on the reference graph: the order comes from the layout, not from a pass."""
+    full = _full_gradient_all_reduces(ref_nodes)
+    return _problem(not full, f"HSDP all-reduces before reduce-scattering: {full[:3]}")
+
+
+def _tensor_parallel_problems(nodes, cfg, degrees: dict[str, int]) -> list[str]:
+    """On LLaMA-3: with ``tp > 1``, all-reduces not tagged ``fsdp_role`` (tensor parallel's); and
+    all-reduces at all iff ``tp > 1`` or ``dp_replicate > 1``."""
+    if cfg.model.name != "llama3":
+        return []
+    all_reduces = _of_kind(nodes, "AR")
+    tp_reduce = [n for n in all_reduces if not tags.get(n, FSDP_ROLE)]
+    tp, replicate = degrees["tp"], degrees["dp_replicate"]
+    return [
+        *_problem(bool(tp_reduce) or tp == 1, f"tp={tp} but no TP all-reduce"),
+        *_problem(
+            bool(all_reduces) == (tp > 1 or replicate > 1),
+            f"{len(all_reduces)} all-reduces with tp={tp}, dp_replicate={replicate}",
+        ),
+    ]
+
+
+def _all_to_all_problems(nodes, args, degrees: dict[str, int]) -> list[str]:
+    """all_to_alls iff ``ep > 1``, each tagged ``ep_role`` (count_exchange / dispatch / combine) and
+    ``moe_fqn``; every MoE layer of the model with its forward dispatch and combine and their backward."""
+    a2a = _of_kind(nodes, "A2A")
+    ep = degrees.get("ep", 1)
+    problems = _problem(bool(a2a) == (ep > 1), f"ep={ep} but {len(a2a)} all_to_alls")
     untagged = [
         n.name
         for n in a2a
         if tags.get(n, EP_ROLE) not in (COUNT_EXCHANGE, DISPATCH, COMBINE) or not tags.get(n, MOE_FQN)
     ]
-    need(not untagged, f"all_to_alls without ep_role / moe_fqn: {untagged[:3]}")
-    if a2a:
-        roles = Counter((tags.get(n, MOE_FQN), tags.get(n, PHASE), tags.get(n, EP_ROLE)) for n in a2a)
-        n_moe = args.n_layers - args.n_dense_layers
-        layers = {fqn for fqn, _, _ in roles}
-        need(len(layers) == n_moe, f"all_to_alls in {len(layers)} MoE layers, the model has {n_moe}")
-        missing = [
-            (fqn, phase, role)
-            for fqn in layers
-            for phase in (FORWARD, BACKWARD)
-            for role in (DISPATCH, COMBINE)
-            if not roles[(fqn, phase, role)]
-        ]
-        need(not missing, f"MoE layers without an all_to_all for {missing[:3]}")
+    problems += _problem(not untagged, f"all_to_alls without ep_role / moe_fqn: {untagged[:3]}")
+    if not a2a:
+        return problems
+    roles = Counter((tags.get(n, MOE_FQN), tags.get(n, PHASE), tags.get(n, EP_ROLE)) for n in a2a)
+    n_moe = args.n_layers - args.n_dense_layers
+    layers = {fqn for fqn, _, _ in roles}
+    problems += _problem(len(layers) == n_moe, f"all_to_alls in {len(layers)} MoE layers, the model has {n_moe}")
+    missing = [
+        (fqn, phase, role)
+        for fqn in layers
+        for phase in (FORWARD, BACKWARD)
+        for role in (DISPATCH, COMBINE)
+        if not roles[(fqn, phase, role)]
+    ]
+    return problems + _problem(not missing, f"MoE layers without an all_to_all for {missing[:3]}")
 
-    passes = list(cfg.compile.passes)
-    n = args.n_layers
-    need(len(plan) == n + 2, f"the model's bucket plan has {len(plan)} groups, expected n_layers + 2 = {n + 2}")
+
+def _expected_block_buckets(cfg, degrees: dict[str, int], n: int) -> dict[tuple[str, str], int]:
+    """How many buckets ``transformer_block_bucketing`` makes of the FSDP collectives, per (kind,
+    phase), for a model of ``n`` blocks: all-gathers n + 2 forward (embeddings, each block, norm +
+    output) and n + 1 backward (none if parameters are kept), reduce-scatters n + 2 (with
+    ``dp_shard > 1``); gradient all-reduces n + 2 (with ``dp_replicate > 1``)."""
     keeps = cfg.parallelism.fsdp_reshard_after_forward == "never"
     expected = {}
     if degrees["dp_shard"] > 1:
         expected = {("AG", "forward"): n + 2, ("AG", "backward"): 0 if keeps else n + 1, ("RS", "backward"): n + 2}
     if degrees["dp_replicate"] > 1:
         expected[("AR", "backward")] = n + 2
+    return expected
+
+
+def _block_bucket_problems(nodes, ref_nodes, passes: list[str], expected: dict, plan: list[list[str]]) -> list[str]:
+    """With ``transformer_block_bucketing``: every FSDP collective of each ``expected`` (kind, phase)
+    in a block bucket (tagged ``fsdp_bucket``) and, alone, the expected number of buckets and one
+    collective per (bucket, process group) that the reference's per-parameter collectives span;
+    followed by ``auto_bucketing``, no more collectives than those pairs. (``auto_bucketing`` alone
+    buckets by its own rule: ``_auto_bucketing_problems``.)"""
+    from graph_trainer.compiler.passes.transformer_block_bucketing import bucket_index
+    from graph_trainer.graph.collectives import group_name
+
+    if not any(p in passes for p in BUCKETING.values()):
+        return []
+    problems = []
     for (kind, phase), buckets in expected.items():
-        if not any(p in passes for p in BUCKETING.values()):
-            break
         got, ref = _fsdp(nodes, _KINDS[kind], phase), _fsdp(ref_nodes, _KINDS[kind], phase)
         # one collective per (bucket, process group) that the reference's per-parameter collectives span
         ref_pairs = {(bucket_index(plan, tags.get(r, FSDP_PARAM)), group_name(r)) for r in ref}
         if "auto_bucketing" in passes and "transformer_block_bucketing" not in passes:
             continue
         unbucketed = [r.name for r in got if not tags.has(r, FSDP_BUCKET)]
-        need(not unbucketed, f"{phase} FSDP {kind} outside a block bucket: {unbucketed[:3]}")
+        problems += _problem(not unbucketed, f"{phase} FSDP {kind} outside a block bucket: {unbucketed[:3]}")
         if "auto_bucketing" in passes:
-            need(len(got) <= len(ref_pairs), f"{phase} {kind}: {len(got)} > {len(ref_pairs)} block buckets")
+            problems += _problem(
+                len(got) <= len(ref_pairs), f"{phase} {kind}: {len(got)} > {len(ref_pairs)} block buckets"
+            )
             continue
         names = {tags.get(r, FSDP_BUCKET) for r in got}
-        need(len(names) == buckets, f"{phase} {kind}: {len(names)} buckets, expected {buckets}")
-        need(
+        problems += _problem(len(names) == buckets, f"{phase} {kind}: {len(names)} buckets, expected {buckets}")
+        problems += _problem(
             len(got) == len(ref_pairs),
             f"{phase} {kind}: {len(got)} collectives for {len(ref_pairs)} (bucket, group) pairs",
         )
+    return problems
+
+
+def _non_fsdp_collective_problems(nodes, ref_nodes, passes: list[str]) -> list[str]:
+    """``transformer_block_bucketing`` alone leaves the collectives not tagged ``fsdp_role`` (tensor
+    and expert parallel's) as the reference has them: the same ops, as many, in each phase."""
+    from graph_trainer.graph.collectives import collective_name
+
+    if passes != [BUCKETING["tbb"]]:
+        return []
     others = Counter((collective_name(x), tags.get(x, PHASE)) for x in nodes if not tags.get(x, FSDP_ROLE))
     ref_others = Counter((collective_name(x), tags.get(x, PHASE)) for x in ref_nodes if not tags.get(x, FSDP_ROLE))
-    if passes == [BUCKETING["tbb"]]:
-        need(others == ref_others, f"non-FSDP collectives changed: {dict(others)} vs {dict(ref_others)}")
-    if "ep_overlap" in passes:
-        regions = find_regions(gm.graph)
-        n_moe = args.n_layers - args.n_dense_layers
-        need(
-            len(regions) == 2 * n_moe,
-            f"ep_overlap: {len(regions)} chunked regions, expected forward and backward of {n_moe} MoE layers",
-        )
-        if cfg.compile.ep_overlap.reorder:
-            wrong = verify_schedule(gm.graph)
-            need(not wrong, f"ep_overlap schedule broken in {len(wrong)} places: {wrong[:1]}")
-    if "auto_bucketing" in passes:
-        need(len(ops(nodes, "A2A")) == len(ops(ref_nodes, "A2A")), "auto_bucketing changed the all_to_alls")
-        fsdp, ref_fsdp = (sum(bool(tags.get(x, FSDP_ROLE)) for x in ns) for ns in (nodes, ref_nodes))
-        need(
+    return _problem(others == ref_others, f"non-FSDP collectives changed: {dict(others)} vs {dict(ref_others)}")
+
+
+def _ep_overlap_problems(gm, cfg, args, passes: list[str]) -> list[str]:
+    """``ep_overlap``: a forward and a backward chunked region per MoE layer and, unless ``reorder``
+    is off, the schedule ``ep_overlap.verify_schedule`` checks (after every pass)."""
+    from graph_trainer.compiler.passes.ep_overlap import find_regions, verify_schedule
+
+    if "ep_overlap" not in passes:
+        return []
+    regions = find_regions(gm.graph)
+    n_moe = args.n_layers - args.n_dense_layers
+    problems = _problem(
+        len(regions) == 2 * n_moe,
+        f"ep_overlap: {len(regions)} chunked regions, expected forward and backward of {n_moe} MoE layers",
+    )
+    if cfg.compile.ep_overlap.reorder:
+        wrong = verify_schedule(gm.graph)
+        problems += _problem(not wrong, f"ep_overlap schedule broken in {len(wrong)} places: {wrong[:1]}")
+    return problems
+
+
+def _auto_bucketing_problems(nodes, ref_nodes, passes: list[str], degrees: dict[str, int]) -> list[str]:
+    """``auto_bucketing``: the all_to_alls as many as in the reference and, with ``dp_shard > 1``,
+    fewer FSDP collectives than it."""
+    if "auto_bucketing" not in passes:
+        return []
+    fsdp, ref_fsdp = (sum(bool(tags.get(x, FSDP_ROLE)) for x in ns) for ns in (nodes, ref_nodes))
+    return [
+        *_problem(
+            len(_of_kind(nodes, "A2A")) == len(_of_kind(ref_nodes, "A2A")), "auto_bucketing changed the all_to_alls"
+        ),
+        *_problem(
             degrees["dp_shard"] == 1 or fsdp < ref_fsdp,
             f"auto_bucketing: {fsdp} FSDP collectives, not fewer than {ref_fsdp} without passes",
-        )
-    return problems
+        ),
+    ]
 
 
 def _full_gradient_all_reduces(nodes) -> list[str]:
