@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -153,7 +154,8 @@ def run_job(cmd: list[str], log: str, root: str, kill: bool, rng: random.Random,
     return {"code": proc.wait(), "killed": killed, "during_save": during_save}
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line (the module docstring is its help)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
     parser.add_argument("--runs", type=int, default=14)
@@ -162,11 +164,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--corrupt", type=float, default=0.5, help="chance of damaging a checkpoint before a start")
     parser.add_argument("--timeout", type=float, default=600)
-    opts = parser.parse_args(normalize_flags(argv))
-    rng = random.Random(opts.seed)
-    began = time.monotonic()
-    os.makedirs(opts.out, exist_ok=False)
+    return parser.parse_args(normalize_flags(argv))
 
+
+def run_reference(opts: argparse.Namespace, rng: random.Random) -> dict[int, str]:
+    """Run the job once, uninterrupted, in ``OUT/reference``: its losses are the ones every run
+    must write. Exits if it fails or misses a step."""
     reference_dir = os.path.join(opts.out, "reference")
     ref = run_job(
         command(opts.nproc, reference_dir, opts.steps),
@@ -179,85 +182,149 @@ def main(argv: list[str]) -> int:
     reference = read_losses(reference_dir)
     if ref["code"] != 0 or sorted(reference) != list(range(1, opts.steps + 1)):
         raise SystemExit(f"the reference job failed: see {opts.out}/reference.log")
+    return reference
 
-    job = os.path.join(opts.out, "job")
-    root = os.path.join(job, "checkpoint")
-    figures = {
-        "runs": 0,
-        "kills": 0,
-        "kills during a save": 0,
-        "corruptions": 0,
-        "detected at resume": 0,
-        "leftovers cleaned": 0,
-        "lost complete checkpoints": 0,
-        "corrupt loads": 0,
-        "loss mismatches": 0,
-    }
-    damaged: dict[int, str] = {}  # step -> what was done, while its step-N folder exists
-    events = []
-    finished = False
-    for run in range(opts.runs):
-        last = run == opts.runs - 1
-        good = verified(root) - set(damaged)
-        if len(good) >= 2 and rng.random() < opts.corrupt:
-            newest = max(good)
-            step = newest if rng.random() < 0.75 else rng.choice(sorted(good))
-            what = damage(rng, step_dirs(root)[step])
-            if verify_folder(step_dirs(root)[step]) is None:
-                events.append(f"run {run}: step-{step} {what}, still identical to what was saved: not counted")
-            else:
-                damaged[step] = what
-                figures["corruptions"] += 1
-                events.append(f"run {run}: damaged step-{step} ({what})")
-        before = verified(root) - set(damaged)
-        log = os.path.join(opts.out, f"run{run:02d}.log")
-        result = run_job(command(opts.nproc, job, opts.steps), log, root, not last, rng, opts.timeout)
-        figures["runs"] += 1
-        figures["kills"] += result["killed"]
-        figures["kills during a save"] += result["during_save"]
-        text = open(log, encoding="utf-8", errors="replace").read()
-        figures["leftovers cleaned"] += text.count("(an interrupted save)")
-        detected = {int(s) for s in re.findall(r"checkpoint \S*step-(\d+) fails verification", text)}
-        resumed = [int(s) for s in re.findall(r"resuming from checkpoint \S+ \(step (\d+)\)", text)]
-        for step in sorted(detected & set(damaged)):
-            figures["detected at resume"] += 1
-            del damaged[step]  # renamed step-N.corrupt-*: no longer a checkpoint
-        if resumed and resumed[0] in damaged:
-            figures["corrupt loads"] += 1
-            events.append(f"run {run}: RESUMED FROM DAMAGED step-{resumed[0]}")
-        after = verified(root)
-        lost = sorted(before - after)
-        figures["lost complete checkpoints"] += len(lost)
-        losses = read_losses(job)
-        wrong = sorted(s for s, v in losses.items() if reference.get(s) != v)
-        figures["loss mismatches"] += bool(wrong)
-        # A save that replaced a damaged step (after a fallback) healed it.
-        for step in [s for s in damaged if s in after]:
-            del damaged[step]
-        how = " (killed during a save)" if result["during_save"] else " (killed)" if result["killed"] else ""
-        events.append(
-            f"run {run}: exit {result['code']}{how}, "
-            f"resumed from {resumed[0] if resumed else 'scratch'}, detected {sorted(detected) or 'none'}, "
-            f"checkpoints {sorted(after)}"
-            + (f", LOST {lost}" if lost else "")
-            + (f", WRONG LOSSES at {wrong}" if wrong else "")
-        )
-        if last:
-            finished = result["code"] == 0 and sorted(losses) == list(range(1, opts.steps + 1)) and not wrong
 
-    still_damaged = {s: verify_folder(p) for s, p in step_dirs(root).items() if s in damaged}
+COUNTED = (
+    "runs",
+    "kills",
+    "kills during a save",
+    "corruptions",
+    "detected at resume",
+    "leftovers cleaned",
+    "lost complete checkpoints",
+    "corrupt loads",
+    "loss mismatches",
+)
+"""The figures counted over the runs, in the report's order."""
+
+
+@dataclass
+class Campaign:
+    """The runs of one invocation: its options, random source and reference losses, the job's
+    folders, and what the runs so far have counted, noted and left damaged."""
+
+    opts: argparse.Namespace
+    rng: random.Random
+    reference: dict[int, str]
+    job: str
+    """The folder every run of the job writes to (``OUT/job``)."""
+    root: str
+    """Its checkpoint folder."""
+    figures: dict[str, int | bool] = field(default_factory=lambda: dict.fromkeys(COUNTED, 0))
+    damaged: dict[int, str] = field(default_factory=dict)
+    """Step -> what was done to it, while its ``step-N`` folder exists."""
+    events: list[str] = field(default_factory=list)
+    finished: bool = False
+    """Whether the last run finished with the reference losses."""
+
+
+def one_round(campaign: Campaign, run: int) -> None:
+    """Maybe damage a checkpoint, start the job (killed during a save unless this is the last run),
+    then check what it did."""
+    opts = campaign.opts
+    last = run == opts.runs - 1
+    damage_a_checkpoint(campaign, run)
+    before = verified(campaign.root) - set(campaign.damaged)
+    log = os.path.join(opts.out, f"run{run:02d}.log")
+    cmd = command(opts.nproc, campaign.job, opts.steps)
+    result = run_job(cmd, log, campaign.root, not last, campaign.rng, opts.timeout)
+    check_run(campaign, run, before, log, result, last)
+
+
+def damage_a_checkpoint(campaign: Campaign, run: int) -> None:
+    """With probability ``--corrupt``, once two undamaged complete checkpoints exist, damage one:
+    the newest (the one a resume loads) 3 times in 4, else any. A damage that leaves the files as
+    saved is noted but not counted."""
+    rng, root, damaged = campaign.rng, campaign.root, campaign.damaged
+    good = verified(root) - set(damaged)
+    if not (len(good) >= 2 and rng.random() < campaign.opts.corrupt):
+        return
+    newest = max(good)
+    step = newest if rng.random() < 0.75 else rng.choice(sorted(good))
+    what = damage(rng, step_dirs(root)[step])
+    if verify_folder(step_dirs(root)[step]) is None:
+        campaign.events.append(f"run {run}: step-{step} {what}, still identical to what was saved: not counted")
+    else:
+        damaged[step] = what
+        campaign.figures["corruptions"] += 1
+        campaign.events.append(f"run {run}: damaged step-{step} ({what})")
+
+
+def check_run(campaign: Campaign, run: int, before: set[int], log: str, result: dict, last: bool) -> None:
+    """Count what one run did (kills, damage detected, loads of damaged checkpoints, complete
+    checkpoints lost, losses unlike the reference's) from its log and folders, and note it."""
+    figures, damaged = campaign.figures, campaign.damaged
+    figures["runs"] += 1
+    figures["kills"] += result["killed"]
+    figures["kills during a save"] += result["during_save"]
+    text = open(log, encoding="utf-8", errors="replace").read()
+    figures["leftovers cleaned"] += text.count("(an interrupted save)")
+    detected = {int(s) for s in re.findall(r"checkpoint \S*step-(\d+) fails verification", text)}
+    resumed = [int(s) for s in re.findall(r"resuming from checkpoint \S+ \(step (\d+)\)", text)]
+    for step in sorted(detected & set(damaged)):
+        figures["detected at resume"] += 1
+        del damaged[step]  # renamed step-N.corrupt-*: no longer a checkpoint
+    if resumed and resumed[0] in damaged:
+        figures["corrupt loads"] += 1
+        campaign.events.append(f"run {run}: RESUMED FROM DAMAGED step-{resumed[0]}")
+    after = verified(campaign.root)
+    lost = sorted(before - after)
+    figures["lost complete checkpoints"] += len(lost)
+    losses = read_losses(campaign.job)
+    wrong = sorted(s for s, v in losses.items() if campaign.reference.get(s) != v)
+    figures["loss mismatches"] += bool(wrong)
+    # A save that replaced a damaged step (after a fallback) healed it.
+    for step in [s for s in damaged if s in after]:
+        del damaged[step]
+    how = " (killed during a save)" if result["during_save"] else " (killed)" if result["killed"] else ""
+    campaign.events.append(
+        f"run {run}: exit {result['code']}{how}, "
+        f"resumed from {resumed[0] if resumed else 'scratch'}, detected {sorted(detected) or 'none'}, "
+        f"checkpoints {sorted(after)}"
+        + (f", LOST {lost}" if lost else "")
+        + (f", WRONG LOSSES at {wrong}" if wrong else "")
+    )
+    if last:
+        steps = list(range(1, campaign.opts.steps + 1))
+        campaign.finished = result["code"] == 0 and sorted(losses) == steps and not wrong
+
+
+def report(campaign: Campaign, began: float) -> int:
+    """Print the runs' notes and figures; returns the exit code: 1 if a complete checkpoint was
+    lost, a damaged one loaded, a loss differed or the last run did not finish."""
+    opts, figures = campaign.opts, campaign.figures
+    root = campaign.root
+    still_damaged = {s: verify_folder(p) for s, p in step_dirs(root).items() if s in campaign.damaged}
     figures["corruptions never loaded, still refused by verification"] = sum(
         p is not None for p in still_damaged.values()
     )
-    figures["last run finished with the reference losses"] = finished
+    figures["last run finished with the reference losses"] = campaign.finished
     figures["wall time s"] = round(time.monotonic() - began)
     print(f"seed {opts.seed}, {opts.runs} runs of {opts.steps} steps, {opts.nproc} process(es) each")
-    print("\n".join(events))
+    print("\n".join(campaign.events))
     print(json.dumps(figures, indent=1))
     failed = (
-        figures["lost complete checkpoints"] or figures["corrupt loads"] or figures["loss mismatches"] or not finished
+        figures["lost complete checkpoints"]
+        or figures["corrupt loads"]
+        or figures["loss mismatches"]
+        or not campaign.finished
     )
     return 1 if failed else 0
+
+
+def main(argv: list[str]) -> int:
+    """Run the reference job, then ``--runs`` rounds of damage, start and kill; report them."""
+    opts = parse_args(argv)
+    rng = random.Random(opts.seed)
+    began = time.monotonic()
+    os.makedirs(opts.out, exist_ok=False)
+    reference = run_reference(opts, rng)
+    job = os.path.join(opts.out, "job")
+    campaign = Campaign(opts, rng, reference, job, os.path.join(job, "checkpoint"))
+    for run in range(opts.runs):
+        one_round(campaign, run)
+    return report(campaign, began)
 
 
 if __name__ == "__main__":
