@@ -1,6 +1,7 @@
 """The layers contracts (pyproject.toml, checked by ``lint-imports`` in CI) cover every module and
 every folder, and docs/architecture.md draws the same picture."""
 
+import ast
 import os
 import re
 
@@ -94,3 +95,33 @@ def test_architecture_doc_shows_the_contract_layers():
     assert _doc_block("layers") == [layer.strip() for layer in _layers()]
     drawn = [f"{container}: {' > '.join(layers)}" for container, layers in _folder_contracts().items()]
     assert _doc_block("folders") == drawn
+
+
+MAX_FUNCTION_LINES = 80
+"""A function fits on a screen: from its ``def`` line to its last, docstring included."""
+FUNCTION_LIMIT_SOURCES = ("graph_trainer", "models", "suites", "scripts", "train.py", "integration_tests.py")
+FUNCTION_LIMIT_SOURCES += ("integration_dry_run.py",)
+
+
+def _python_files(*names: str) -> list[str]:
+    paths = []
+    for name in names:
+        path = os.path.join(ROOT, name)
+        if os.path.isfile(path):
+            paths.append(path)
+        for folder, _, files in os.walk(path):
+            paths += [os.path.join(folder, f) for f in files if f.endswith(".py")]
+    return sorted(paths)
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = []
+    for path in _python_files(*FUNCTION_LIMIT_SOURCES):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
