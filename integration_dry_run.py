@@ -83,7 +83,7 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
       in ``reference``; followed by
       ``auto_bucketing``: every FSDP collective still in a block bucket, no more of them;
     * ``auto_bucketing`` alone: fewer FSDP collectives than ``reference``, the same all_to_alls;
-    * ``ep_overlap``: a forward and a backward chunked region per MoE layer and, unless
+    * ``ep_overlap``: the forward and the backward of one chunked module per MoE layer and, unless
       ``reorder`` is off, the schedule ``ep_overlap.verify_schedule`` checks (after every pass).
     """
     from models.registry import model_args
@@ -232,17 +232,17 @@ def _non_fsdp_collective_problems(nodes, ref_nodes, passes: list[str]) -> list[s
 
 
 def _ep_overlap_problems(gm, cfg, args, passes: list[str]) -> list[str]:
-    """``ep_overlap``: a forward and a backward chunked region per MoE layer and, unless ``reorder``
+    """``ep_overlap``: the forward and the backward of one chunked module per MoE layer and, unless ``reorder``
     is off, the schedule ``ep_overlap.verify_schedule`` checks (after every pass)."""
-    from graph_trainer.compiler.passes.ep_overlap import find_regions, verify_schedule
+    from graph_trainer.compiler.passes.ep_overlap import find_chunked_modules, verify_schedule
 
     if "ep_overlap" not in passes:
         return []
-    regions = find_regions(gm.graph)
+    chunked = find_chunked_modules(gm.graph)
     n_moe = args.n_layers - args.n_dense_layers
     problems = _problem(
-        len(regions) == 2 * n_moe,
-        f"ep_overlap: {len(regions)} chunked regions, expected forward and backward of {n_moe} MoE layers",
+        len(chunked) == 2 * n_moe,
+        f"ep_overlap: {len(chunked)} chunked modules (per phase), expected forward and backward of {n_moe} MoE layers",
     )
     if cfg.compile.ep_overlap.reorder:
         wrong = verify_schedule(gm.graph)
@@ -370,8 +370,8 @@ def check_stage_graph(gm, cfg, degrees: dict[str, int], blocks: range, first: bo
     stage with its dispatch and combine both ways and nothing of another stage's; with
     ``transformer_block_bucketing`` alone, one forward all-gather bucket per block plus the
     embedding's (first stage) and the norm and output's (last); with ``ep_overlap``, a forward
-    and a backward chunked region per MoE block of the stage."""
-    from graph_trainer.compiler.passes.ep_overlap import find_regions
+    and a backward chunked module per MoE block of the stage."""
+    from graph_trainer.compiler.passes.ep_overlap import find_chunked_modules
     from graph_trainer.graph.collectives import collective_name
     from models.registry import model_args
 
@@ -406,8 +406,11 @@ def check_stage_graph(gm, cfg, degrees: dict[str, int], blocks: range, first: bo
         unbucketed = [n.name for n in gathers if not tags.has(n, FSDP_BUCKET)]
         need(len(buckets) == want and not unbucketed, f"forward all-gathers in {len(buckets)} buckets, expected {want}")
     if "ep_overlap" in passes:
-        regions = find_regions(gm.graph)
-        need(len(regions) == 2 * len(moe), f"ep_overlap: {len(regions)} chunked regions for {len(moe)} MoE blocks")
+        chunked = find_chunked_modules(gm.graph)
+        need(
+            len(chunked) == 2 * len(moe),
+            f"ep_overlap: {len(chunked)} chunked modules (per phase) for {len(moe)} MoE blocks",
+        )
     return problems
 
 

@@ -57,7 +57,7 @@ of every op depends only on its inputs:
 
 So under ``regional`` every value-preserving pass keeps its bitwise promise though it changes
 the regions: ``transformer_block_bucketing`` and ``auto_bucketing`` move collectives (so region
-boundaries), ``ep_overlap`` moves compute across collectives, so its regions hold other sets of
+boundaries), ``ep_overlap`` moves compute across collectives, so the regions hold other sets of
 ops than its chunked twin's (checked in the cpu suite; the memory policy was bitwise too when
 measured). ``tests/compiler/test_backend.py`` cuts a graph in two and shows both effects, fp32 and bf16.
 Without ``deterministic`` (CUDA by default) Inductor fuses freely: faster, and a pass that moves
@@ -115,17 +115,19 @@ def region_unit(node: fx.Node) -> tuple[str, str]:
 
 
 @dataclass
-class Region:
+class InductorRegion:
+    """A run of consecutive compute nodes of one phase and one unit, compiled as one."""
+
     name: str
     phase: str
     unit: str
     nodes: list[fx.Node] = field(default_factory=list)
 
 
-def find_regions(graph: fx.Graph) -> list[Region]:
+def find_inductor_regions(graph: fx.Graph) -> list[InductorRegion]:
     """The regions of ``graph`` in graph order (runs of consecutive compute nodes of one unit)."""
-    regions: list[Region] = []
-    current: Region | None = None
+    regions: list[InductorRegion] = []
+    current: InductorRegion | None = None
     for node in graph.nodes:
         if stays_outside(node):
             current = None
@@ -135,7 +137,7 @@ def find_regions(graph: fx.Graph) -> list[Region]:
             continue
         phase, unit = region_unit(node)
         if current is None or (current.phase, current.unit) != (phase, unit):
-            current = Region(f"region_{len(regions)}_{phase}_{unit.replace('.', '_')}", phase, unit)
+            current = InductorRegion(f"region_{len(regions)}_{phase}_{unit.replace('.', '_')}", phase, unit)
             regions.append(current)
         current.nodes.append(node)
     return [r for r in regions if not _aliases_only(r.nodes)]
@@ -212,7 +214,7 @@ def cut_regions(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     order changed (it cannot, by construction; this is the check)."""
     before = collective_order(gm.graph)
     _parts_next_to_their_op(gm.graph)
-    regions = find_regions(gm.graph)
+    regions = find_inductor_regions(gm.graph)
     partitions = [dict.fromkeys(r.nodes) for r in regions]
     gm = torch_compat.fuse_partitions(gm, partitions, prefix="inductor_region_")
     names = []
@@ -440,11 +442,11 @@ __all__ = [
     "BACKENDS",
     "INDUCTOR_SCOPES",
     "BackendReport",
-    "Region",
+    "InductorRegion",
     "apply_backend",
     "compile_region",
     "cut_regions",
-    "find_regions",
+    "find_inductor_regions",
     "generated_collective_order",
     "region_post_grad_pass",
     "region_unit",

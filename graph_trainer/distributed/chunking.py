@@ -10,7 +10,7 @@ holds each chunk's ops separately, in program order (chunk 0, then chunk 1), and
 Tags written (``graph_trainer.graph.tags``, copied onto the backward by the tracer):
 
 ==================  ==========================================================================
-``chunk_region``    FQN of the chunked module (``layers.3``), on every node made inside it:
+``chunked_module``    FQN of the chunked module (``layers.3``), on every node made inside it:
                     both chunks, the split and the concatenation.
 ``chunk_id``        0 or 1, on the nodes of that chunk only (the split and the concatenation
                     have none: they belong to both).
@@ -20,7 +20,7 @@ Parameters are used once per chunk. With SimpleFSDP each use of a parametrized p
 would gather it again, so the wrapper gathers every parameter of the module once, before
 the chunks, inside ``parametrize.cached()``: both chunks compute with the same gathered
 tensor, one all-gather in forward and (autograd summing both chunks' gradients first) one
-reduce-scatter in backward, as without chunking. Those gather nodes carry ``chunk_region``
+reduce-scatter in backward, as without chunking. Those gather nodes carry ``chunked_module``
 but no ``chunk_id``.
 
 Numerics: each chunk computes exactly what the module computes on its half; results differ
@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from graph_trainer.graph.tags import CHUNK_ID, CHUNK_REGION, MODULE_FQN, annotate
+from graph_trainer.graph.tags import CHUNK_ID, CHUNKED_MODULE, MODULE_FQN, annotate
 
 NUM_CHUNKS = 2
 CHUNK_DIMS = {"batch": 0, "seq": 1}
@@ -75,7 +75,7 @@ def _chunked_forward(module: nn.Module, fqn: str, dim: int, forward: Callable) -
             raise ValueError(
                 f"{fqn}: input dim {dim} of size {x.shape[dim]} cannot be split into {NUM_CHUNKS} equal chunks"
             )
-        with annotate({CHUNK_REGION: fqn}), parametrize.cached():
+        with annotate({CHUNKED_MODULE: fqn}), parametrize.cached():
             _gather_parameters_once(module, fqn)
             outputs = []
             for chunk_id, piece in enumerate(x.chunk(NUM_CHUNKS, dim=dim)):

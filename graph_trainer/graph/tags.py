@@ -39,7 +39,7 @@ FSDP_BUCKET = "fsdp_bucket"
 FSDP_PARAMS = "fsdp_params"
 EP_ROLE = "ep_role"
 MOE_FQN = "moe_fqn"
-CHUNK_REGION = "chunk_region"
+CHUNKED_MODULE = "chunked_module"
 CHUNK_ID = "chunk_id"
 LOSS_CHUNK = "loss_chunk"
 ACTIVATION = "activation"
@@ -94,7 +94,7 @@ KEYS = (
     ),
     KeyDoc((MOE_FQN,), "expert_parallel: the MoE module's FQN", "dry run, tests"),
     KeyDoc(
-        (CHUNK_REGION, CHUNK_ID),
+        (CHUNKED_MODULE, CHUNK_ID),
         "chunking (ep_overlap's model preparation): the chunked module, chunk 0 or 1",
         "ep_overlap",
     ),
@@ -126,7 +126,7 @@ COUNT_EXCHANGE, DISPATCH, COMBINE, EXPERT_COMPUTE = "count_exchange", "dispatch"
 SAVE, RECOMPUTE = "save", "recompute"
 """Values of ACTIVATION."""
 
-INHERITED_BY_BACKWARD = (EP_ROLE, MOE_FQN, CHUNK_REGION, CHUNK_ID, LOSS_CHUNK)
+INHERITED_BY_BACKWARD = (EP_ROLE, MOE_FQN, CHUNKED_MODULE, CHUNK_ID, LOSS_CHUNK)
 """Forward tags that the backward nodes differentiating a node carry too (copied by the tracer)."""
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
@@ -207,7 +207,7 @@ __all__ = [
     "AUTO_BUCKET",
     "BACKWARD",
     "CHUNK_ID",
-    "CHUNK_REGION",
+    "CHUNKED_MODULE",
     "COMBINE",
     "COUNT_EXCHANGE",
     "CUSTOM",

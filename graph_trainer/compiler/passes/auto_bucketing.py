@@ -61,11 +61,11 @@ and reduce-scatters sum the same elements (bitwise the same if the backend sums 
 contributions in the same order in a larger buffer: always for 2 ranks and for ring
 reduce-scatters; see the tests). Reordering changes no value.
 
-With ``ep_overlap`` earlier in the list: PyTorch's scheduler reorders the chunked MoE regions
+With ``ep_overlap`` earlier in the list: PyTorch's scheduler reorders the chunked MoE modules
 too and breaks their schedule (a chunk waits on its dispatch before the other chunk issues
-its own), so this pass re-applies ``ep_overlap``'s region schedule to its result
-(``ep_overlap.schedule_regions``: only the regions' nodes move, and the outside nodes they
-need, e.g. a bucket's wait, move to just before the region) and checks it as ``ep_overlap``
+its own), so this pass re-applies ``ep_overlap``'s schedule to its result
+(``ep_overlap.schedule_chunked_modules``: only the chunked modules' nodes move, and the outside nodes they
+need, e.g. a bucket's wait, move to just before the module) and checks it as ``ep_overlap``
 does. Values are unchanged: both only reorder.
 
 Logs: collectives exposed / hidden by the scheduler's estimate (PyTorch's ``counters``), and the
@@ -89,7 +89,7 @@ import torch.fx as fx
 
 from graph_trainer.analysis.cost_model import collective_time, node_compute_time
 from graph_trainer.analysis.devices import DEVICES
-from graph_trainer.compiler.passes.ep_overlap import find_regions, reorders, schedule_regions
+from graph_trainer.compiler.passes.ep_overlap import find_chunked_modules, reorders, schedule_chunked_modules
 from graph_trainer.compiler.passes.registry import PassContext, PassError, PassSpec
 from graph_trainer.errors import ConfigError
 from graph_trainer.graph import tags
@@ -184,12 +184,12 @@ def auto_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
     added = _tag_new_nodes(gm.graph)
     gm.graph.lint()
     gm.recompile()
-    regions = find_regions(gm.graph)
-    if regions and reorders(context.config):
+    chunked = find_chunked_modules(gm.graph)
+    if chunked and reorders(context.config):
         # PyTorch's list scheduler knows nothing of ep_overlap's two-chunk schedule and undoes it
         # (it waits on a chunk's dispatch before the other chunk issues its own): restore it.
-        schedule_regions(gm, regions)
-        logger.info("auto_bucketing: restored ep_overlap's schedule of %d chunked regions", len(regions))
+        schedule_chunked_modules(gm, chunked)
+        logger.info("auto_bucketing: restored ep_overlap's schedule of %d chunked modules", len(chunked))
     delta = {k: counters[k] - start[k] for k in keys}
     logger.info(
         "auto_bucketing: collectives %s -> %s (gradient reductions %s -> %s), exposed %d, hidden-able %d, "

@@ -1,40 +1,41 @@
-"""ep_overlap: run MoE regions as two chunks and hide each chunk's all_to_alls behind the other's compute.
+"""ep_overlap: run MoE modules as two chunks and hide each chunk's all_to_alls behind the other's compute.
 
 Contract
 --------
 Before tracing (``prepare_model``): the modules selected by ``compile.ep_overlap.module_fqn``
 (``layers.*``: transformer blocks holding an expert-parallel MoE; ``layers.*.moe``: the MoE
 layers) run as two chunks along ``compile.ep_overlap.chunk_dim`` (``graph_trainer.distributed.chunking``),
-which tags every node with ``chunk_region`` and ``chunk_id``.
+which tags every node with ``chunked_module`` and ``chunk_id``.
 
-Reads: ``chunk_region``, ``chunk_id``, ``phase`` and ``ep_role`` (``graph_trainer.distributed.expert_parallel``)
-of each node; the ``all_to_all_single`` launches of a region and their ``wait_tensor`` nodes.
-Nodes tagged ``fsdp_role`` (parameter gathers and gradient reductions) are FSDP's, not the
-region's: this pass leaves them where they are.
+Reads: ``chunked_module``, ``chunk_id``, ``phase`` and ``ep_role`` (``graph_trainer.distributed.expert_parallel``)
+of each node; the ``all_to_all_single`` launches of a chunked module and their ``wait_tensor``
+nodes. Nodes tagged ``fsdp_role`` (parameter gathers and gradient reductions) are FSDP's, not the
+chunked module's: this pass leaves them where they are.
 
-A region is one chunked module in one phase (forward or backward). Its token exchanges, per
-chunk in graph order, are its ``stages`` (forward: count exchange, dispatch, combine;
-backward: combine then dispatch). Both chunks must have the same ``ep_role`` sequence.
+The pass schedules each chunked module in each phase (forward, backward) on its own
+(``ChunkedModule``). Its token exchanges, per chunk in graph order, are its *rounds* (forward:
+count exchange, dispatch, combine; backward: combine then dispatch). Both chunks must have the
+same ``ep_role`` sequence.
 
-Changes: the order of the graph's nodes, nothing else. Inside a region the nodes are
-list-scheduled (``plan_region``):
+Changes: the order of the graph's nodes, nothing else. Inside a chunked module the nodes are
+list-scheduled (``plan_chunked_module``):
 
 - chunk order: forward 0 then 1, backward 1 then 0 (autograd runs the later chunk first);
 - first any ready node on the way to a not yet issued all_to_all (its ``launch path``), by
-  (stage, chunk order): so both chunks issue stage ``s`` before either waits on it;
-- then a wait, the earliest (stage, chunk order) first; before a wait on a token exchange
+  (round, chunk order): so both chunks issue round ``r`` before either waits on it;
+- then a wait, the earliest (round, chunk order) first; before a wait on a token exchange
   (dispatch / combine) every ready node that is on no launch path (the other chunk's remaining
   work, shared experts, expert weight gradients, attention backward) runs first and hides it.
   Count exchanges (E integers) are waited on at once: compute is kept for the token exchanges.
 
-The graph order is then a priority topological sort: region nodes take the region's original
+The graph order is then a priority topological sort: a chunked module's nodes take its original
 positions in their planned order, every other node keeps its position, data dependencies and
 the order of reads and writes of every in-place-mutated tensor are kept. Every node is emitted
 exactly once; none is added, removed or changed.
 
-Guarantees: ``verify_schedule`` checks, for every region and stage, that the first chunk's
+Guarantees: ``verify_schedule`` checks, for every chunked module and round, that the first chunk's
 all_to_all is issued before the second's and both before the first of their waits; the pass
-raises ``PassError`` naming the region if the order it meant did not take effect.
+raises ``PassError`` naming the module if the order it meant did not take effect.
 
 Numerics: only the order changes; every node computes the same value from the same inputs,
 so the losses are bitwise those of the chunked graph in traced order
@@ -65,7 +66,7 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import ALL_TO_ALL, PairingError, wait_of
 from graph_trainer.graph.ops import mutated_args
-from graph_trainer.graph.tags import BACKWARD, CHUNK_ID, CHUNK_REGION, COUNT_EXCHANGE, EP_ROLE, FORWARD, FSDP_ROLE
+from graph_trainer.graph.tags import BACKWARD, CHUNK_ID, CHUNKED_MODULE, COUNT_EXCHANGE, EP_ROLE, FORWARD, FSDP_ROLE
 from graph_trainer.torch_compat import pass_needs_torch_2_13
 
 logger = logging.getLogger("graph_trainer")
@@ -75,15 +76,15 @@ PHASE_CHUNK_ORDER = {FORWARD: (0, 1), BACKWARD: (1, 0)}
 
 
 @dataclass
-class Region:
+class ChunkedModule:
     """One chunked module in one phase."""
 
     fqn: str
     phase: str
     nodes: list[fx.Node] = field(default_factory=list)
-    """Region nodes in graph order."""
+    """ChunkedModule nodes in graph order."""
     launches: dict[int, list[fx.Node]] = field(default_factory=lambda: defaultdict(list))
-    """all_to_all launches of each chunk, in graph order (index = stage)."""
+    """all_to_all launches of each chunk, in graph order (index = round)."""
 
     @property
     def name(self) -> str:
@@ -104,76 +105,78 @@ def _wait_of(launch: fx.Node) -> fx.Node:
         raise PassError(f"{NAME}: {e}") from None
 
 
-def find_regions(graph: fx.Graph) -> list[Region]:
-    """The chunked regions of ``graph`` (forward and backward), with their all_to_all launches."""
-    regions: dict[tuple[str, str], Region] = {}
+def find_chunked_modules(graph: fx.Graph) -> list[ChunkedModule]:
+    """The chunked modules of ``graph``, each in its forward and its backward, with their all_to_all launches."""
+    found: dict[tuple[str, str], ChunkedModule] = {}
     for node in graph.nodes:
-        fqn, phase = tags.get(node, CHUNK_REGION), tags.phase(node)
+        fqn, phase = tags.get(node, CHUNKED_MODULE), tags.phase(node)
         if fqn is None or phase not in PHASE_CHUNK_ORDER or tags.has(node, FSDP_ROLE):
             continue
-        region = regions.setdefault((fqn, phase), Region(fqn, phase))
-        region.nodes.append(node)
+        module = found.setdefault((fqn, phase), ChunkedModule(fqn, phase))
+        module.nodes.append(node)
         if node.target is ALL_TO_ALL and tags.has(node, CHUNK_ID):
-            region.launches[tags.get(node, CHUNK_ID)].append(node)
-    for region in regions.values():
-        if not any(region.launches.values()):
-            raise PassError(f"{NAME}: region {region.name} has no all_to_all; ep_overlap needs expert parallelism")
-        if region.roles(0) != region.roles(1):
+            module.launches[tags.get(node, CHUNK_ID)].append(node)
+    for module in found.values():
+        if not any(module.launches.values()):
             raise PassError(
-                f"{NAME}: the two chunks of {region.name} exchange tokens differently: "
-                f"{region.roles(0)} vs {region.roles(1)}"
+                f"{NAME}: chunked module {module.name} has no all_to_all; ep_overlap needs expert parallelism"
             )
-    return list(regions.values())
+        if module.roles(0) != module.roles(1):
+            raise PassError(
+                f"{NAME}: the two chunks of {module.name} exchange tokens differently: "
+                f"{module.roles(0)} vs {module.roles(1)}"
+            )
+    return list(found.values())
 
 
-def _launch_paths(region: Region, members: set[fx.Node], waits: set[fx.Node]) -> dict[fx.Node, int]:
-    """Non-wait region nodes that an all_to_all launch needs -> the earliest stage needing them."""
-    stage_of: dict[fx.Node, int] = {}
-    stages = len(region.launches[0])
-    for stage in range(stages):
-        for chunk in region.chunk_order:
-            stack = [region.launches[chunk][stage]]
+def _launch_paths(module: ChunkedModule, members: set[fx.Node], waits: set[fx.Node]) -> dict[fx.Node, int]:
+    """Non-wait nodes of ``module`` that an all_to_all launch needs -> the earliest round needing them."""
+    round_of: dict[fx.Node, int] = {}
+    rounds = len(module.launches[0])
+    for round_ in range(rounds):
+        for chunk in module.chunk_order:
+            stack = [module.launches[chunk][round_]]
             while stack:
                 node = stack.pop()
-                if node in stage_of or node in waits or node not in members:
+                if node in round_of or node in waits or node not in members:
                     continue
-                stage_of[node] = stage
+                round_of[node] = round_
                 stack.extend(node.all_input_nodes)
-    return stage_of
+    return round_of
 
 
-def plan_region(region: Region) -> list[fx.Node]:
-    """The region's nodes in the order described in the module docstring (a topological order)."""
-    members = set(region.nodes)
-    index = {n: i for i, n in enumerate(region.nodes)}
-    rank = {chunk: r for r, chunk in enumerate(region.chunk_order)}
-    wait_stage: dict[fx.Node, tuple[int, int]] = {}
-    for chunk, launches in region.launches.items():
-        for stage, launch in enumerate(launches):
-            wait_stage[_wait_of(launch)] = (stage, rank[chunk])
-    launch_stage = _launch_paths(region, members, set(wait_stage))
+def plan_chunked_module(module: ChunkedModule) -> list[fx.Node]:
+    """The module's nodes in the order described in the module docstring (a topological order)."""
+    members = set(module.nodes)
+    index = {n: i for i, n in enumerate(module.nodes)}
+    rank = {chunk: r for r, chunk in enumerate(module.chunk_order)}
+    wait_round: dict[fx.Node, tuple[int, int]] = {}
+    for chunk, launches in module.launches.items():
+        for round_, launch in enumerate(launches):
+            wait_round[_wait_of(launch)] = (round_, rank[chunk])
+    launch_round = _launch_paths(module, members, set(wait_round))
 
     def chunk_rank(node: fx.Node) -> int:
         chunk = tags.get(node, CHUNK_ID)
         return -1 if chunk is None else rank[chunk]  # the split and the concatenation serve both
 
     def key(node: fx.Node) -> tuple:
-        if node in wait_stage:
-            return (*wait_stage[node], index[node])
-        if node in launch_stage:
-            return (launch_stage[node], chunk_rank(node), index[node])
+        if node in wait_round:
+            return (*wait_round[node], index[node])
+        if node in launch_round:
+            return (launch_round[node], chunk_rank(node), index[node])
         return (chunk_rank(node), index[node])
 
-    missing = {n: sum(1 for i in n.all_input_nodes if i in members) for n in region.nodes}
+    missing = {n: sum(1 for i in n.all_input_nodes if i in members) for n in module.nodes}
     on_path: list[tuple] = []
     waits: list[tuple] = []
     others: list[tuple] = []
 
     def push(node: fx.Node) -> None:
-        heap = waits if node in wait_stage else on_path if node in launch_stage else others
+        heap = waits if node in wait_round else on_path if node in launch_round else others
         heapq.heappush(heap, (key(node), index[node], node))
 
-    for node in region.nodes:
+    for node in module.nodes:
         if missing[node] == 0:
             push(node)
     order: list[fx.Node] = []
@@ -191,10 +194,10 @@ def plan_region(region: Region) -> list[fx.Node]:
                 missing[user] -= 1
                 if missing[user] == 0:
                     push(user)
-    if len(order) != len(region.nodes):
+    if len(order) != len(module.nodes):
         raise PassError(
-            f"{NAME}: region {region.name} depends on itself through nodes outside it; "
-            f"planned {len(order)} of {len(region.nodes)} nodes"
+            f"{NAME}: chunked module {module.name} depends on itself through nodes outside it; "
+            f"planned {len(order)} of {len(module.nodes)} nodes"
         )
     return order
 
@@ -221,8 +224,8 @@ def _predecessors(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
 def _inputs_to_hoist(
     order: list[fx.Node], position: dict[fx.Node, int], preds: dict[fx.Node, set[fx.Node]]
 ) -> list[fx.Node]:
-    """Nodes outside a region, placed after its first node, that region nodes need (and their
-    own such predecessors): the plan assumes every outside input is ready when the region starts."""
+    """Nodes outside a chunked module, placed after its first node, that its nodes need (and their
+    own such predecessors): the plan assumes every outside input is ready when the module starts."""
     members = set(order)
     start = min(position[n] for n in order)
     hoist: set[fx.Node] = set()
@@ -235,22 +238,22 @@ def _inputs_to_hoist(
         for i in preds[node]:
             if i in members:
                 raise PassError(
-                    f"{NAME}: {node.name} outside the region both needs and feeds region nodes "
-                    f"({i.name}); cannot schedule the region as a whole"
+                    f"{NAME}: {node.name} outside the chunked module both needs and feeds its nodes "
+                    f"({i.name}); cannot schedule the module as a whole"
                 )
             if position[i] > start:
                 stack.append(i)
     return sorted(hoist, key=position.__getitem__)
 
 
-def reorder_graph(graph: fx.Graph, region_orders: list[list[fx.Node]]) -> None:
-    """Topologically re-emit ``graph``: region nodes in their planned order on the region's
-    slots, the outside nodes they need just before the region, every other node in place."""
+def reorder_graph(graph: fx.Graph, orders: list[list[fx.Node]]) -> None:
+    """Topologically re-emit ``graph``: each chunked module's nodes in their planned order on its
+    slots, the outside nodes they need just before it, every other node in place."""
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     preds = _predecessors(graph)
     priority = {n: (i, 0) for n, i in position.items()}
-    for order in region_orders:
+    for order in orders:
         start = min(position[n] for n in order)
         for node in _inputs_to_hoist(order, position, preds):
             priority[node] = (start, -1, position[node])
@@ -280,26 +283,26 @@ def reorder_graph(graph: fx.Graph, region_orders: list[list[fx.Node]]) -> None:
 
 
 def verify_schedule(graph: fx.Graph) -> list[str]:
-    """What is wrong with the EP schedule of ``graph`` (empty: every region is as intended)."""
+    """What is wrong with the EP schedule of ``graph`` (empty: every chunked module is as intended)."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     problems = []
-    for region in find_regions(graph):
-        first, second = region.chunk_order
-        for stage, (a, b) in enumerate(zip(region.launches[first], region.launches[second], strict=True)):
+    for module in find_chunked_modules(graph):
+        first, second = module.chunk_order
+        for round_, (a, b) in enumerate(zip(module.launches[first], module.launches[second], strict=True)):
             first_wait = min(position[_wait_of(a)], position[_wait_of(b)])
             if not position[a] < position[b] < first_wait:
                 problems.append(
-                    f"{region.name} stage {stage} ({tags.get(a, EP_ROLE)}): chunk {first} issued at "
+                    f"{module.name} round {round_} ({tags.get(a, EP_ROLE)}): chunk {first} issued at "
                     f"{position[a]}, chunk {second} at {position[b]}, first wait at {first_wait}"
                 )
     return problems
 
 
-def schedule_regions(gm: fx.GraphModule, regions: list[Region]) -> None:
-    """Plan every region, reorder the graph, and check the result (``PassError`` if it is not
+def schedule_chunked_modules(gm: fx.GraphModule, modules: list[ChunkedModule]) -> None:
+    """Plan every chunked module, reorder the graph, and check the result (``PassError`` if it is not
     as intended). Also used by ``auto_bucketing`` to restore the schedule after PyTorch's."""
     before = set(gm.graph.nodes)
-    reorder_graph(gm.graph, [plan_region(r) for r in regions])
+    reorder_graph(gm.graph, [plan_chunked_module(m) for m in modules])
     if set(gm.graph.nodes) != before or len(gm.graph.nodes) != len(before):
         raise PassError(f"{NAME}: reordering changed the set of nodes")
     problems = verify_schedule(gm.graph)
@@ -311,29 +314,32 @@ def schedule_regions(gm: fx.GraphModule, regions: list[Region]) -> None:
 
 
 def ep_overlap(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
-    regions = find_regions(gm.graph)
-    if not regions:
+    modules = find_chunked_modules(gm.graph)
+    if not modules:
         raise PassError(
-            f"{NAME}: the graph has no chunked regions (the model was not prepared with ep_overlap's chunking)"
+            f"{NAME}: the graph has no chunked modules (the model was not prepared with ep_overlap's chunking)"
         )
     if not reorders(context.config):
         logger.info(
-            "%s: %d regions chunked, traced order kept (compile.ep_overlap.reorder = false)", NAME, len(regions)
+            "%s: %d chunked modules (per phase), traced order kept (compile.ep_overlap.reorder = false)",
+            NAME,
+            len(modules),
         )
         return gm
-    schedule_regions(gm, regions)
-    stages = sum(len(r.launches[0]) for r in regions)
+    schedule_chunked_modules(gm, modules)
+    rounds = sum(len(r.launches[0]) for r in modules)
     logger.info(
-        "%s: %d regions (%d token-exchange stages) scheduled: both chunks issue each all_to_all before either waits",
+        "%s: %d chunked modules (per phase; %d token-exchange rounds) scheduled: both chunks issue each "
+        "all_to_all before either waits",
         NAME,
-        len(regions),
-        stages,
+        len(modules),
+        rounds,
     )
     return gm
 
 
 def reorders(config: Any) -> bool:
-    """Whether a job's ep_overlap schedules its regions (it does unless ``reorder`` is off)."""
+    """Whether a job's ep_overlap schedules its chunked modules (it does unless ``reorder`` is off)."""
     return config is None or bool(config.compile.ep_overlap.reorder)
 
 
@@ -402,19 +408,19 @@ def prepare_model(model: nn.Module, cfg: Any) -> None:
 EP_OVERLAP = PassSpec(
     NAME,
     ep_overlap,
-    "two-chunk MoE regions; each all_to_all hidden behind the other chunk's compute",
+    "two-chunk MoE modules; each all_to_all hidden behind the other chunk's compute",
     check_config,
     prepare_model,
 )
 
 __all__ = [
     "EP_OVERLAP",
-    "Region",
+    "ChunkedModule",
     "ep_overlap",
-    "find_regions",
-    "plan_region",
+    "find_chunked_modules",
+    "plan_chunked_module",
     "reorder_graph",
     "reorders",
-    "schedule_regions",
+    "schedule_chunked_modules",
     "verify_schedule",
 ]

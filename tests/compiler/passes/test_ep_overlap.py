@@ -1,4 +1,4 @@
-"""ep_overlap: two-chunk MoE regions, each all_to_all issued by both chunks before either waits.
+"""ep_overlap: two-chunk MoE modules, each all_to_all issued by both chunks before either waits.
 
 Schedule and errors on the fake process group (one process). The numerics run on real gloo
 processes in the cpu suite (``integration_tests.py``, CI): each scheduled case is bitwise its
@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from graph_trainer.compiler.passes.ep_overlap import find_regions, verify_schedule
+from graph_trainer.compiler.passes.ep_overlap import find_chunked_modules, verify_schedule
 from graph_trainer.config_loading import load_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.fake_trace import fake_world, trace_job
@@ -74,44 +74,44 @@ def _position(gm) -> dict:
 def test_schedule_on_the_debug_model(selection):
     gm = _graph(tuple(_args(selection)))
     assert verify_schedule(gm.graph) == []
-    regions = find_regions(gm.graph)
+    chunked = find_chunked_modules(gm.graph)
     suffix = "" if selection == "blocks_batch" else ".moe"
-    assert sorted((r.fqn, r.phase) for r in regions) == sorted(
+    assert sorted((r.fqn, r.phase) for r in chunked) == sorted(
         (f"{layer}{suffix}", phase) for layer in MOE_LAYERS for phase in ("forward", "backward")
     )
     pos = _position(gm)
-    for region in regions:
-        waits = {chunk: [next(iter(a.users)) for a in region.launches[chunk]] for chunk in (0, 1)}
-        if region.phase == "forward":
-            assert region.roles(0) == [COUNT_EXCHANGE, DISPATCH, COMBINE]
+    for module in chunked:
+        waits = {chunk: [next(iter(a.users)) for a in module.launches[chunk]] for chunk in (0, 1)}
+        if module.phase == "forward":
+            assert module.roles(0) == [COUNT_EXCHANGE, DISPATCH, COMBINE]
             first, second = 0, 1
         else:
-            assert region.roles(0) == [COMBINE, DISPATCH]
+            assert module.roles(0) == [COMBINE, DISPATCH]
             first, second = 1, 0  # backward: chunk 1 first
-        for stage in range(len(region.roles(0))):
-            a, b = region.launches[first][stage], region.launches[second][stage]
-            assert pos[a] < pos[b] < min(pos[waits[0][stage]], pos[waits[1][stage]]), (region.name, stage)
+        for round_ in range(len(module.roles(0))):
+            a, b = module.launches[first][round_], module.launches[second][round_]
+            assert pos[a] < pos[b] < min(pos[waits[0][round_]], pos[waits[1][round_]]), (module.name, round_)
         # While the first chunk's exchange is outstanding, compute of the other chunk runs.
-        for stage in range(len(region.roles(0))):
+        for round_ in range(len(module.roles(0))):
             between = [
-                n for n in region.nodes if pos[region.launches[first][stage]] < pos[n] < pos[waits[first][stage]]
+                n for n in module.nodes if pos[module.launches[first][round_]] < pos[n] < pos[waits[first][round_]]
             ]
             assert any(
                 tags.get(n, CHUNK_ID) == second and n.op == "call_function" and collective_name(n) is None
                 for n in between
-            ), (region.name, stage)
+            ), (module.name, round_)
 
 
 @pytest.mark.parametrize("selection", ["blocks_batch", "moe_batch"])
 def test_schedule_with_tensor_parallel(selection):
     # TP=2 x EP=2: the shared experts' and attention's tp all-reduces are ordinary nodes of the
-    # chunked regions; the schedule holds as without TP (values: the chunking only reorders).
+    # chunked modules; the schedule holds as without TP (values: the chunking only reorders).
     gm = _graph(tuple(_args(selection, passes="ep_overlap,transformer_block_bucketing")) + ("--parallelism.tp", "2"), 4)
     assert verify_schedule(gm.graph) == []
-    regions = find_regions(gm.graph)
-    assert len(regions) == 2 * len(MOE_LAYERS)
-    tp_reduces = [n for r in regions for n in r.nodes if collective_name(n) == "all_reduce"]
-    assert tp_reduces, "no tensor-parallel all_reduce inside the chunked regions"
+    chunked = find_chunked_modules(gm.graph)
+    assert len(chunked) == 2 * len(MOE_LAYERS)
+    tp_reduces = [n for r in chunked for n in r.nodes if collective_name(n) == "all_reduce"]
+    assert tp_reduces, "no tensor-parallel all_reduce inside the chunked modules"
 
 
 @pytest.mark.parametrize("selection", list(SELECTIONS))
@@ -129,7 +129,7 @@ def test_chunking_keeps_fsdp_collectives_and_doubles_all_to_alls():
     chunked = collective_counts(_graph(tuple(_args("blocks_batch"))).graph)
     assert chunked["all_to_all_single"] == 2 * plain["all_to_all_single"] == 2 * 5 * len(MOE_LAYERS)
     for kind in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-        assert chunked[kind] == plain[kind]  # parameters gathered once per region, not once per chunk
+        assert chunked[kind] == plain[kind]  # parameters gathered once per module, not once per chunk
 
 
 @pytest.mark.parametrize(
