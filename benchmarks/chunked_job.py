@@ -21,32 +21,18 @@ from __future__ import annotations
 
 import sys
 
-from graph_trainer.distributed.chunking import install_chunking, match_modules
-from graph_trainer.errors import ConfigError, OneLineError
+from graph_trainer.compiler.passes.ep_overlap import chunk_selected_modules
+from graph_trainer.errors import OneLineError
 
 
-def _holds_moe(module) -> bool:
-    return any(hasattr(m, "token_dispatcher") for m in module.modules())
+def _is_moe(module) -> bool:
+    return hasattr(module, "token_dispatcher")
 
 
 def chunk_moe_modules(model, settings) -> list[str]:
     """Install two-chunk execution on the modules ``settings`` (``compile.ep_overlap``) selects
-    that hold a MoE layer (module docstring); returns their FQNs."""
-    matched = match_modules(model, settings.module_fqn)
-    selected = [fqn for fqn, module in matched if _holds_moe(module)]
-    if not selected:
-        raise ConfigError(
-            f"compile.ep_overlap.module_fqn = {settings.module_fqn!r} selects no module holding a MoE "
-            f"(matched {len(matched)} modules); use 'layers.*' or 'layers.*.moe'"
-        )
-    not_moe = [fqn for fqn, module in matched if fqn in selected and not hasattr(module, "token_dispatcher")]
-    if settings.chunk_dim == "seq" and not_moe:
-        raise ConfigError(
-            f"compile.ep_overlap.chunk_dim = 'seq' needs MoE layers (attention mixes positions), but "
-            f"module_fqn = {settings.module_fqn!r} selects {not_moe[0]}; use module_fqn = 'layers.*.moe'"
-        )
-    install_chunking(model, selected, settings.chunk_dim)
-    return selected
+    that hold a MoE layer, expert-parallel or not (module docstring); returns their FQNs."""
+    return chunk_selected_modules(model, settings, _is_moe, "a MoE")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -347,11 +348,8 @@ def reorders(config: Any) -> bool:
 # Configuration and model preparation
 
 
-def _holds_ep_moe(module: nn.Module) -> bool:
-    return any(isinstance(getattr(m, "token_dispatcher", None), ExpertParallelDispatcher) for m in module.modules())
-
-
-def _is_moe(module: nn.Module) -> bool:
+def is_ep_moe(module: nn.Module) -> bool:
+    """Whether ``module`` is a MoE layer whose tokens cross expert-parallel ranks."""
     return isinstance(getattr(module, "token_dispatcher", None), ExpertParallelDispatcher)
 
 
@@ -381,25 +379,32 @@ def check_config(cfg: Any, degrees: dict[str, int]) -> None:
         raise ConfigError("compile.ep_overlap.module_fqn is empty; use 'layers.*' or 'layers.*.moe'")
 
 
-def prepare_model(model: nn.Module, cfg: Any) -> None:
-    """Install two-chunk execution on the selected modules (before tracing)."""
-    settings = cfg.compile.ep_overlap
+def chunk_selected_modules(model: nn.Module, settings: Any, is_moe: Callable, what: str) -> list[str]:
+    """Install two-chunk execution on the modules ``settings.module_fqn`` selects that hold a MoE
+    layer (``is_moe``; ``what`` names such a layer in errors); their FQNs. ``seq`` chunks only MoE
+    layers themselves: attention mixes positions."""
     matched = match_modules(model, settings.module_fqn)
-    selected = [fqn for fqn, module in matched if _holds_ep_moe(module)]
+    selected = [fqn for fqn, module in matched if any(is_moe(m) for m in module.modules())]
     if not selected:
         raise ConfigError(
-            f"compile.ep_overlap.module_fqn = {settings.module_fqn!r} selects no module holding an "
-            f"expert-parallel MoE (matched {len(matched)} modules); use 'layers.*' or 'layers.*.moe'"
+            f"compile.ep_overlap.module_fqn = {settings.module_fqn!r} selects no module holding {what} "
+            f"(matched {len(matched)} modules); use 'layers.*' or 'layers.*.moe'"
         )
-    if settings.chunk_dim == "seq":
-        not_moe = [fqn for fqn, module in matched if fqn in selected and not _is_moe(module)]
-        if not_moe:
-            raise ConfigError(
-                f"compile.ep_overlap.chunk_dim = 'seq' needs MoE layers (tokens routed one by one), "
-                f"but module_fqn = {settings.module_fqn!r} selects {not_moe[0]} (attention mixes "
-                "positions); use module_fqn = 'layers.*.moe' or chunk_dim = 'batch'"
-            )
+    not_moe = [fqn for fqn, module in matched if fqn in selected and not is_moe(module)]
+    if settings.chunk_dim == "seq" and not_moe:
+        raise ConfigError(
+            f"compile.ep_overlap.chunk_dim = 'seq' needs MoE layers (tokens routed one by one), "
+            f"but module_fqn = {settings.module_fqn!r} selects {not_moe[0]} (attention mixes "
+            "positions); use module_fqn = 'layers.*.moe' or chunk_dim = 'batch'"
+        )
     install_chunking(model, selected, settings.chunk_dim)
+    return selected
+
+
+def prepare_model(model: nn.Module, cfg: Any) -> None:
+    """Install two-chunk execution on the selected modules holding an expert-parallel MoE (before tracing)."""
+    settings = cfg.compile.ep_overlap
+    selected = chunk_selected_modules(model, settings, is_ep_moe, "an expert-parallel MoE")
     logger.info(
         "%s: %d modules run as 2 chunks along %s (%s ...)", NAME, len(selected), settings.chunk_dim, selected[0]
     )
@@ -415,9 +420,11 @@ EP_OVERLAP = PassSpec(
 
 __all__ = [
     "EP_OVERLAP",
+    "chunk_selected_modules",
     "ChunkedModule",
     "ep_overlap",
     "find_chunked_modules",
+    "is_ep_moe",
     "plan_chunked_module",
     "reorder_graph",
     "reorders",
