@@ -225,6 +225,7 @@ def _grads_worker(argv: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from graph_trainer.build import pass_context
     from graph_trainer.compiler.chain import transform_graph
     from graph_trainer.compiler.tracer import trace_train_step
     from graph_trainer.trainer import Trainer
@@ -233,7 +234,7 @@ def _grads_worker(argv: list[str]) -> None:
     trainer = Trainer(cfg)
     tokens, labels = next(iter(trainer.dataloader))
     params, buffers = list(trainer.model.parameters()), list(trainer.model.buffers())
-    context = trainer.pass_context
+    context = pass_context(cfg, trainer.layout, trainer.model)
     results = []
     for passes in ([], [TBB]):
         traced = trace_train_step(trainer.model, tokens, labels, grad_scale=trainer.grad_scale)
