@@ -121,7 +121,7 @@ def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
         if tags.phase(node) != BACKWARD:
             continue
         forward = forward_by_seq.get(node.meta.get("seq_nr", -1))
-        if forward is None or _sums_block_gradients(node, forward):
+        if forward is None:
             inherited = _tags_shared_by_inputs(node, position)
         else:
             inherited = {
@@ -138,21 +138,12 @@ def _copy_forward_meta_to_backward(gm: fx.GraphModule) -> None:
         )
 
 
-def _sums_block_gradients(node: fx.Node, forward: fx.Node) -> bool:
-    """Whether ``node`` is autograd summing two gradient contributions (a tensor used twice)
-    although it carries the loss's sequence number: the engine adds them while the loss's
-    number is current, so the seq_nr match names the loss. It reads backward nodes of other
-    modules (the loss's own backward reads only loss nodes), and belongs with them."""
-    if tags.module_fqn(forward) != LOSS_MODULE:
-        return False
-    return any(tags.phase(i) == BACKWARD and tags.module_fqn(i) != LOSS_MODULE for i in node.all_input_nodes)
-
-
 def _tags_shared_by_inputs(node: fx.Node, position: dict[fx.Node, int]) -> dict:
     """Tags for a backward node that differentiates no forward op (autograd's sum of the
-    gradients flowing into a tensor used twice): the module of its latest backward input (the
-    sum runs once that contribution is made, e.g. a residual's branch gradient), and each
-    inherited tag on which all its backward inputs agree ({"module_fqn": "loss"} if none)."""
+    gradients flowing into a tensor used twice, traced with ``torch_compat.UNPAIRED_SEQ_NR``):
+    the module of its latest backward input (the sum runs once that contribution is made, e.g. a
+    residual's branch gradient), and each inherited tag on which all its backward inputs agree
+    ({"module_fqn": "loss"} if none)."""
     inputs = [
         tags.tags(i)
         for i in sorted(node.all_input_nodes, key=position.__getitem__, reverse=True)
@@ -350,7 +341,7 @@ class _JointStep:
         else:  # the loss scale is in the output gradient the next stage hands back
             seed, seed_grad = result, target
         torch_compat.tag_backward_with_forward_seq_nr(seed)
-        with tags.annotate({PHASE: BACKWARD}):
+        with tags.annotate({PHASE: BACKWARD}), torch_compat.unpaired_seq_nr():
             grads = torch.autograd.grad(seed, wrt, grad_outputs=seed_grad)
         flattened = [flatten_tensor(g) for g in grads]
         self.grad_specs = [spec for _, spec in flattened]

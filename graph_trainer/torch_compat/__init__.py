@@ -38,6 +38,7 @@ from graph_trainer.torch_compat.distributed import (
     set_group_timeout,
 )
 from graph_trainer.torch_compat.fx import (
+    UNPAIRED_SEQ_NR,
     fake_mode_of,
     fake_mode_of_nodes,
     grouped_mm,
@@ -51,6 +52,7 @@ from graph_trainer.torch_compat.fx import (
     sym_has_hint,
     sym_hint,
     tag_backward_with_forward_seq_nr,
+    unpaired_seq_nr,
 )
 from graph_trainer.torch_compat.inductor import (
     OVERLAP_SCHEDULER_ARGS,
@@ -81,6 +83,7 @@ __all__ = [
     "SUPPORTED_TORCH",
     "StridedShard",
     "TORCH_VERSION",
+    "UNPAIRED_SEQ_NR",
     "all_to_all_single",
     "all_to_all_single_autograd",
     "clear_dtensor_sharding_caches",
@@ -119,4 +122,5 @@ __all__ = [
     "sym_has_hint",
     "sym_hint",
     "tag_backward_with_forward_seq_nr",
+    "unpaired_seq_nr",
 ]

@@ -4,6 +4,7 @@ fake tensor modes, and the grouped matmul kernel."""
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 import torch.fx as fx
@@ -35,6 +36,32 @@ def tag_backward_with_forward_seq_nr(loss: torch.Tensor) -> None:
         node.register_prehook(lambda grad_outputs, seq_nr=seq_nr: fx_traceback.set_grad_fn_seq_nr(seq_nr))
         node.register_hook(lambda grad_inputs, grad_outputs: fx_traceback.reset_grad_fn_seq_nr())
         queue.extend(fn for fn, _ in node.next_functions)
+
+
+UNPAIRED_SEQ_NR = -2
+"""``meta["seq_nr"]`` of the ops autograd traces between backward nodes (``unpaired_seq_nr``):
+no forward op has it (forward numbers are >= -1)."""
+
+
+@contextlib.contextmanager
+def unpaired_seq_nr():
+    """Around ``torch.autograd.grad`` (after ``tag_backward_with_forward_seq_nr``): ops the engine
+    traces outside every backward node's hooks get ``UNPAIRED_SEQ_NR``, ops inside a node still
+    get its forward op's number.
+
+    The engine adds two gradient contributions to one tensor (a tensor used twice) between
+    nodes. Without this, such an add gets autograd's current sequence number minus one, which
+    depends on what created autograd nodes last: the last forward op when nothing did (torch
+    2.11, and 2.13 without DTensor: the loss, or a pipeline stage's last block), a number past
+    every forward op once DTensor's backward has made some (2.13's ``to_local`` backward wraps
+    the gradient with ``from_local``). Paired by number, the add would take the module of
+    whichever forward op that is; unpaired, the tracer tags it from its inputs."""
+    with private_api("torch.fx.traceback.set_grad_fn_seq_nr"):
+        fx_traceback.set_grad_fn_seq_nr(UNPAIRED_SEQ_NR)
+    try:
+        yield
+    finally:
+        fx_traceback.reset_grad_fn_seq_nr()
 
 
 def is_op_overload(target) -> bool:

@@ -43,6 +43,42 @@ def test_annotations_and_backward_seq_nr_reach_node_meta():
     assert sorted(n.meta["seq_nr"] for n in backward_muls) == sorted([forward_mul.meta["seq_nr"], sin.meta["seq_nr"]])
 
 
+def test_unpaired_seq_nr_marks_what_autograd_traces_between_backward_nodes():
+    # x is used twice: the engine sums its two gradient contributions between backward nodes,
+    # outside every node's hooks. By default that add takes autograd's current number minus one,
+    # here the last forward op's (the sum's): the tracer would pair it with that op. Inside
+    # unpaired_seq_nr it gets UNPAIRED_SEQ_NR, and the ops of each backward node keep their
+    # forward op's number.
+    import contextlib
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.torch_compat import UNPAIRED_SEQ_NR, tag_backward_with_forward_seq_nr, unpaired_seq_nr
+
+    aten = torch.ops.aten
+
+    def trace(unpaired: bool):
+        def step(x):
+            x = x.detach().requires_grad_(True)
+            loss = (torch.sin(x) * x).sum()
+            tag_backward_with_forward_seq_nr(loss)
+            with unpaired_seq_nr() if unpaired else contextlib.nullcontext():
+                return torch.autograd.grad(loss, [x])
+
+        with fx_traceback.preserve_node_meta(), torch.autograd.set_multithreading_enabled(False):
+            return make_fx(step, tracing_mode="fake")(torch.randn(3))
+
+    for unpaired in (False, True):
+        gm = trace(unpaired)
+        (sin,) = (n for n in gm.graph.nodes if n.target == aten.sin.default)
+        (cos,) = (n for n in gm.graph.nodes if n.target == aten.cos.default)
+        (loss_sum,) = (n for n in gm.graph.nodes if n.target == aten.sum.default)
+        (add,) = (n for n in gm.graph.nodes if n.target == aten.add.Tensor)  # the sum of x's two contributions
+        assert cos.meta["seq_nr"] == sin.meta["seq_nr"]  # inside SinBackward: sin's number either way
+        assert add.meta["seq_nr"] == (UNPAIRED_SEQ_NR if unpaired else loss_sum.meta["seq_nr"])
+    assert UNPAIRED_SEQ_NR < -1  # forward ops are numbered from -1 up
+
+
 def test_autograd_node_sequence_numbers_and_hooks():
     # tag_backward_with_forward_seq_nr walks next_functions from the loss, reads _sequence_nr()
     # and needs each node's prehook to run right before the node computes, its hook right after.
