@@ -1,5 +1,7 @@
 """graph_trainer.torch_compat.distributed: the torch.distributed entries: _StridedShard, DTensor
-flattening, groups by name, gloo's threads, timeouts.
+flattening, groups by name, gloo's threads, timeouts; and how DTensor's traced graphs differ
+between releases (an identity slice after a gather, an identity view before a reduce-scatter,
+autograd sequence numbers advanced in backward).
 
 Fails loudly when a PyTorch upgrade changes a private API graph_trainer relies on."""
 
@@ -166,3 +168,109 @@ def test_dtensor_sharding_caches_can_be_cleared():
     propagate = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
     clear_dtensor_sharding_caches()
     assert propagate.cache_info().currsize == 0
+
+
+# SimpleFSDP's parameter path traced through DTensor, whose traced graphs differ between releases
+# in the three ways the tests below pin down. The passes are written to hold under both: an
+# identity view or slice inside a gather chain is tagged like the chain, and the tracer does not
+# pair a backward node with a forward op by a number autograd did not give it.
+
+TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _gathered(local: torch.Tensor, mesh, rows: int) -> torch.Tensor:
+    """SimpleFSDP's gather of a (rows, 4) parameter sharded on dim 0: all-gather forward,
+    reduce-scatter of the gradient backward."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, 4)), stride=(4, 1))
+    return sharded.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def _trace_two_gathers(rows: int, unpaired: bool):
+    """A step over 4 fake ranks where ``a`` is used twice and its two gradient contributions are
+    summed by autograd after the second parameter's DTensor backward has run (autograd runs the
+    later-created node first: w2's gather before ``a * 3``)."""
+    import contextlib
+
+    import torch.fx.traceback as fx_traceback
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.fake_trace import fake_world
+    from graph_trainer.torch_compat import tag_backward_with_forward_seq_nr, unpaired_seq_nr
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,))
+
+        def step(x, s1, s2):
+            s1, s2 = (s.detach().requires_grad_(True) for s in (s1, s2))
+            a = x * _gathered(s1, mesh, rows)
+            c = a * 3.0
+            loss = (a * _gathered(s2, mesh, rows) + c).sum()
+            tag_backward_with_forward_seq_nr(loss)
+            with unpaired_seq_nr() if unpaired else contextlib.nullcontext():
+                return torch.autograd.grad(loss, [s1, s2])
+
+        with fx_traceback.preserve_node_meta(), torch.autograd.set_multithreading_enabled(False):
+            inputs = (torch.randn(rows, 4), torch.randn(rows // 4, 4), torch.randn(rows // 4, 4))
+            return make_fx(step, tracing_mode="fake")(*inputs)
+
+
+def _calls(gm, target) -> list:
+    return [n for n in gm.graph.nodes if n.target == target]
+
+
+def test_dtensor_gather_ends_in_an_identity_slice_from_2_13_for_large_dims():
+    # Shard._maybe_unpad_tensor of 2.13 narrows the gathered tensor to its logical size whenever
+    # the two sizes are not the same Python object (`is not`): a dim above 256 is not a cached
+    # small int, so a full-size slice follows the wait. 2.11 narrows only padded gathers.
+    c10d = torch.ops._c10d_functional
+    for rows in (256, 768):
+        gm = _trace_two_gathers(rows, unpaired=True)
+        after_wait = [u for w in _calls(gm, c10d.wait_tensor.default) for u in w.users]
+        slices = [n for n in after_wait if n.target == torch.ops.aten.slice.Tensor]
+        assert len(slices) == (2 if rows > 256 and TORCH >= (2, 13) else 0), (rows, slices)
+        for s in slices:
+            assert s.meta["val"].shape == s.args[0].meta["val"].shape  # identity: the whole gathered tensor
+
+
+def test_dtensor_gradient_reaches_its_reduce_scatter_through_an_identity_view_from_2_13():
+    # 2.13's to_local backward wraps the gradient with DTensor.from_local, whose forward is a
+    # view_as: an identity view between the gradient and its reduce-scatter, tagged (in a real
+    # trace) like the reduce-scatter. 2.11 wraps it directly: the reduce-scatter reads the gradient.
+    # from_local is an autograd function, so 2.13's backward also advances autograd's sequence
+    # number (the next test).
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    gm = _trace_two_gathers(256, unpaired=True)
+    reduce_scatters = _calls(gm, c10d.reduce_scatter_tensor.default)
+    assert len(reduce_scatters) == 2
+    for rs in reduce_scatters:
+        grad = rs.args[0]
+        if TORCH >= (2, 13):
+            assert grad.target == aten.view.default and grad.meta["val"].shape == grad.args[0].meta["val"].shape
+        else:
+            assert grad.target == aten.mul.Tensor  # the op that computed the gradient
+
+
+def test_autograd_sums_after_a_dtensor_backward_pair_with_no_forward_op_only_when_unpaired():
+    # The add summing a's two gradient contributions runs outside every backward node. Without
+    # unpaired_seq_nr its seq_nr is autograd's current number minus one: on 2.11 the last forward
+    # op's (here the loss's sum, a forward op the tracer would pair it with), on 2.13 a number past
+    # every forward op, because from_local inside w2's DTensor backward made autograd nodes.
+    # With unpaired_seq_nr it is UNPAIRED_SEQ_NR on both.
+    from graph_trainer.torch_compat import UNPAIRED_SEQ_NR
+
+    aten = torch.ops.aten
+    for unpaired in (False, True):
+        gm = _trace_two_gathers(256, unpaired)
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+        (loss_sum,) = _calls(gm, aten.sum.default)
+        forward, backward = nodes[: nodes.index(loss_sum) + 1], nodes[nodes.index(loss_sum) + 1 :]
+        (add,) = [n for n in backward if n.target == aten.add.Tensor]
+        if unpaired:
+            assert add.meta["seq_nr"] == UNPAIRED_SEQ_NR
+        elif TORCH >= (2, 13):
+            assert add.meta["seq_nr"] > max(n.meta["seq_nr"] for n in forward)
+        else:
+            assert add.meta["seq_nr"] == loss_sum.meta["seq_nr"] == max(n.meta["seq_nr"] for n in forward)
