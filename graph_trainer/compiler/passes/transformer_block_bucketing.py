@@ -41,7 +41,8 @@ Schedule (per phase, buckets in the order their compute starts; *compute* of a b
 excluded): a gather bucket is issued before the first compute node of the bucket before it
 (prefetch one bucket ahead: forward in plan order, backward in reverse), and waited right
 before the first node that reads its parameters; a reduction bucket is issued right after its
-last gradient is computed (under HSDP the all-reduce right after its reduce-scatter's wait),
+last gradient is computed (under HSDP the all-reduce right after its reduce-scatter's wait;
+the views tagged ``reduce_grad`` that only feed it, DTensor's identity views, move with it),
 and waited right before the next reduction of its group is issued (the last one before the
 graph output), so it overlaps the next bucket's backward.
 A stable topological sort then restores a valid order moving as few nodes as possible
@@ -96,7 +97,8 @@ from graph_trainer.compiler.passes.registry import PassContext, PassError, PassS
 from graph_trainer.errors import ConfigError
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import group_name
-from graph_trainer.graph.tags import BACKWARD, FORWARD, FSDP_PARAM, FSDP_ROLE, RECOMPUTED, UNSHARD
+from graph_trainer.graph.ops import is_view
+from graph_trainer.graph.tags import BACKWARD, FORWARD, FSDP_PARAM, FSDP_ROLE, RECOMPUTED, REDUCE_GRAD, UNSHARD
 from graph_trainer.torch_compat import pass_needs_torch_2_13
 
 
@@ -178,17 +180,37 @@ def schedule_gathers(merged: list[Merged], starts: dict[int, fx.Node], position:
         _move_before(reader, m.wait)
 
 
+def _carried_views(issue: list[fx.Node], position: dict[fx.Node, int]) -> list[fx.Node]:
+    """The reduction's own views (``reduce_grad``) that feed ``issue`` and nothing else, in graph
+    order: DTensor's identity views, between each gradient and its reduce-scatter under torch 2.13
+    (none under 2.11), and before each HSDP all-reduce (``from_local`` in the replicas' sum). They
+    move with the bucket, so that it is issued right after its last gradient even where an earlier
+    pass (``ep_overlap``) moved the gradients and left the views."""
+    members, carried = set(issue), set()
+    frontier = [i for n in issue for i in n.all_input_nodes if i not in members]
+    while frontier:
+        node = frontier.pop()
+        if node in carried or not is_view(node) or tags.get(node, FSDP_ROLE) != REDUCE_GRAD:
+            continue
+        if any(u not in members and u not in carried for u in node.users):
+            continue
+        carried.add(node)
+        frontier.extend(node.all_input_nodes)
+    return sorted(carried, key=position.__getitem__)
+
+
 def schedule_reductions(graph: fx.Graph, merged: list[Merged], position: dict[fx.Node, int]) -> None:
     """Issue each reduction bucket after its last input (its gradients, or under HSDP the
-    all-reduce's reduce-scattered shards, once their waits have moved); wait before its group's
-    next one."""
+    all-reduce's reduce-scattered shards, once their waits have moved; its own views move with
+    it); wait before its group's next one."""
     last_input = {}
     for m in merged:
-        members = set(m.issue)
-        inputs = [i for n in m.issue for i in n.all_input_nodes if i not in members]
+        issue = _carried_views(m.issue, position) + m.issue
+        members = set(issue)
+        inputs = [i for n in issue for i in n.all_input_nodes if i not in members]
         last_input[id(m)] = max(inputs, key=position.__getitem__)
         cursor = last_input[id(m)]
-        for node in m.issue:
+        for node in issue:
             cursor.append(node)
             cursor = node
     by_group: dict[str, list[Merged]] = defaultdict(list)
