@@ -68,6 +68,25 @@ def _compute(gm, phase: str) -> dict[int, list[int]]:
     return out
 
 
+def _reduced_gradients(gm, bucket: str) -> list[int]:
+    """Positions of the gradients a reduce-scatter bucket reads: the nodes feeding what the pass
+    made for it (``fsdp_bucket``), looking through the reduction's own nodes (``reduce_grad``:
+    under torch 2.13 the identity view DTensor puts between a gradient and its reduce-scatter,
+    which 2.11 does not add; tests/torch_compat/test_compat_distributed.py)."""
+    made = {
+        n for n in gm.graph.nodes if tags.get(n, "fsdp_bucket") == bucket and tags.get(n, "fsdp_role") == "reduce_grad"
+    }
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    gradients, frontier = [], [i for n in made for i in n.all_input_nodes if i not in made]
+    while frontier:
+        node = frontier.pop()
+        if tags.get(node, "fsdp_role") == "reduce_grad":
+            frontier.extend(node.all_input_nodes)
+        else:
+            gradients.append(position[node])
+    return gradients
+
+
 def _issue_and_wait(gm, node) -> tuple[int, int]:
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     (wait,) = node.users
@@ -120,13 +139,7 @@ def test_gathers_are_prefetched_and_reduce_scatters_deferred(layout):
         next_issue, _ = _issue_and_wait(gm, following)
         next_bucket = NAMES.index(tags.get(following, "fsdp_bucket"))
         # waited only when the next bucket's reduce-scatter is issued, after all its gradients
-        gradients = [
-            i
-            for i, n in enumerate(gm.graph.nodes)
-            if tags.get(n, "fsdp_role") == "reduce_grad"
-            and not tags.has(n, "fsdp_bucket")
-            and bucket_index(PLAN, tags.get(n, "fsdp_param")) == next_bucket
-        ]
+        gradients = _reduced_gradients(gm, NAMES[next_bucket])
         assert issue < backward_compute[next_bucket][0] and max(gradients) < wait < next_issue
 
 
