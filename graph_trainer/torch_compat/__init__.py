@@ -8,8 +8,9 @@ SimpleFSDP needs; mesh flattening; process groups by name and their timeouts; th
 group's store; functional all_to_all; gloo's worker-thread count), ``checkpoint`` (DCP internals:
 the classes a checkpoint's metadata pickle holds, a reader that unpickles it safely),
 ``pipelining`` (the action order of PyTorch's pipeline schedules), and
-``inductor`` (the overlap scheduler, whose roofline estimate is swapped for ours inside one context
-manager, and its counters; partition fusing; standalone compilation; its logs and caches).
+``inductor`` (the overlap scheduler, whose compute estimate, torch 2.13's roofline or 2.11's
+benchmark, is swapped for ours inside one context manager, and its counters; partition fusing;
+standalone compilation; its logs and caches).
 Import them from this package; the import-linter contract in pyproject.toml keeps every other
 module away from private torch modules. ``tests/torch_compat/`` checks each entry against the
 installed PyTorch so that an upgrade that changes one fails loudly there, not deep inside a
@@ -55,7 +56,9 @@ from graph_trainer.torch_compat.fx import (
     unpaired_seq_nr,
 )
 from graph_trainer.torch_compat.inductor import (
+    ESTIMATED_COMPUTE_ARGS,
     OVERLAP_SCHEDULER_ARGS,
+    compute_estimate_api,
     default_cache_dir,
     deterministic_algorithms,
     fuse_partitions,
@@ -66,6 +69,7 @@ from graph_trainer.torch_compat.inductor import (
     overlap_scheduler_problem,
     overlap_scheduling_module,
     roofline_estimate,
+    run_overlap_scheduler,
 )
 from graph_trainer.torch_compat.pipelining import COMPUTE_KINDS, schedule_compute_order
 from graph_trainer.torch_compat.versions import (
@@ -78,6 +82,7 @@ from graph_trainer.torch_compat.versions import (
 __all__ = [
     "COMPUTE_KINDS",
     "DCP_METADATA_FILE",
+    "ESTIMATED_COMPUTE_ARGS",
     "ONE_THREAD_GLOO",
     "OVERLAP_SCHEDULER_ARGS",
     "SUPPORTED_TORCH",
@@ -87,6 +92,7 @@ __all__ = [
     "all_to_all_single",
     "all_to_all_single_autograd",
     "clear_dtensor_sharding_caches",
+    "compute_estimate_api",
     "cpu_backend",
     "dcp_metadata_globals",
     "dcp_reader",
@@ -116,6 +122,7 @@ __all__ = [
     "process_groups",
     "resolve_process_group",
     "roofline_estimate",
+    "run_overlap_scheduler",
     "schedule_compute_order",
     "set_group_timeout",
     "sym_expr",

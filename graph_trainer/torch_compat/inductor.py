@@ -1,6 +1,6 @@
-"""Private APIs of Inductor: the overlap scheduler (its roofline estimate, swapped for ours inside
-one context manager, and its counters), FX partition fusing, custom graph passes, standalone
-compilation inside a trace, its generated-code log and its cache folder."""
+"""Private APIs of Inductor: the overlap scheduler (its compute estimate, swapped for ours inside
+one context manager on torch 2.11 and 2.13 alike, and its counters), FX partition fusing, custom
+graph passes, standalone compilation inside a trace, its generated-code log and its cache folder."""
 
 from __future__ import annotations
 
@@ -28,53 +28,141 @@ OVERLAP_SCHEDULER_ARGS = (
     "insert_overlap_deps",
     "custom_runtime_estimation",
     "collective_estimator",
-    "compute_estimator",
     "max_memory_increase_gb",
     "max_memory_increase_ratio",
     "max_in_flight_gb",
-    "pre_bucketing_fsdp_collectives",
 )
-"""The arguments of ``schedule_overlap_bucketing`` that ``auto_bucketing`` passes (torch 2.13)."""
+"""The arguments of ``schedule_overlap_bucketing`` that ``auto_bucketing`` passes on every supported torch."""
+
+ESTIMATED_COMPUTE_ARGS = {"compute_estimator": "analytical", "pre_bucketing_fsdp_collectives": False}
+"""The further arguments torch 2.13's scheduler takes, set so that it estimates compute instead of
+benchmarking it and buckets nothing before it schedules. torch 2.11 has neither: it always estimates
+compute through ``benchmark_node`` (which ``roofline_estimate`` replaces) and never pre-buckets."""
+
+ROOFLINE, BENCHMARK = "roofline", "benchmark"
+"""How an overlap scheduler gets the runtime of a compute node (``compute_estimate_api``)."""
+
+_ALIGN = "_align_compute_nodes_runtime_estimations_across_all_distributed_ranks"
+"""The ``OverlapScheduler`` method that aligns benchmarked estimates across ranks (torch 2.11)."""
+
+_API_ENTRIES = {
+    ROOFLINE: ("estimate_roofline_runtime_ms",),
+    BENCHMARK: ("benchmark_node", "benchmark_node_with_cache_key", f"OverlapScheduler.{_ALIGN}"),
+}
+"""The ``overlap_scheduling`` attributes each way of estimating compute goes through."""
+
+
+def _has_entry(module, dotted: str) -> bool:
+    owner = module
+    for name in dotted.split("."):
+        if not hasattr(owner, name):
+            return False
+        owner = getattr(owner, name)
+    return True
+
+
+def compute_estimate_api(module) -> str | None:
+    """How ``module`` (``overlap_scheduling``) estimates a compute node; None if neither way is there.
+
+    ``ROOFLINE`` (torch 2.13 and later): ``estimate_roofline_runtime_ms(node)`` for every compute
+    node, and with ``compute_estimator="analytical"`` nothing else (no benchmark, no cross-rank
+    alignment). ``BENCHMARK`` (torch 2.11): every compute node goes through
+    ``benchmark_node_with_cache_key``: an on-disk cache of earlier runs (Inductor's cache folder)
+    first, then ``custom_runtime_estimation``, then a GPU benchmark; the values are aligned across
+    ranks (``all_gather_object`` over the default group, medians) before scheduling, with an
+    analytical roofline estimate alongside for the log that needs CUDA (an ``AssertionError`` on
+    CPU). Neither the cache nor the alignment is right for a model-driven estimate: a stale cache
+    entry would outvote the cost model, and ranks of different pipeline stages gather lists of
+    different lengths."""
+    for api in (ROOFLINE, BENCHMARK):
+        if all(_has_entry(module, entry) for entry in _API_ENTRIES[api]):
+            return api
+    return None
 
 
 def overlap_scheduler_problem() -> str | None:
-    """Why this torch's overlap scheduler cannot run ``auto_bucketing`` (None: it can). torch 2.11
-    has neither the swappable ``estimate_roofline_runtime_ms`` nor ``compute_estimator``: it
-    benchmarks compute on CUDA."""
+    """Why this torch's overlap scheduler cannot run ``auto_bucketing`` (None: it can)."""
     import inspect
 
     try:
         module = overlap_scheduling_module()
     except TorchCompatError as e:
         return str(e)
-    missing = [] if hasattr(module, "estimate_roofline_runtime_ms") else ["estimate_roofline_runtime_ms"]
-    params = inspect.signature(module.schedule_overlap_bucketing).parameters
-    missing += [f"argument {name}" for name in OVERLAP_SCHEDULER_ARGS if name not in params]
+    api = compute_estimate_api(module)
+    if api is None:
+        missing = [entry for entries in _API_ENTRIES.values() for entry in entries if not _has_entry(module, entry)]
+    else:
+        params = inspect.signature(module.schedule_overlap_bucketing).parameters
+        wanted = OVERLAP_SCHEDULER_ARGS + (tuple(ESTIMATED_COMPUTE_ARGS) if api == ROOFLINE else ())
+        missing = [f"argument {name}" for name in wanted if name not in params]
     if not missing:
         return None
     return (
-        f"auto_bucketing needs PyTorch's overlap scheduler of torch 2.13; torch {torch.__version__}'s "
+        f"auto_bucketing needs PyTorch's overlap scheduler of torch 2.11 or 2.13; torch {torch.__version__}'s "
         f"overlap_scheduling lacks {', '.join(missing)}"
     )
 
 
 @contextlib.contextmanager
-def roofline_estimate(estimate_ms):
-    """Temporarily make PyTorch's overlap scheduler use ``estimate_ms(node) -> milliseconds``.
-
-    ``overlap_scheduling.estimate_roofline_runtime_ms`` is called for every compute node even
-    when ``custom_runtime_estimation`` is given, and without a GPU it crashes (it probes the
-    memory bandwidth through Triton: ``RuntimeError: 0 active drivers``). Inside this block the
-    module attribute is ``estimate_ms``; the original is put back on exit, also on errors.
-    """
-    module = overlap_scheduling_module()
-    with private_api("overlap_scheduling.estimate_roofline_runtime_ms"):
-        original = module.estimate_roofline_runtime_ms
-    module.estimate_roofline_runtime_ms = estimate_ms
+def _swapped(owner, replacements: dict):
+    """``owner``'s attributes set to ``replacements`` inside the block, the originals back on exit."""
+    originals = {name: getattr(owner, name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        module.estimate_roofline_runtime_ms = original
+        for name, value in originals.items():
+            setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def roofline_estimate(estimate_ms):
+    """Temporarily make PyTorch's overlap scheduler take ``estimate_ms(node) -> milliseconds`` as
+    the runtime of every compute node, whatever the device: never a GPU probe or benchmark.
+
+    torch 2.13 (``ROOFLINE``): ``estimate_roofline_runtime_ms`` is called for every compute node
+    even when ``custom_runtime_estimation`` is given, and without a GPU it crashes (it probes the
+    memory bandwidth through Triton: ``RuntimeError: 0 active drivers``): it becomes
+    ``estimate_ms``. torch 2.11 (``BENCHMARK``): ``benchmark_node`` and
+    ``benchmark_node_with_cache_key`` return ``estimate_ms(node)`` (no cache, no random inputs, no
+    benchmark), and the cross-rank alignment is skipped, as 2.13 skips it for analytical
+    estimates: every rank computes the same numbers from the same graph (``compute_estimate_api``
+    says why the alignment must go). The originals come back on exit, also on errors."""
+    module = overlap_scheduling_module()
+    api = compute_estimate_api(module)
+    if api == ROOFLINE:
+        with _swapped(module, {"estimate_roofline_runtime_ms": estimate_ms}):
+            yield
+        return
+    if api is None:
+        raise TorchCompatError(overlap_scheduler_problem() or "overlap_scheduling: no compute estimate to replace")
+
+    def benchmark_with_key(node, custom_runtime_estimation=None):
+        return estimate_ms(node), None  # no cache key: nothing is written to Inductor's cache
+
+    def benchmark(node, custom_runtime_estimation=None):
+        return estimate_ms(node)
+
+    def align(scheduler):
+        return None
+
+    with (
+        _swapped(module, {"benchmark_node": benchmark, "benchmark_node_with_cache_key": benchmark_with_key}),
+        _swapped(module.OverlapScheduler, {_ALIGN: align}),
+    ):
+        yield
+
+
+def run_overlap_scheduler(gm: fx.GraphModule, estimate_ms, **kwargs) -> fx.GraphModule:
+    """``overlap_scheduling.schedule_overlap_bucketing(gm, **kwargs)`` with every compute node
+    estimated by ``estimate_ms`` (``roofline_estimate``), and on torch 2.13 its
+    ``ESTIMATED_COMPUTE_ARGS`` too, so that the same call schedules alike on 2.11 and 2.13: compute
+    estimated, never benchmarked; collectives as ``kwargs`` say; no pre-bucketing."""
+    module = overlap_scheduling_module()
+    extra = ESTIMATED_COMPUTE_ARGS if compute_estimate_api(module) == ROOFLINE else {}
+    with roofline_estimate(estimate_ms):
+        return module.schedule_overlap_bucketing(gm, **kwargs, **extra)
 
 
 def inductor_counters() -> collections.Counter:

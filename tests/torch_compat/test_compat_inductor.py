@@ -12,66 +12,91 @@ import torch
 TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
-NEEDS_2_13 = pytest.mark.skipif(
-    TORCH < (2, 13),
-    reason=f"auto_bucketing's overlap scheduler API is torch 2.13's; "
-    f"this is {torch.__version__} (see overlap_scheduler_problem)",
-)
+def test_overlap_scheduler_estimates_compute_as_this_release_does():
+    # torch 2.13 and later estimate compute with a roofline (estimate_roofline_runtime_ms, with
+    # compute_estimator and pre_bucketing_fsdp_collectives arguments); 2.11 benchmarks it
+    # (benchmark_node*, aligned across ranks), with neither argument. A release that has moved
+    # to another way must be looked at before auto_bucketing runs on it.
+    import inspect
+
+    from graph_trainer.torch_compat import (
+        ESTIMATED_COMPUTE_ARGS,
+        OVERLAP_SCHEDULER_ARGS,
+        compute_estimate_api,
+        overlap_scheduler_problem,
+        overlap_scheduling_module,
+    )
+
+    module = overlap_scheduling_module()
+    assert compute_estimate_api(module) == ("roofline" if TORCH >= (2, 13) else "benchmark")
+    assert overlap_scheduler_problem() is None
+    params = inspect.signature(module.schedule_overlap_bucketing).parameters
+    for name in OVERLAP_SCHEDULER_ARGS:
+        assert name in params, name
+    assert all(name in params for name in ESTIMATED_COMPUTE_ARGS) == (TORCH >= (2, 13))
 
 
 def test_overlap_scheduler_problem_names_what_is_missing(monkeypatch):
-    from graph_trainer.torch_compat import overlap_scheduler_problem, overlap_scheduling_module
+    from graph_trainer.torch_compat import compute_estimate_api, overlap_scheduler_problem, overlap_scheduling_module
 
-    if TORCH >= (2, 13):
-        assert overlap_scheduler_problem() is None
-    else:
-        assert "lacks" in overlap_scheduler_problem()
-    monkeypatch.delattr(overlap_scheduling_module(), "estimate_roofline_runtime_ms", raising=False)
+    module = overlap_scheduling_module()
+    for name in ("estimate_roofline_runtime_ms", "benchmark_node"):
+        monkeypatch.delattr(module, name, raising=False)
+    assert compute_estimate_api(module) is None
     assert overlap_scheduler_problem().startswith(
-        "auto_bucketing needs PyTorch's overlap scheduler of torch 2.13; "
-        f"torch {torch.__version__}'s overlap_scheduling lacks "
-        "estimate_roofline_runtime_ms"
+        "auto_bucketing needs PyTorch's overlap scheduler of torch 2.11 or 2.13; "
+        f"torch {torch.__version__}'s overlap_scheduling lacks estimate_roofline_runtime_ms, benchmark_node"
     )
 
 
-@NEEDS_2_13
 def test_roofline_estimate_is_swapped_only_inside_the_block():
-    import inspect
-
     from graph_trainer.torch_compat import overlap_scheduling_module, roofline_estimate
 
     module = overlap_scheduling_module()
-    original = module.estimate_roofline_runtime_ms
+
+    def snapshot():
+        return {**vars(module), **{f"OverlapScheduler.{k}": v for k, v in vars(module.OverlapScheduler).items()}}
+
+    before = snapshot()
 
     def ours(node):
         return 1.0
 
     with roofline_estimate(ours):
-        assert module.estimate_roofline_runtime_ms is ours
-    assert module.estimate_roofline_runtime_ms is original
-    with pytest.raises(ValueError, match="boom"):  # the error goes through, the original comes back
+        inside = snapshot()
+        if TORCH >= (2, 13):
+            assert module.estimate_roofline_runtime_ms is ours
+    changed = {k for k in before if inside[k] is not before[k]}
+    assert changed == (
+        {"estimate_roofline_runtime_ms"}
+        if TORCH >= (2, 13)
+        else {
+            "benchmark_node",
+            "benchmark_node_with_cache_key",
+            "OverlapScheduler._align_compute_nodes_runtime_estimations_across_all_distributed_ranks",
+        }
+    )
+    assert snapshot() == before
+    with pytest.raises(ValueError, match="boom"):  # the error goes through, the originals come back
         with roofline_estimate(ours):
             raise ValueError("boom")
-    assert module.estimate_roofline_runtime_ms is original
-    params = inspect.signature(module.schedule_overlap_bucketing).parameters
-    from graph_trainer.torch_compat import OVERLAP_SCHEDULER_ARGS
-
-    for name in OVERLAP_SCHEDULER_ARGS:
-        assert name in params, name
+    assert snapshot() == before
 
 
-@NEEDS_2_13
-def test_overlap_scheduler_reads_our_estimate_and_counts_collectives():
-    # auto_bucketing relies on schedule_overlap_bucketing (1) looking up the module's
-    # estimate_roofline_runtime_ms when it runs (so roofline_estimate replaces it), (2) moving a
-    # collective ahead of independent compute, (3) counting exposed and hideable collectives in
-    # inductor_counters().
+def test_overlap_scheduler_reads_our_estimate_and_counts_collectives(tmp_path, monkeypatch):
+    # auto_bucketing relies on schedule_overlap_bucketing (1) taking every compute node's runtime
+    # from the estimate run_overlap_scheduler installs (2.13: the module's roofline function,
+    # looked up when it runs; 2.11: benchmark_node, with no GPU, no random inputs and nothing
+    # written to Inductor's on-disk cache, whose entries would otherwise win over ours), (2)
+    # moving a collective ahead of independent compute, (3) counting exposed and hideable
+    # collectives in inductor_counters().
     import torch.distributed as dist
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from graph_trainer.fake_trace import fake_world
-    from graph_trainer.torch_compat import inductor_counters, overlap_scheduling_module, roofline_estimate
+    from graph_trainer.torch_compat import inductor_counters, run_overlap_scheduler
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     c10d = torch.ops._c10d_functional
     with fake_world(2):
         group = dist.group.WORLD.group_name
@@ -91,18 +116,16 @@ def test_overlap_scheduler_reads_our_estimate_and_counts_collectives():
 
         keys = ("overlap_scheduling_exposed", "overlap_scheduling_potentially_hidden")
         start = {k: inductor_counters()[k] for k in keys}
-        with roofline_estimate(ours):
-            gm = overlap_scheduling_module().schedule_overlap_bucketing(
-                gm,
-                collective_bucketing=False,
-                insert_overlap_deps=False,
-                collective_estimator="analytical",
-                compute_estimator="analytical",
-                pre_bucketing_fsdp_collectives=False,
-                custom_runtime_estimation=lambda node, size: (
-                    1.0 if node.target == c10d.all_gather_into_tensor.default else None
-                ),
-            )
+        gm = run_overlap_scheduler(
+            gm,
+            ours,
+            collective_bucketing=False,
+            insert_overlap_deps=False,
+            collective_estimator="analytical",
+            custom_runtime_estimation=lambda node, size: (
+                1.0 if node.target == c10d.all_gather_into_tensor.default else None
+            ),
+        )
     assert set(estimated) == {"mm", "mm_1", "mm_2"}
     order = [n.name for n in gm.graph.nodes]
     assert order.index("all_gather_into_tensor") < order.index("mm")  # issued before the compute that hides it
@@ -110,6 +133,7 @@ def test_overlap_scheduler_reads_our_estimate_and_counts_collectives():
         "overlap_scheduling_exposed": 1,
         "overlap_scheduling_potentially_hidden": 1,
     }
+    assert not (tmp_path / "cache").exists()  # no estimate cached on disk
 
 
 def _fake_graph(fn, *inputs):

@@ -24,15 +24,19 @@ Decisions (identical on every rank, so that all ranks issue the same collectives
 - Runtimes come from ``graph_trainer.analysis.cost_model`` (``node_compute_time`` and
   ``collective_time``), always on the **H100** model (``DEVICE``): decisions target the
   production hardware and do not depend on where the pass runs, so CPU tests exercise exactly
-  the schedule a GPU job gets. They reach PyTorch as ``custom_runtime_estimation`` and, for the
-  compute roofline PyTorch calls regardless (it probes the GPU through Triton and crashes on
-  CPU), through ``torch_compat.roofline_estimate`` for the duration of the call only.
-- ``compute_estimator = collective_estimator = "analytical"``: no GPU benchmarking, and
-  PyTorch skips its cross-rank ``all_gather_object`` alignment of estimates (every rank
-  computes the same numbers from the same graph).
-- ``pre_bucketing_fsdp_collectives=False``: PyTorch's default greedy FSDP pre-bucketing sizes
-  buckets with its own NCCL saturation model before scheduling, ignoring our cost model and
-  overlap; here all bucketing is the overlap-preserving kind, decided from our estimates.
+  the schedule a GPU job gets. They reach PyTorch as ``custom_runtime_estimation`` and, for
+  compute nodes, through ``torch_compat.run_overlap_scheduler``, which for the duration of the
+  call replaces the compute estimate PyTorch makes itself: torch 2.13's roofline (it probes the
+  GPU through Triton and crashes on CPU), torch 2.11's benchmark (an on-disk cache of earlier
+  values first, then a GPU benchmark, aligned across ranks by an ``all_gather_object``).
+- Compute and collectives estimated, never benchmarked, on CPU and CUDA alike, with no
+  cross-rank alignment of estimates (every rank computes the same numbers from the same graph):
+  2.13's ``compute_estimator = collective_estimator = "analytical"``; on 2.11, which has no
+  ``compute_estimator``, the swapped benchmark and a skipped alignment.
+- No pre-bucketing: 2.13's ``pre_bucketing_fsdp_collectives=False`` (its default greedy FSDP
+  pre-bucketing sizes buckets with its own NCCL saturation model before scheduling, ignoring our
+  cost model and overlap; 2.11 has none); all bucketing is the overlap-preserving kind, decided
+  from our estimates.
 - ``insert_overlap_deps=False``: graph order is what our executor runs (a plain GraphModule).
 - Collective group sizes are read from the ops' arguments, node crossing from the resolved
   process group's ranks (``ranks_per_node = RANKS_PER_NODE``), as in ``analyze``.
@@ -96,12 +100,7 @@ from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_bytes, collective_counts, format_counts, is_collective, kind
 from graph_trainer.graph.sizes import SizeHints
 from graph_trainer.graph.tags import AUTO_BUCKET, FSDP_ROLE, MODULE_FQN, PHASE, REDUCE_GRAD
-from graph_trainer.torch_compat import (
-    inductor_counters,
-    overlap_scheduler_problem,
-    overlap_scheduling_module,
-    roofline_estimate,
-)
+from graph_trainer.torch_compat import inductor_counters, overlap_scheduler_problem, run_overlap_scheduler
 
 logger = logging.getLogger("graph_trainer")
 
@@ -163,24 +162,21 @@ def auto_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
         raise PassError(
             "auto_bucketing: the graph has no collectives; it needs a multi-process layout (data parallel, TP or EP)"
         )
-    overlap = overlap_scheduling_module()
     estimator = CostModelEstimator(gm.graph)
     counters = inductor_counters()
     keys = ("overlap_scheduling_exposed", "overlap_scheduling_potentially_hidden", "collective_buckets")
     start = {k: counters[k] for k in keys}
-    with roofline_estimate(estimator.compute_ms):
-        gm = overlap.schedule_overlap_bucketing(
-            gm,
-            max_in_flight_gb=MAX_IN_FLIGHT_GB,
-            collective_bucketing=True,
-            insert_overlap_deps=False,
-            custom_runtime_estimation=estimator,
-            collective_estimator="analytical",
-            compute_estimator="analytical",
-            max_memory_increase_gb=MAX_MEMORY_INCREASE_GB,
-            max_memory_increase_ratio=MAX_MEMORY_INCREASE_RATIO,
-            pre_bucketing_fsdp_collectives=False,
-        )
+    gm = run_overlap_scheduler(
+        gm,
+        estimator.compute_ms,
+        max_in_flight_gb=MAX_IN_FLIGHT_GB,
+        collective_bucketing=True,
+        insert_overlap_deps=False,
+        custom_runtime_estimation=estimator,
+        collective_estimator="analytical",
+        max_memory_increase_gb=MAX_MEMORY_INCREASE_GB,
+        max_memory_increase_ratio=MAX_MEMORY_INCREASE_RATIO,
+    )
     added = _tag_new_nodes(gm.graph)
     gm.graph.lint()
     gm.recompile()
