@@ -20,13 +20,11 @@ from graph_trainer.fake_trace import fake_world, trace_job, trace_pipeline, trac
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts, collective_name
 from graph_trainer.validation import validate_config
-from tests.conftest import NEEDS_TORCH_2_13, ROOT
+from tests.conftest import ROOT
 from tests.graph_compare import node_signatures
 
 
-@pytest.mark.parametrize(
-    "suite_name", [pytest.param(name, marks=NEEDS_TORCH_2_13 if name != "gpu" else ()) for name in suites.SUITES]
-)  # the cpu and h100 suites run the user passes
+@pytest.mark.parametrize("suite_name", list(suites.SUITES))
 def test_case_table_is_consistent_and_every_case_validates(suite_name):
     suite = suites.SUITES[suite_name]
     names = [c.name for c in suite.cases]
@@ -171,7 +169,6 @@ TP = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--paralle
     [(TP, "transformer_block_bucketing,auto_bucketing"), (DEEPSEEK_EP, "auto_bucketing")],
     ids=["fsdp2xtp2", "ep2"],
 )
-@NEEDS_TORCH_2_13
 def test_dry_run_copy_of_one_trace_gives_the_graph_of_a_fresh_trace(layout, passes):
     cfg = load_config([*layout, "--compile.passes", passes])
     # Each trace in a fresh fake world: every trace makes new process groups, and in a fresh
@@ -186,7 +183,6 @@ def test_dry_run_copy_of_one_trace_gives_the_graph_of_a_fresh_trace(layout, pass
     assert node_signatures(copied.graph) == node_signatures(fresh.graph)
 
 
-@NEEDS_TORCH_2_13
 def test_check_graph_finds_missing_buckets_and_untagged_all_to_all():
     cfg = load_config([*DEEPSEEK_EP, "--compile.passes", "transformer_block_bucketing"])
     with fake_world(4):

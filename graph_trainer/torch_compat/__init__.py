@@ -75,7 +75,6 @@ from graph_trainer.torch_compat.pipelining import COMPUTE_KINDS, schedule_comput
 from graph_trainer.torch_compat.versions import (
     SUPPORTED_TORCH,
     TORCH_VERSION,
-    pass_needs_torch_2_13,
     private_api,
 )
 
@@ -117,7 +116,6 @@ __all__ = [
     "op_schema",
     "overlap_scheduler_problem",
     "overlap_scheduling_module",
-    "pass_needs_torch_2_13",
     "private_api",
     "process_groups",
     "resolve_process_group",

@@ -14,24 +14,14 @@ import torch
 from graph_trainer.errors import TorchCompatError
 
 SUPPORTED_TORCH = "2.11 to 2.14"
-"""Torch releases graph_trainer runs on: 2.13 (CPU, where CI runs), 2.14 (the CUDA build
-``scripts/setup_env.sh`` installs with a GPU; its tests pass on CPU), 2.11 (CUDA, as on the H100
-machine). The user passes need 2.13 or later (``pass_needs_torch_2_13``)."""
+"""Torch releases graph_trainer runs on, everything included (training, every layout, the memory
+policy, the user passes): 2.13 (the CPU build CI runs), 2.11 (the CUDA build of the one-GPU H100
+machine; its tests pass on CPU with that wheel), 2.14 (the CUDA build ``scripts/setup_env.sh``
+installs with a GPU). Where these releases differ below the public API (traced graphs, the
+overlap scheduler's estimates), the difference is handled in this package and tested in
+``tests/torch_compat/``."""
 
 TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-
-
-def pass_needs_torch_2_13(name: str) -> str | None:
-    """Why pass ``name`` cannot run on this torch (None: it can). ``auto_bucketing`` drives 2.13's
-    overlap scheduler, whose API 2.11 lacks; on torch 2.11 (CPU) the schedule checks of
-    ``transformer_block_bucketing`` and ``ep_overlap`` fail on the traced graphs (its traces differ;
-    not investigated yet), so they are refused there rather than run untested."""
-    if TORCH_VERSION >= (2, 13):
-        return None
-    return (
-        f"{name} is supported with torch 2.13 (this is torch {torch.__version__}: its traced graphs and "
-        f"overlap scheduler differ, and the pass's checks fail there)"
-    )
 
 
 @contextlib.contextmanager

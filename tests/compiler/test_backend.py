@@ -26,7 +26,7 @@ from graph_trainer.torch_compat import TORCH_VERSION, default_cache_dir, fake_mo
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
 from suites import INDUCTOR_RTOL, debug_job
-from tests.conftest import NEEDS_TORCH_2_13, ROOT
+from tests.conftest import ROOT
 
 LLAMA = os.path.join(ROOT, "configs", "llama3_debug.toml")
 
@@ -56,8 +56,8 @@ def _outside_order(gm) -> list[str]:
     [
         ([], 2),
         (["--parallelism.tp", "2"], 4),
-        pytest.param(["--compile.passes", "transformer_block_bucketing"], 2, marks=NEEDS_TORCH_2_13),
-        pytest.param(["--compile.passes", "auto_bucketing"], 2, marks=NEEDS_TORCH_2_13),
+        (["--compile.passes", "transformer_block_bucketing"], 2),
+        (["--compile.passes", "auto_bucketing"], 2),
         (["--activation_checkpoint.mode", "full"], 2),
     ],
 )
@@ -108,7 +108,19 @@ def _region(fn, *inputs: torch.Tensor, deterministic: bool):
 
 @pytest.mark.parametrize(
     "dtype, first_op",
-    [(torch.float32, torch.mm), (torch.bfloat16, torch.mul)],
+    [
+        (torch.float32, torch.mm),
+        pytest.param(
+            torch.bfloat16,
+            torch.mul,
+            marks=pytest.mark.skipif(
+                TORCH_VERSION < (2, 13),
+                reason="torch 2.11's C++ (CPU) codegen ignores emulate_precision_casts: a fused kernel that "
+                "stores a bf16 value reuses its fp32 copy instead of reloading the rounded one (PyTorch turned "
+                "that cache off under the option in 2.13); CUDA (Triton) kernels are not measured here",
+            ),
+        ),
+    ],
     ids=["fp32_mm_then_add", "bf16_pointwise"],
 )
 def test_with_deterministic_an_op_computes_the_same_wherever_the_region_boundaries_fall(dtype, first_op):
@@ -132,13 +144,13 @@ def test_with_deterministic_an_op_computes_the_same_wherever_the_region_boundari
         assert same == deterministic, (deterministic, dtype)
 
 
-@NEEDS_TORCH_2_13
 def test_full_compile_keeps_recomputation_and_reports_what_inductor_did_to_the_collectives():
     """One Inductor graph for a 2-rank FSDP step with the memory policy and block bucketing: the
     matmuls survive as traced, and the report reads the collective order off the generated code.
-    What Inductor does to the collectives of this graph depends on its release (CPU): 2.13 issues
-    them in our order but moves every wait up to its collective, so the bucketing pass's prefetch
-    (3 in flight) is undone (1); 2.14 reorders them and keeps up to 4 in flight (docs/passes.md)."""
+    What Inductor does to the collectives of this graph depends on its release (CPU): 2.11 and 2.13
+    issue them in our order but move every wait up to its collective, so the bucketing pass's
+    prefetch (3 in flight) is undone (1); 2.14 reorders them and keeps up to 4 in flight
+    (docs/passes.md)."""
     cfg = _config(LLAMA, "--activation_checkpoint.mode", "full", "--compile.passes", "transformer_block_bucketing")
     validate_config(cfg, 2)
     with fake_world(2):  # (compiled where it was traced: the collectives name its process group)

@@ -68,7 +68,6 @@ from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import ALL_TO_ALL, PairingError, wait_of
 from graph_trainer.graph.ops import mutated_args
 from graph_trainer.graph.tags import BACKWARD, CHUNK_ID, CHUNKED_MODULE, COUNT_EXCHANGE, EP_ROLE, FORWARD, FSDP_ROLE
-from graph_trainer.torch_compat import pass_needs_torch_2_13
 
 logger = logging.getLogger("graph_trainer")
 
@@ -354,9 +353,6 @@ def is_ep_moe(module: nn.Module) -> bool:
 
 
 def check_config(cfg: Any, degrees: dict[str, int]) -> None:
-    problem = pass_needs_torch_2_13(NAME)
-    if problem:
-        raise ConfigError(f"compile.passes: {problem}")
     settings = cfg.compile.ep_overlap
     if degrees.get("ep", 1) <= 1:
         raise ConfigError(

@@ -99,7 +99,6 @@ from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import group_name
 from graph_trainer.graph.ops import is_view
 from graph_trainer.graph.tags import BACKWARD, FORWARD, FSDP_PARAM, FSDP_ROLE, RECOMPUTED, REDUCE_GRAD, UNSHARD
-from graph_trainer.torch_compat import pass_needs_torch_2_13
 
 
 def bucket_index(plan: list[list[str]], fqn: str) -> int | None:
@@ -279,9 +278,6 @@ def transformer_block_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.
 
 
 def check_config(cfg: Any, degrees: dict[str, int]) -> None:
-    problem = pass_needs_torch_2_13("transformer_block_bucketing")
-    if problem:
-        raise ConfigError(f"compile.passes: {problem}")
     if degrees.get("dp_shard", 1) <= 1 and degrees.get("dp_replicate", 1) <= 1:
         raise ConfigError(
             "compile.passes: transformer_block_bucketing buckets FSDP all-gathers and gradient "

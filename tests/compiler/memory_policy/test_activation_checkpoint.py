@@ -26,7 +26,7 @@ from graph_trainer.graph.ops import is_attention
 from graph_trainer.graph.tags import ACTIVATION, LOSS_CHUNK, RECOMPUTE, RECOMPUTED
 from graph_trainer.validation import validate_config
 from models.registry import MODEL_SPECS
-from tests.conftest import NEEDS_TORCH_2_13, ROOT
+from tests.conftest import ROOT
 from tests.graph_compare import node_multiset
 
 SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2"]
@@ -124,7 +124,6 @@ def test_full_recomputes_attention_without_dropout(gpu_attention):
     assert len(copies) == LLAMA_BLOCKS
 
 
-@NEEDS_TORCH_2_13
 @pytest.mark.parametrize("passes", ["transformer_block_bucketing", "transformer_block_bucketing,auto_bucketing"])
 def test_later_passes_keep_the_recomputation_as_decided(passes):
     """Bucketing moves and merges collectives; it must neither drop nor repeat a recomputation."""
@@ -138,7 +137,6 @@ def test_later_passes_keep_the_recomputation_as_decided(passes):
     assert recompute_counts(bucketed.graph) == recompute_counts(plain.graph)
 
 
-@NEEDS_TORCH_2_13
 def test_ep_overlap_schedules_the_recomputed_graph():
     from graph_trainer.compiler.passes.ep_overlap import verify_schedule
 

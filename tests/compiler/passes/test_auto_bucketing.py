@@ -18,9 +18,7 @@ from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts
 from graph_trainer.torch_compat import overlap_scheduling_module
 from graph_trainer.validation import validate_config
-from tests.conftest import NEEDS_TORCH_2_13, ROOT
-
-pytestmark = NEEDS_TORCH_2_13
+from tests.conftest import ROOT
 
 AUTO = "auto_bucketing"
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32"]

@@ -21,10 +21,8 @@ from graph_trainer.graph.collectives import collective_counts, collective_name, 
 from graph_trainer.graph.tags import CHUNK_ID, COMBINE, COUNT_EXCHANGE, DISPATCH
 from graph_trainer.validation import validate_config
 from models.registry import MODEL_SPECS
-from tests.conftest import NEEDS_TORCH_2_13, ROOT
+from tests.conftest import ROOT
 from tests.graph_compare import node_multiset, node_signatures
-
-pytestmark = NEEDS_TORCH_2_13
 
 DEEPSEEK = [
     "--job.config_file",

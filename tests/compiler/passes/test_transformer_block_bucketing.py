@@ -24,11 +24,9 @@ from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_name, is_collective
 from graph_trainer.validation import validate_config
-from tests.conftest import NEEDS_TORCH_2_13, ROOT
+from tests.conftest import ROOT
 from tests.graph_compare import node_signature
 from tests.launch import FAST_ARGS, run_torchrun
-
-pytestmark = NEEDS_TORCH_2_13
 
 TBB = "transformer_block_bucketing"
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32"]
