@@ -361,23 +361,29 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------ save
 
-    def _write_state(self, tmp: str, step: int, state: dict, model, scheduler, dataloader):
-        """(all ranks) Every file of the checkpoint but the manifest; returns DCP's index."""
-        index = save_tensors(tmp, state, self.distributed)
+    def _write_state(self, tmp: str, step: int, state: dict, model, scheduler, dataloader) -> None:
+        """(all ranks) Every file of the checkpoint but the manifest."""
+        save_tensors(tmp, state, self.distributed)
         save_rng(tmp, self.rank, self.device)
         shapes = param_shapes(model, self.distributed)  # (every rank joins: pipeline ranks hold parts)
         if self.rank == 0:
             write_train_state(tmp, step, scheduler, dataloader)
             write_metadata(tmp, step, self.cfg.model, self.degrees, self.world_size, shapes)
-        return index
 
-    def _seal(self, tmp: str, final: str, hashed: list[dict], index) -> None:
-        """(rank 0) Check every rank's files are there, write the manifest, make the folder ``step-<N>``."""
+    def _seal(self, tmp: str, final: str, hashed: list[dict]) -> None:
+        """(rank 0) Check every rank's files are there, write the manifest, make the folder ``step-<N>``.
+
+        DCP's index is read back from the ``.metadata`` file, as a load reads it: the ``Metadata``
+        that ``dcp.save`` returns lists no files in torch 2.11 (its ``storage_data`` is None)."""
         present = manifest.folder_files(tmp)
         files = {name: entry for share in hashed for name, entry in share.items()}
         for name in sorted(set(present) - set(files)):  # written by no rank we know of: hash it here
             files[name] = manifest.file_entry(os.path.join(tmp, name))
-        missing = sorted((set(files) | dcp_storage_files(index)) - set(present))
+        try:
+            indexed = dcp_storage_files(load_dcp_metadata(metadata_path(tmp)))
+        except ConfigError as e:  # we wrote it a moment ago: an unreadable index is a failed save
+            raise JobError(str(e)) from None
+        missing = sorted((set(files) | indexed) - set(present))
         if missing:
             raise JobError(f"{missing[0]} is not in {tmp}: a rank's write did not reach the shared folder")
         manifest.write(tmp, manifest.build(files))
@@ -397,7 +403,7 @@ class Checkpointer:
         what = f"cannot save checkpoint {final}"
         try:
             agree(lambda: os.makedirs(tmp) if self.rank == 0 else None, what)
-            index = agree(lambda: self._write_state(tmp, step, state, model, scheduler, dataloader), what)
+            agree(lambda: self._write_state(tmp, step, state, model, scheduler, dataloader), what)
             written = time.perf_counter()
             # every rank's files are in tmp now (agree gathered from all): hash our own share
             mine = agree(
@@ -408,7 +414,7 @@ class Checkpointer:
                 what,
             )
             hashed = self._gather(mine)
-            agree(lambda: self._seal(tmp, final, hashed, index) if self.rank == 0 else None, what)
+            agree(lambda: self._seal(tmp, final, hashed) if self.rank == 0 else None, what)
         except JobError as e:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # never a checkpoint; the earlier ones are untouched

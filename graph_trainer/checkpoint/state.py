@@ -150,9 +150,9 @@ def single_process_ok():
 
 
 def save_tensors(folder: str, state: dict, distributed: bool):
-    """(all ranks) The DCP files of ``state`` (``tensor_state``); returns DCP's index."""
+    """(all ranks) The DCP files of ``state`` (``tensor_state``), ``.metadata`` among them."""
     with single_process_ok():
-        return dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=not distributed)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=not distributed)
 
 
 def save_rng(folder: str, rank: int, device: torch.device) -> None:
