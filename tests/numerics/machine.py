@@ -20,8 +20,11 @@ whatever the ISA, and MKL's conditional numerical reproducibility (CNR) on its `
 branch, the one branch MKL honours on non-Intel CPUs too (``MKL_CBWR=AVX2`` falls back to MKL's
 automatic choice on AMD: ``fingerprint`` reads the branch in effect). What is left to the machine
 is in ``fingerprint()``: the PyTorch build, the architecture, the CPU vendor and ISA level (VML's
-paths), and whether the pins took effect. Curves are compared bitwise on a machine whose
-fingerprint matches the one that recorded them, and within ``curves.CURVE_RTOL`` elsewhere.
+paths), whether the pins took effect, and the first initial weights the release draws
+(``init_draws``: torch 2.13 changed how ``trunc_normal_`` samples, so 2.11 starts from other
+weights). Curves are compared bitwise on a machine whose fingerprint matches the one that
+recorded them, within ``curves.CURVE_RTOL`` elsewhere, and not at all by a torch that draws other
+initial weights (nothing but the seed would be the same).
 """
 
 from __future__ import annotations
@@ -68,6 +71,13 @@ def cpu():
     isa = next((name for name in ("avx512f", "avx2", "avx", "sse4_2") if name in flags), "other")
     return vendor, isa
 
+def init_draws():
+    # The first values trunc_normal_ (the models' initialisation) draws from seed 0, to 6 digits: a
+    # torch release that samples it otherwise starts every curve from other weights.
+    torch.manual_seed(0)
+    w = torch.nn.init.trunc_normal_(torch.empty(4), std=0.02)
+    return [float(f"{v:.6g}") for v in w.tolist()]
+
 blas = [line.strip() for line in torch.__config__.show().splitlines() if "Math Kernel Library" in line]
 vendor, isa = cpu()
 print(json.dumps({
@@ -78,6 +88,7 @@ print(json.dumps({
     "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     "blas": blas[0].lstrip("- ") if blas else "not MKL",
     "mkl_cnr_branch": mkl_branch() if blas else None,
+    "init_draws": init_draws(),
 }, sort_keys=True))
 """
 
