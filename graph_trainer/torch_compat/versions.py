@@ -15,11 +15,11 @@ from graph_trainer.errors import TorchCompatError
 
 SUPPORTED_TORCH = "2.11 to 2.14"
 """Torch releases graph_trainer runs on, everything included (training, every layout, the memory
-policy, the user passes): 2.13 (the CPU build CI runs), 2.11 (the CUDA build of the one-GPU H100
-machine; its tests pass on CPU with that wheel), 2.14 (the CUDA build ``scripts/setup_env.sh``
-installs with a GPU). Where these releases differ below the public API (traced graphs, the
-overlap scheduler's estimates), the difference is handled in this package and tested in
-``tests/torch_compat/``."""
+policy, the user passes, checkpoints): 2.13 (the CPU build CI runs), 2.11 (the CUDA build of the
+one-GPU H100 machine; its tests pass on CPU with that wheel), 2.14 (the CUDA build
+``scripts/setup_env.sh`` installs with a GPU). Where these releases differ below the public API
+(traced graphs, the overlap scheduler's estimates, what ``dcp.save`` returns), the difference is
+handled in this package or beside its one use, and tested in ``tests/torch_compat/``."""
 
 TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
