@@ -43,6 +43,7 @@ that needs them). CI runs the cpu suite and the h100 dry run in two shards each.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -263,7 +264,18 @@ def run_suite(
                 f"{result.problem or ''}  {result.note}",
                 flush=True,
             )
+    write_seconds(os.path.join(output_dir, "case_seconds.json"), suite_name, results)
     return results
+
+
+def write_seconds(path: str, suite_name: str, results: list[Result]) -> None:
+    """The wall seconds of the cases that ran, in ``CASE_SECONDS``'s format (the shards of a CI run
+    merged into that file are what ``shard_names`` balances next)."""
+    ran = {r.case.name: round(r.seconds, 1) for r in results if not r.skipped}
+    measured = f"{time.strftime('%Y-%m-%d')}, integration_tests.py --suite {suite_name}"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"measured": measured, "seconds": {suite_name: ran}}, f, indent=1)
+        f.write("\n")
 
 
 def format_table(rows: list[dict[str, object]]) -> str:
@@ -275,14 +287,30 @@ def format_table(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def shard_names(cases: list[Case], shard: tuple[int, int]) -> list[str]:
-    """The cases of shard K of N of a run: cases compared with each other stay together (components
-    of the same_as / close_to graph), except one-process references that compare with nothing:
-    they run in every shard that needs one (``select`` adds them). Components go, the largest
-    (in processes) first, to the shard with the fewest processes so far."""
-    index, count = shard
-    if count == 1:
-        return [c.name for c in cases]
+CASE_SECONDS = os.path.join(ROOT, "suites", "case_seconds.json")
+"""Measured wall seconds of each case of a run (``{"measured": where and when, "seconds": {suite:
+{case: s}}}``): what ``shard_names`` balances. A run writes its own as ``OUT/case_seconds.json``."""
+
+
+def recorded_seconds(suite_name: str) -> dict[str, float]:
+    """The measured seconds of a suite's cases in ``CASE_SECONDS`` (empty if none were recorded)."""
+    if not os.path.isfile(CASE_SECONDS):
+        return {}
+    with open(CASE_SECONDS, encoding="utf-8") as f:
+        return json.load(f)["seconds"].get(suite_name, {})
+
+
+def case_weights(cases: list[Case], seconds: dict[str, float]) -> dict[str, float]:
+    """Each case's expected wall seconds: its measured time, or for a case not measured yet its
+    processes times the measured cases' mean seconds per process (1 per process if none was)."""
+    measured = [c for c in cases if c.name in seconds]
+    per_proc = sum(seconds[c.name] for c in measured) / sum(c.nproc for c in measured) if measured else 1.0
+    return {c.name: seconds.get(c.name, c.nproc * per_proc) for c in cases}
+
+
+def compared_groups(cases: list[Case]) -> list[list[Case]]:
+    """Cases compared with each other (components of the same_as / close_to graph), leaving out the
+    one-process references that compare with nothing: ``select`` adds those to every shard that needs one."""
     by_name = {c.name: c for c in cases}
     root_of = {c.name: c.name for c in cases}
 
@@ -296,15 +324,27 @@ def shard_names(cases: list[Case], shard: tuple[int, int]) -> list[str]:
             shared = by_name[ref].nproc == 1 and not by_name[ref].references
             if not shared:
                 root_of[find(c.name)] = find(ref)
-    components: dict[str, list[Case]] = {}
+    groups: dict[str, list[Case]] = {}
     for c in cases:
         if not (c.nproc == 1 and not c.references and any(c.name in d.references for d in cases)):
-            components.setdefault(find(c.name), []).append(c)
-    loads, owner = [0] * count, {}
-    for root, members in sorted(components.items(), key=lambda item: -sum(c.nproc for c in item[1])):
+            groups.setdefault(find(c.name), []).append(c)
+    return list(groups.values())
+
+
+def shard_names(cases: list[Case], shard: tuple[int, int], seconds: dict[str, float] | None = None) -> list[str]:
+    """The cases of shard K of N of a run: groups of compared cases (``compared_groups``) go, the
+    longest first, to the shard with the least expected time so far (``case_weights`` of the
+    measured ``seconds``), so that the shards, run side by side, end together."""
+    index, count = shard
+    if count == 1:
+        return [c.name for c in cases]
+    weight = case_weights(cases, seconds or {})
+    loads, owner = [0.0] * count, {}
+    for group in sorted(compared_groups(cases), key=lambda g: -sum(weight[c.name] for c in g)):
         k = loads.index(min(loads))
-        owner[root], loads[k] = k, loads[k] + sum(c.nproc for c in members)
-    return [c.name for c in cases if owner.get(find(c.name)) == index]
+        loads[k] += sum(weight[c.name] for c in group)
+        owner.update({c.name: k for c in group})
+    return [c.name for c in cases if owner.get(c.name) == index]
 
 
 def _parse_shard(text: str) -> tuple[int, int] | None:
@@ -350,7 +390,7 @@ def main(argv: list[str]) -> int:
     if shard != (0, 1) and not opts.dry_run:
         if names:
             parser.error("--shard splits a whole suite; with --test_name, name the cases of each process")
-        names = shard_names(suite.cases, shard)
+        names = shard_names(suite.cases, shard, recorded_seconds(opts.suite))
     try:
         cases, skipped = select(suite.cases, names, ngpu, dry_run=opts.dry_run)
     except ValueError as e:

@@ -262,15 +262,17 @@ def test_dry_run_shards_split_the_trace_groups_between_them():
         assert result.returncode == 2 and result.stderr.startswith(f"error: --shard '{bad}' must be K/N")
 
 
-def test_run_shards_keep_compared_cases_together_and_cover_the_suite():
+@pytest.mark.parametrize("measured", [False, True], ids=["by_processes", "by_measured_seconds"])
+def test_run_shards_keep_compared_cases_together_and_cover_the_suite(measured):
     cases = suites.SUITES["cpu"].cases
-    chosen = [it.select(cases, it.shard_names(cases, (k, 2)), ngpu=4) for k in range(2)]
+    seconds = it.recorded_seconds("cpu") if measured else None
+    chosen = [it.select(cases, it.shard_names(cases, (k, 2), seconds), ngpu=4) for k in range(2)]
     assert all(skipped == {} for _, skipped in chosen)
     names = [{c.name for c in shard} for shard, _ in chosen]
     assert names[0] | names[1] == {c.name for c in cases}
     # only one-process references that compare with nothing run in both shards
     assert all(c.nproc == 1 and not c.references for c in cases if c.name in names[0] & names[1])
-    assert it.shard_names(cases, (0, 1)) == [c.name for c in cases]
+    assert it.shard_names(cases, (0, 1), seconds) == [c.name for c in cases]
     result = subprocess.run(
         [
             sys.executable,
@@ -288,3 +290,24 @@ def test_run_shards_keep_compared_cases_together_and_cover_the_suite():
         cwd=ROOT,
     )
     assert result.returncode == 2 and "--shard splits a whole suite" in result.stderr
+
+
+def test_shards_balance_the_measured_seconds_and_weigh_unmeasured_cases_by_processes(tmp_path, monkeypatch):
+    cases = suites.SUITES["cpu"].cases
+    seconds = it.recorded_seconds("cpu")
+    assert seconds and set(seconds) <= {c.name for c in cases}, "suites/case_seconds.json names a case that is gone"
+    weight = it.case_weights(cases, seconds)
+    loads = [sum(weight[n] for n in it.shard_names(cases, (k, 2), seconds)) for k in range(2)]
+    longest_group = max(sum(weight[c.name] for c in g) for g in it.compared_groups(cases))
+    assert abs(loads[0] - loads[1]) <= longest_group  # what greedy longest-first guarantees
+    four = [suites.Case(name, 2, []) for name in ("long", "b", "c", "d")]
+    timed = {"long": 100.0, "b": 10.0, "c": 10.0, "d": 10.0}
+    assert [it.shard_names(four, (k, 2), timed) for k in range(2)] == [["long"], ["b", "c", "d"]]
+    assert [it.shard_names(four, (k, 2)) for k in range(2)] == [["long", "c"], ["b", "d"]]
+    (one, two) = [c for c in cases if c.nproc == 2][:2]
+    assert it.case_weights([one, two], {one.name: 30.0}) == {one.name: 30.0, two.name: 30.0}
+    assert it.case_weights([one], {}) == {one.name: 2.0}
+    ran = [it.Result(one, seconds=12.34), it.Result(two, skipped="needs 4 processes")]
+    it.write_seconds(str(tmp_path / "case_seconds.json"), "cpu", ran)
+    monkeypatch.setattr(it, "CASE_SECONDS", str(tmp_path / "case_seconds.json"))
+    assert it.recorded_seconds("cpu") == {one.name: 12.3} and it.recorded_seconds("h100") == {}
