@@ -25,11 +25,11 @@ cannot show (AdamW and clipping hide it).
 
 ``--dry-run`` runs no job: each graph case is traced at its real world size on the fake process
 group in this one CPU process (``graph_trainer.fake_trace``, as ``analyze`` does), its
-passes run, and the graph is checked (``integration_dry_run.check_graph``): the collectives its layout needs, EP
+passes run, and the graph is checked (``integration_graph_checks.check_graph``): the collectives its layout needs, EP
 tags, transformer-block bucket counts. Cases of one layout share one trace: its graph is copied
 for each pass list (``tests/test_integration_tests.py`` checks that a copy gives the same graph
 as a fresh trace). A pipeline case (``--parallelism.pp`` > 1) is traced stage by stage, each stage
-graph checked (``integration_dry_run.check_stage_graph``), and its step estimated
+graph checked (``integration_graph_checks.check_stage_graph``), and its step estimated
 (``graph_trainer.pipelining.timeline``: simulated step, bubble fraction, tokens/s per GPU, every
 pipeline rank's memory with its schedule's in-flight microbatches). Cases marked
 ``dry_run_only`` (cluster layouts: the h100 suite's 405B on 512 GPUs, 671B on 256) are checked

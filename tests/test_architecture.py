@@ -100,7 +100,7 @@ def test_architecture_doc_shows_the_contract_layers():
 MAX_FUNCTION_LINES = 80
 """A function fits on a screen: from its ``def`` line to its last, docstring included."""
 FUNCTION_LIMIT_SOURCES = ("graph_trainer", "models", "suites", "scripts", "train.py", "integration_tests.py")
-FUNCTION_LIMIT_SOURCES += ("integration_dry_run.py",)
+FUNCTION_LIMIT_SOURCES += ("integration_dry_run.py", "integration_graph_checks.py")
 
 
 def _python_files(*names: str) -> list[str]:
@@ -125,3 +125,17 @@ def test_no_function_is_longer_than_a_screen():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name}: {lines} lines")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+MAX_MODULE_LINES = 500
+"""A module is read in one sitting; a longer one holds more than one concern."""
+
+
+def test_no_module_is_longer_than_a_sitting():
+    long = []
+    for path in _python_files(*FUNCTION_LIMIT_SOURCES, "benchmarks"):
+        with open(path, encoding="utf-8") as f:
+            lines = sum(1 for _ in f)
+        if lines > MAX_MODULE_LINES:
+            long.append(f"{os.path.relpath(path, ROOT)}: {lines} lines")
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)

@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 
 README_MAX_LINES = 200
 CODE_FOLDERS = ("graph_trainer", "models", "suites", "scripts", "tests", "benchmarks")
-CODE_FILES = ("train.py", "integration_tests.py", "integration_dry_run.py")
+CODE_FILES = ("train.py", "integration_tests.py", "integration_dry_run.py", "integration_graph_checks.py")
 
 
 def _read(*path: str) -> str:

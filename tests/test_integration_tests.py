@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import integration_dry_run as dry
+import integration_graph_checks as checks
 import integration_tests as it
 import suites
 from graph_trainer.compiler.chain import transform_graph
@@ -190,13 +191,13 @@ def test_check_graph_finds_missing_buckets_and_untagged_all_to_all():
         reference = transform_graph(copy.deepcopy(traced.gm), context, [])
         bucketed = transform_graph(copy.deepcopy(traced.gm), context, cfg.compile.passes)
     degrees, plan = resolve_parallel_degrees(cfg.parallelism, 4), context.extras["bucket_plan"]
-    assert dry.check_graph(bucketed, reference, cfg, degrees, plan) == []
+    assert checks.check_graph(bucketed, reference, cfg, degrees, plan) == []
     # the graph without the pass, checked as if it had run
-    problems = dry.check_graph(reference, reference, cfg, degrees, plan)
+    problems = checks.check_graph(reference, reference, cfg, degrees, plan)
     assert any("outside a block bucket" in p for p in problems), problems
     a2a = next(n for n in bucketed.graph.nodes if collective_name(n) == "all_to_all_single")
     tags.remove(a2a, "ep_role")
-    assert any("without ep_role" in p for p in dry.check_graph(bucketed, reference, cfg, degrees, plan))
+    assert any("without ep_role" in p for p in checks.check_graph(bucketed, reference, cfg, degrees, plan))
 
 
 def test_dry_run_flags_an_hsdp_all_reduce_of_the_full_gradient():
@@ -206,12 +207,12 @@ def test_dry_run_flags_an_hsdp_all_reduce_of_the_full_gradient():
     )
     with fake_world(4):
         traced, _ = trace_without_passes(cfg, 4)
-    launches = dry._launches(traced.gm)
-    assert dry._full_gradient_all_reduces(launches) == []
+    launches = checks.collective_launches(traced.gm)
+    assert checks._full_gradient_all_reduces(launches) == []
     # the order this project had before: the all-reduce summing the full (not reduce-scattered) gradient
     all_reduce = next(n for n in launches if collective_name(n) == "all_reduce")
     all_reduce.meta["val"] = torch.empty(2 * all_reduce.meta["val"].numel())
-    assert dry._full_gradient_all_reduces(launches) == [all_reduce.name]
+    assert checks._full_gradient_all_reduces(launches) == [all_reduce.name]
 
 
 def test_cluster_layouts_are_dry_run_only():
@@ -238,11 +239,11 @@ def test_pipeline_dry_run_checks_every_stage_graph_and_estimates_the_step(capsys
     degrees = resolve_parallel_degrees(cfg.parallelism, 4)
     last = traced.layout.pipeline.last_stage
     gm = traced.stages[last].gm
-    assert dry.check_stage_graph(gm, cfg, degrees, traced.traced_blocks[last], False, True) == []
+    assert checks.check_stage_graph(gm, cfg, degrees, traced.traced_blocks[last], False, True) == []
     for n in gm.graph.nodes:
         if collective_name(n) == "all_to_all_single":
             tags.remove(n, "moe_fqn")
-    problems = dry.check_stage_graph(gm, cfg, degrees, traced.traced_blocks[last], False, True)
+    problems = checks.check_stage_graph(gm, cfg, degrees, traced.traced_blocks[last], False, True)
     assert any("MoE layers" in p for p in problems), problems
 
 
