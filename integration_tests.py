@@ -1,4 +1,4 @@
-"""End-to-end suites: every case is a real ``torchrun train.py`` job, checked from its outputs.
+"""End-to-end suites: every case is a real multi-process ``train.py`` job, checked from its outputs.
 
     python integration_tests.py OUTPUT_DIR --suite cpu|h100|gpu [--test_name NAME[,NAME]] [--ngpu N]
                                 [--dry-run [--shard K/N]] [--list]
@@ -8,7 +8,9 @@
 ``gpu`` needs ONE GPU: the debug models graph vs eager and run-to-run, bitwise under
 ``--debug.deterministic True``, and real 8B- and 16B-shaped models cut to 4 layers in bf16, whose
 tok/s, MFU and peak memory the table shows. The GPU suites refuse to start without the GPUs
-their cases need. ``--ngpu N`` skips the cases (and their
+their cases need; their jobs run under torchrun. The cpu suite's ranks are forked from one
+interpreter that imported torch once (``tests/forked_ranks.py``: torchrun's environment and
+failure handling, without each rank's start-up). ``--ngpu N`` skips the cases (and their
 dependents) that need more than N processes. ``--test_name`` runs the named cases and the cases
 they are compared with.
 
@@ -59,7 +61,7 @@ if ROOT not in sys.path:
 from graph_trainer.loop.grad_record import compare_records, load_record, record_path  # noqa: E402
 from integration_dry_run import dry_run  # noqa: E402
 from suites import GRAD_RECORD_STEP, GRAD_RTOL, SUITES, Case, Suite, job_args  # noqa: E402  (the case tables)
-from tests.launch import run_torchrun  # noqa: E402  (the one launcher of torchrun jobs)
+from tests.launch import run_forked, run_torchrun  # noqa: E402  (the launchers of multi-process jobs)
 
 LOG_LINE = re.compile(r"step (\d+) \| loss (\S+) \|.*\| tok/s/dev ([\d,]+) \| mfu (\S+) \| mem ([\d.]+) GiB")
 """The metrics line of ``graph_trainer.loop.metrics.MetricsLogger`` (loss, tokens/s per device, MFU, memory)."""
@@ -168,13 +170,14 @@ def compare(case: Case, run: Finished, done: dict[str, Finished]) -> tuple[str |
 def run_case(
     suite: Suite, case: Case, output_dir: str, done: dict[str, Finished], script: str = os.path.join(ROOT, "train.py")
 ) -> Result:
-    """Run one case as a torchrun job of ``script`` in ``output_dir/<name>`` (log: ``<name>.log``) and
-    check it (tests run scripts that inject a bug into train.py, to see the checks catch it)."""
+    """Run one case as a job of ``script`` in ``output_dir/<name>`` (log: ``<name>.log``) and check it
+    (tests run scripts that inject a bug into train.py, to see the checks catch it). GPU suites
+    launch with torchrun; CPU ones fork their ranks (``tests.launch.run_forked``)."""
     folder = os.path.join(output_dir, case.name)
     shutil.rmtree(folder, ignore_errors=True)  # a stale checkpoint would be resumed
     start = time.perf_counter()
     try:
-        proc = run_torchrun(
+        proc = (run_torchrun if suite.gpus else run_forked)(
             case.nproc,
             script,
             *job_args(suite, case, ["--job.dump_folder", folder]),

@@ -1,9 +1,11 @@
 """Run train.py as a real multi-process gloo job for tests, and read what it wrote.
 
-Every test that needs several processes goes through ``run_train``: it launches
-``torchrun --standalone`` (a free rendezvous port, so tests may run side by side) with one
-CPU thread per process and the small, fast debug settings below, and fails the test with
-the job's output if it exits non-zero.
+Every test that needs several processes goes through this module: ``run_train`` runs train.py
+with the small, fast debug settings below on ranks forked from a server that imported torch once
+(``run_forked``, ``tests/forked_ranks.py``: torchrun's environment, one CPU thread per process);
+a test of what torchrun itself shows (its failure report) uses ``run_torchrun``. Both take a free
+rendezvous port, so tests may run side by side, and fail the test with the job's stderr if it
+exits non-zero.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from suites import debug_job
 from tests.conftest import ROOT
+from tests.forked_ranks import run_job as forked_ranks_job
 
 FAST_ARGS = [*debug_job(), "--metrics.log_freq", "5"]
 """Debug LLaMA-3 as ``suites.SMALL_CPU_JOB``: a step takes well under a second."""
@@ -30,9 +33,27 @@ def run_torchrun(
     teardown that once made a retry necessary cannot happen since train.py ends multi-process
     jobs with ``os._exit(0)`` once every rank has left the process group.
     """
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return _run([sys.executable, *launcher, script, *args], timeout, check, env)
+
+
+def run_forked(
+    nproc: int, script: str, *args: str, timeout: float = 600, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``run_torchrun``'s job with its ranks forked from a server that imported torch and the trainer
+    once (``tests/forked_ranks.py``): torchrun's environment contract without each rank's seconds
+    of start-up. CPU jobs only."""
+    return _run([script, *args], timeout, check, env, forked_ranks=nproc)
+
+
+def _run(
+    cmd: list[str], timeout: float, check: bool, env: dict[str, str] | None, forked_ranks: int = 0
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script, *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    if forked_ranks:
+        result = forked_ranks_job(forked_ranks, cmd, env, ROOT, timeout)
+    else:
+        result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)}\nexited {result.returncode}\n--- stderr (tail) ---\n{result.stderr[-6000:]}"
@@ -43,8 +64,8 @@ def run_torchrun(
 def run_train(
     nproc: int, dump_folder: Path, *args: str, timeout: float = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node nproc train.py FAST_ARGS --job.dump_folder dump_folder args``."""
-    return run_torchrun(
+    """``train.py FAST_ARGS --job.dump_folder dump_folder args`` on ``nproc`` forked ranks."""
+    return run_forked(
         nproc,
         os.path.join(ROOT, "train.py"),
         *FAST_ARGS,

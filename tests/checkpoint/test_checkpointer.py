@@ -22,7 +22,7 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
 from tests.conftest import ROOT
-from tests.launch import FAST_ARGS, read_losses, run_train
+from tests.launch import FAST_ARGS, read_losses, run_torchrun, run_train
 
 # ------------------------------------------------------------------ multi-process jobs (graph mode)
 
@@ -162,7 +162,8 @@ def test_fsdp2_checkpoint_resumes_in_a_pipeline_and_the_pipeline_checkpoint_in_o
 
 def test_missing_step_is_one_line_error_under_torchrun(tmp_path, first_half):
     root = first_half / "checkpoint"
-    result = run_train(2, tmp_path, "--checkpoint.folder", str(root), "--checkpoint.load_step", "7", check=False)
+    flags = ["--job.dump_folder", str(tmp_path), "--checkpoint.folder", str(root), "--checkpoint.load_step", "7"]
+    result = run_torchrun(2, os.path.join(ROOT, "train.py"), *FAST_ARGS, *flags, check=False)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     available = ", ".join(map(str, complete_steps(str(root))))  # 5, or 5, 10 after the resume test
