@@ -239,6 +239,12 @@ class Checkpoint:
     model.safetensors.index.json) whose weights the job starts from when it resumes no checkpoint: checked against
     the flavor before anything is built, each rank reading only its shards (graph_trainer/checkpoint/hf.py).
     With training.steps 0 and checkpoint.interval > 0 the job only converts: it writes step-0 and stops."""
+    keep_latest_k: int = 10
+    """Keep the newest K complete checkpoints of the folder: once a save is complete, older step-<N>
+    folders beyond K are deleted (each renamed away first, so none is ever half deleted and still
+    found). 0 keeps every one. Only complete step-<N> folders are deleted: never the newest, never a
+    save in progress, nothing else in the folder (corrupt-, aside- or other files). torchtitan's
+    option and default."""
     move_aside: bool = False
     """A run that would not continue the newest checkpoints of the folder (load_step 0 in a folder holding checkpoints,
     or load_step N with later steps there) is refused, so one folder and one losses.txt never mix two runs. True

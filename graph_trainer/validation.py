@@ -181,6 +181,8 @@ def _check_around_the_loop(cfg: JobConfig) -> None:
     require(cfg.metrics.peak_tflops >= 0, f"metrics.peak_tflops = {cfg.metrics.peak_tflops} must be >= 0")
     require(cfg.checkpoint.interval >= 0, f"checkpoint.interval = {cfg.checkpoint.interval} must be >= 0")
     require(cfg.checkpoint.load_step >= -1, f"checkpoint.load_step = {cfg.checkpoint.load_step} must be >= -1")
+    k = cfg.checkpoint.keep_latest_k
+    require(k >= 0, f"checkpoint.keep_latest_k = {k} must be >= 0 (0 keeps every checkpoint)")
     for name in ("init_timeout_seconds", "timeout_seconds"):
         require(getattr(cfg.comm, name) > 0, f"comm.{name} = {getattr(cfg.comm, name)} must be > 0")
     step = cfg.debug.grad_record_step

@@ -44,7 +44,9 @@ from graph_trainer.config_loading import normalize_flags  # noqa: E402
 from suites import debug_job  # noqa: E402
 
 JOB = [*debug_job(), "--compile.mode", "eager", "--metrics.log_freq", "1", "--checkpoint.interval", "1"]
-"""The debug LLaMA-3 in eager mode (no trace: starts fast), saving every step (74 MB per save)."""
+JOB += ["--checkpoint.keep_latest_k", "0"]
+"""The debug LLaMA-3 in eager mode (no trace: starts fast), saving every step (74 MB per save) and
+keeping every one: a checkpoint that disappears is a lost one."""
 
 
 def command(nproc: int, folder: str, steps: int) -> list[str]:

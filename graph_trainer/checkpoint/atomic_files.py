@@ -12,6 +12,9 @@ clean-up of what an interrupted save left behind.
   their rename, so never checkpoints; up to a whole checkpoint each) and restores or removes
   ``.old-`` folders as above. It assumes one job per checkpoint folder: a second job started on a
   folder while the first saves would remove the first one's save in progress.
+* ``remove_steps(root, names)``: deletes old checkpoints (``checkpoint.keep_latest_k``): each is first
+  renamed ``<name>.removing-<token>``, so from that moment it is no checkpoint, then deleted; a crash
+  in between leaves the ``.removing-`` folder, which ``clean_leftovers`` deletes.
 * ``move_aside``: moves checkpoints (and a ``losses.txt``) into ``<root>.aside-<time>/``, never deleting.
 """
 
@@ -27,6 +30,7 @@ import uuid
 
 _TMP = re.compile(r"^step-(\d+)\.tmp-[0-9a-f]+$")
 _OLD = re.compile(r"^step-(\d+)\.old-[0-9a-f]+$")
+_REMOVING = re.compile(r"^step-(\d+)\.removing-[0-9a-f]+$")
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -109,9 +113,26 @@ def clean_leftovers(root: str) -> list[str]:
         if _TMP.match(name) and os.path.isdir(os.path.join(root, name)):
             shutil.rmtree(os.path.join(root, name))
             done.append(f"removed {name} (an interrupted save)")
+        elif _REMOVING.match(name) and os.path.isdir(os.path.join(root, name)):
+            shutil.rmtree(os.path.join(root, name))
+            done.append(f"removed {name} (an old checkpoint whose removal was interrupted)")
     if done:
         fsync_dir(root)
     return done
+
+
+def remove_steps(root: str, names: list[str]) -> None:
+    """Delete the checkpoint folders ``names`` of ``root`` (see module docstring)."""
+    token = uuid.uuid4().hex[:8]
+    renamed = []
+    for name in names:
+        away = os.path.join(root, f"{name}.removing-{token}")
+        os.rename(os.path.join(root, name), away)
+        renamed.append(away)
+    fsync_dir(root)
+    for path in renamed:
+        shutil.rmtree(path)
+    fsync_dir(root)
 
 
 def aside_folder(root: str) -> str:

@@ -26,6 +26,10 @@ later steps there) is refused unless ``checkpoint.move_aside``. Every decision i
 broadcast, so all ranks resume from the same step. ``load`` then restores everything in place
 before the first step (``checkpoint_state``: bitwise identical to not stopping when the layout is
 unchanged).
+
+Retention: once a save is complete, rank 0 deletes the complete checkpoints older than the newest
+``checkpoint.keep_latest_k`` (``atomic_files.remove_steps``: renamed away, then deleted), never the
+one just saved; other ranks do not wait for it.
 """
 
 from __future__ import annotations
@@ -41,7 +45,13 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer.checkpoint import manifest
-from graph_trainer.checkpoint.atomic_files import clean_leftovers, move_aside, replace_dir, write_text_atomic
+from graph_trainer.checkpoint.atomic_files import (
+    clean_leftovers,
+    move_aside,
+    remove_steps,
+    replace_dir,
+    write_text_atomic,
+)
 from graph_trainer.checkpoint.safe_metadata import load_dcp_metadata, metadata_path
 from graph_trainer.checkpoint.state import (
     check_model,
@@ -425,4 +435,21 @@ class Checkpointer:
             time.perf_counter() - start,
             time.perf_counter() - written,
         )
+        if self.rank == 0:
+            self._keep_latest(step)
         return final
+
+    def _keep_latest(self, saved: int) -> None:
+        """(rank 0, after step ``saved`` is complete) Delete the complete checkpoints older than the
+        newest ``checkpoint.keep_latest_k`` (never ``saved``). A failure is a warning: the new
+        checkpoint is complete, and the next save tries again."""
+        k = self.cfg.checkpoint.keep_latest_k
+        old = [s for s in complete_steps(self.root)[:-k] if s != saved] if k > 0 else []
+        if not old:
+            return
+        try:
+            remove_steps(self.root, [f"step-{s}" for s in old])
+        except OSError as e:
+            logger.warning("checkpoint.keep_latest_k %d: cannot delete %s (%s); kept", k, _steps(old), e.strerror or e)
+            return
+        logger.info("checkpoint.keep_latest_k %d: deleted %s", k, _steps(old))

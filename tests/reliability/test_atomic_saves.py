@@ -1,5 +1,6 @@
-"""Interrupted saves: what they leave is cleaned at the next start, re-saving a step is atomic, and
-``losses.txt`` is trimmed atomically."""
+"""Interrupted saves: what they leave is cleaned at the next start, re-saving a step is atomic, an
+interrupted deletion of old checkpoints leaves none half deleted, and ``losses.txt`` is trimmed
+atomically."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from graph_trainer.checkpoint.atomic_files import clean_leftovers, replace_dir
+from graph_trainer.checkpoint.atomic_files import clean_leftovers, remove_steps, replace_dir
 from graph_trainer.checkpoint.checkpointer import Checkpointer, complete_steps
 from graph_trainer.config_loading import load_config
 from tests.reliability.helpers import EAGER, copy_job, make_trainer
@@ -108,3 +109,26 @@ def test_losses_are_trimmed_atomically(tmp_path, three_steps, monkeypatch):
     assert sorted(p for p in os.listdir(job) if p.startswith("losses")) == ["losses.txt"]
     checkpointer._trim_losses(1)
     assert (job / "losses.txt").read_text() == before.splitlines(keepends=True)[0]
+
+
+def test_an_interrupted_deletion_leaves_no_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """``checkpoint.keep_latest_k`` deletes with ``remove_steps``: killed while deleting, the old
+    step is already no checkpoint, and the next start deletes what is left of it."""
+    root = tmp_path / "checkpoint"
+    for step in (1, 2):
+        (root / f"step-{step}").mkdir(parents=True)
+        (root / f"step-{step}" / "manifest.json").write_text("{}")
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        raise _Killed(f"while deleting {path}")
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    with pytest.raises(_Killed):
+        remove_steps(str(root), ["step-1"])
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    assert complete_steps(str(root)) == [2]
+    (leftover,) = [name for name in os.listdir(root) if name != "step-2"]
+    assert leftover.startswith("step-1.removing-")
+    assert clean_leftovers(str(root)) == [f"removed {leftover} (an old checkpoint whose removal was interrupted)"]
+    assert sorted(os.listdir(root)) == ["step-2"]
