@@ -112,6 +112,11 @@ class Training:
     """Dtype parameters are cast to for compute, on every layout (SimpleFSDP casts before the all-gather;
     without data parallelism a cast parametrization does it): float32, bfloat16 or float16. The
     optimizer keeps float32 master weights either way."""
+    gc_freq: int = 50
+    """Python's automatic garbage collection is off while training, and every rank collects its
+    young generations before the first step and after every gc_freq-th step, so no rank pauses for
+    a collection at a moment the others do not (they would wait for it in the next collective).
+    0 leaves automatic collection on. torchtitan's option and default."""
     mixed_precision_reduce: Dtype = "float32"
     """Dtype gradients are reduced in across data-parallel ranks: float32, bfloat16 or float16
     (no effect without data parallelism: nothing is reduced)."""

@@ -54,6 +54,7 @@ from graph_trainer.data.loader import build_dataloader
 from graph_trainer.data.tokenizer import build_tokenizer
 from graph_trainer.distributed import comm
 from graph_trainer.distributed.parallel_dims import ParallelDims, average_over_dp, dp_rank, pp_group, sum_over_dp
+from graph_trainer.loop.gc_schedule import scheduled_collection
 from graph_trainer.loop.grad_record import gather_record, merge_over, record_path, save_record
 from graph_trainer.loop.gradients import StepPreparation, build_gradients
 from graph_trainer.loop.guards import check_step
@@ -290,30 +291,36 @@ class Trainer:
             self.checkpointer.save(
                 0, self.model, self.optimizer, self.scheduler, self.dataloader, before_first_step=True
             )
-        while self.step < t.steps:
-            self.step += 1
-            start = time.perf_counter()
-            microbatches = [next(data) for _ in range(self.microbatches)]
-            lr = self.scheduler.get_last_lr()[0]
-            loss, grad_norm = self.train_step(microbatches)
-            elapsed = time.perf_counter() - start
-            if not losses:  # the first step of this run (step N+1 after resuming from step N)
-                logger.info("first step (including trace, passes and compile) took %.2fs", elapsed)
-                # Every rank has been through that step's collectives; from now on one that stops
-                # answering for comm.timeout_seconds ends the job (graph_trainer.distributed.comm).
-                comm.set_timeout(self.cfg.comm.timeout_seconds)
-                self.stepped = True
-            losses.append(loss)
-            self.metrics.record_step(
-                step=self.step,
-                loss=loss,
-                grad_norm=grad_norm,
-                lr=lr,
-                ntokens=sum(tokens.numel() for tokens, _ in microbatches),
-                step_time_s=elapsed,
-                forward_backward_s=self.forward_backward_s,
-            )
-            if self.checkpointer.should_save(self.step, t.steps):
-                self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, self.dataloader)
+        with scheduled_collection(t.gc_freq) as after_step:
+            while self.step < t.steps:
+                losses.append(self._run_step(data, first=not losses))
+                if self.checkpointer.should_save(self.step, t.steps):
+                    self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, self.dataloader)
+                after_step(self.step)
         self.metrics.close()
         return losses
+
+    def _run_step(self, data, first: bool) -> float:
+        """Take the next step's microbatches from ``data``, run the step, log it; its loss."""
+        self.step += 1
+        start = time.perf_counter()
+        microbatches = [next(data) for _ in range(self.microbatches)]
+        lr = self.scheduler.get_last_lr()[0]
+        loss, grad_norm = self.train_step(microbatches)
+        elapsed = time.perf_counter() - start
+        if first:  # the first step of this run (step N+1 after resuming from step N)
+            logger.info("first step (including trace, passes and compile) took %.2fs", elapsed)
+            # Every rank has been through that step's collectives; from now on one that stops
+            # answering for comm.timeout_seconds ends the job (graph_trainer.distributed.comm).
+            comm.set_timeout(self.cfg.comm.timeout_seconds)
+            self.stepped = True
+        self.metrics.record_step(
+            step=self.step,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            ntokens=sum(tokens.numel() for tokens, _ in microbatches),
+            step_time_s=elapsed,
+            forward_backward_s=self.forward_backward_s,
+        )
+        return loss
