@@ -8,11 +8,18 @@ from the command line alike: an unknown section, key or flag, a value of the wro
 value outside a ``Literal`` field's choices raises ``ConfigError`` with one line naming the
 field, the value and what is allowed (``train.py`` prints it and exits with code 2). Checks that
 involve several fields are ``graph_trainer.validation``'s.
+
+A bool flag given bare means True (``--checkpoint.move_aside``) and ``--section.no_key`` means
+``--section.key False``, as tyro's own boolean flags read; ``--section.key True|False`` works too.
+
+``config_to_toml(cfg)`` writes a whole config (every field, defaults included) as a job file that
+``--job.config_file`` reads back into the same config: the trainer leaves it in the dump folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import typing
@@ -161,7 +168,7 @@ def _fill_section(obj: Any, values: dict, section: str, path: str) -> None:
 
 def load_config(argv: list[str] | None = None) -> JobConfig:
     """TOML file (if ``--job.config_file`` is given) overridden by the command line."""
-    argv = normalize_flags(list(sys.argv[1:] if argv is None else argv))
+    argv = expand_bool_flags(normalize_flags(list(sys.argv[1:] if argv is None else argv)))
     check_command_line(argv)
     path = _config_file_from_argv(argv)
     default = config_from_toml(path) if path else JobConfig()
@@ -233,3 +240,73 @@ def _check_flag_value(name: str, value: str, typ: Any) -> None:
             convert[0](value)
         except ValueError:
             raise ConfigError(f"{name} = {value!r} is not {convert[1]}") from None
+
+
+def expand_bool_flags(argv: list[str]) -> list[str]:
+    """``argv`` (canonical spelling) with every bare bool flag (the last argument, or followed by
+    another flag) followed by ``True``, and every ``--section.no_key`` of a bool field replaced by
+    ``--section.key False``."""
+    types = _flag_types()
+    out, i = [], 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        name = arg[2:] if arg.startswith("--") and "=" not in arg else ""
+        section, _, key = name.rpartition(".")
+        negated = f"{section}.{key[3:]}" if key.startswith("no_") and name not in types else ""
+        if types.get(name) is bool and (i >= len(argv) or argv[i].startswith("--")):
+            out += [arg, "True"]
+        elif negated and types.get(negated) is bool:
+            if i < len(argv) and argv[i] in _BOOLS:
+                raise ConfigError(f"--{name} takes no value: it means --{negated} False")
+            out += [f"--{negated}", "False"]
+        else:
+            out.append(arg)
+    return out
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)  # (also TOML's spelling of inf, -inf and nan)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string with ASCII escapes is a TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML spelling for {type(value).__name__} {value!r}")
+
+
+def _toml_tables(obj: Any, name: str) -> list[str]:
+    """``[name]`` with ``obj``'s plain fields, then a table per nested section."""
+    lines, nested = [f"[{name}]"], []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            nested.append((value, f"{name}.{f.name}"))
+        else:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    lines.append("")
+    for value, table in nested:
+        lines += _toml_tables(value, table)
+    return lines
+
+
+def config_to_toml(cfg: JobConfig) -> str:
+    """Every field of ``cfg`` as a TOML job file (see the module docstring)."""
+    return "\n".join(line for f in dataclasses.fields(cfg) for line in _toml_tables(getattr(cfg, f.name), f.name))
+
+
+def _changed(obj: Any, default: Any, prefix: str) -> list[str]:
+    out = []
+    for f in dataclasses.fields(obj):
+        value, base = getattr(obj, f.name), getattr(default, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _changed(value, base, f"{prefix}{f.name}.")
+        elif value != base:
+            out.append(f"{prefix}{f.name}={_toml_value(value)}")
+    return out
+
+
+def changed_fields(cfg: JobConfig) -> list[str]:
+    """``section.key=value`` for every field of ``cfg`` that differs from its default (file and flags)."""
+    return _changed(cfg, JobConfig(), "")

@@ -47,13 +47,16 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer.build import build_job_model, build_layout
+from graph_trainer.checkpoint.atomic_files import write_text_atomic
 from graph_trainer.checkpoint.checkpointer import Checkpointer
 from graph_trainer.checkpoint.hf import HFWeights, load_hf_weights, open_hf_weights
 from graph_trainer.config import JobConfig
+from graph_trainer.config_loading import changed_fields, config_to_toml
 from graph_trainer.data.loader import build_dataloader
 from graph_trainer.data.tokenizer import build_tokenizer
 from graph_trainer.distributed import comm
 from graph_trainer.distributed.parallel_dims import ParallelDims, average_over_dp, dp_rank, pp_group, sum_over_dp
+from graph_trainer.errors import JobError
 from graph_trainer.loop.gc_schedule import scheduled_collection
 from graph_trainer.loop.grad_record import gather_record, merge_over, record_path, save_record
 from graph_trainer.loop.gradients import StepPreparation, build_gradients
@@ -115,6 +118,23 @@ def _describe(dims: ParallelDims) -> str:
     return ", ".join(parts) + f" ({dims.fsdp_mode or 'no data parallel'})" if parts else "none (1 process)"
 
 
+CONFIG_FILE = "config.toml"
+"""Every field of the job's config, written to its dump folder: ``--job.config_file`` reruns it."""
+
+
+def _record_config(cfg: JobConfig) -> None:
+    """Log what the job sets (its fields that differ from the defaults) and write every field to
+    ``<dump_folder>/config.toml`` (a resumed run writes its own)."""
+    path = os.path.join(cfg.job.dump_folder, CONFIG_FILE)
+    try:
+        os.makedirs(cfg.job.dump_folder, exist_ok=True)
+        write_text_atomic(path, config_to_toml(cfg))
+    except OSError as e:
+        raise JobError(f"cannot write {path}: {e.strerror or e}") from None
+    logger.info("config (what differs from the defaults): %s", " ".join(changed_fields(cfg)) or "the defaults")
+    logger.info("config: every field in %s (--job.config_file %s reruns it)", path, path)
+
+
 class Trainer:
     """One job's training loop (module docstring), built from a validated ``JobConfig``."""
 
@@ -122,6 +142,8 @@ class Trainer:
         self.cfg = cfg
         self.dist = dist_info or setup_distributed(cfg)
         self.logger = setup_logging(self.dist.rank, getattr(logging, cfg.debug.log_level))
+        if self.dist.rank == 0:
+            _record_config(cfg)
         _set_determinism(cfg)
         self.layout = build_layout(cfg, self.dist.world_size, self.dist.device.type)
         self.model_args, self.dims, self.mesh = self.layout.model_args, self.layout.dims, self.layout.mesh

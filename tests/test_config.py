@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from graph_trainer.config import JobConfig
-from graph_trainer.config_loading import load_config, take_flag
+from graph_trainer.config_loading import changed_fields, config_to_toml, load_config, take_flag
 from graph_trainer.distributed.parallel_dims import ParallelDims, microbatches_per_step, resolve_parallel_degrees
 from graph_trainer.errors import ConfigError
 from graph_trainer.validation import validate_config
@@ -393,3 +393,31 @@ def test_a_pipeline_is_traced_stage_by_stage_not_as_one_graph():
     cfg.parallelism.pp = 2
     with pytest.raises(ConfigError, match="a pipeline is traced stage by stage"):
         trace_without_passes(cfg, 2)
+
+
+def test_a_bare_bool_flag_means_true_and_no_means_false():
+    cfg = load_config(["--checkpoint.move_aside", "--training.steps", "3", "--metrics.no-enable-tensorboard"])
+    assert (cfg.checkpoint.move_aside, cfg.training.steps, cfg.metrics.enable_tensorboard) == (True, 3, False)
+    assert load_config(["--debug.deterministic"]).debug.deterministic is True
+    assert load_config(["--checkpoint.move_aside", "False"]).checkpoint.move_aside is False
+    assert load_config(["--compile.ep_overlap.no_reorder"]).compile.ep_overlap.reorder is False
+    with pytest.raises(ConfigError, match=r"^--checkpoint.no_move_aside takes no value: it means"):
+        load_config(["--checkpoint.no_move_aside", "True"])
+    with pytest.raises(ConfigError, match=r"^unknown flag --training.no_steps"):
+        load_config(["--training.no_steps"])  # (steps is no bool)
+
+
+@pytest.mark.parametrize("config", [None, *sorted(os.listdir(os.path.join(ROOT, "configs")))])
+def test_the_written_config_reads_back_as_the_same_config(tmp_path, config):
+    flags = ["--training.lr", "2.5e-05", "--compile.passes", "auto_bucketing", "--compile.ep_overlap.chunk_dim", "seq"]
+    argv = ([] if config is None else ["--job.config_file", os.path.join(ROOT, "configs", config)]) + flags
+    cfg = load_config(argv)
+    path = tmp_path / "config.toml"
+    path.write_text(config_to_toml(cfg))
+    again = load_config(["--job.config_file", str(path)])
+    assert again.job.config_file == str(path)
+    again.job.config_file = cfg.job.config_file
+    assert again == cfg
+    changed = changed_fields(cfg)
+    assert "training.lr=2.5e-05" in changed and 'compile.passes=["auto_bucketing"]' in changed
+    assert not [c for c in changed if c.startswith("training.beta1=")]  # a default is not listed

@@ -1,6 +1,7 @@
 """The trainer end to end in one process: graph mode is bitwise the eager baseline."""
 
 import contextlib
+import logging
 import os
 
 import pytest
@@ -118,3 +119,19 @@ def test_a_step_takes_exactly_the_jobs_microbatches(tmp_path):
     assert trainer.microbatches == 3 and trainer.grad_scale == 1 / 3
     with pytest.raises(ValueError, match="train_step got 2 microbatches; this job runs 3 per step"):
         trainer.train_step([next(trainer.dataloader) for _ in range(2)])
+
+
+def test_a_job_logs_what_it_sets_and_writes_every_field_to_its_dump_folder(tmp_path, caplog):
+    cfg = _config(tmp_path, "eager", 1, "--training.lr", "0.001")
+    log = logging.getLogger("graph_trainer")  # (it does not propagate to caplog's root handler)
+    log.addHandler(caplog.handler)
+    try:
+        Trainer(cfg)
+    finally:
+        log.removeHandler(caplog.handler)
+    path = tmp_path / "eager" / "config.toml"
+    again = load_config(["--job.config_file", str(path)])
+    again.job.config_file = cfg.job.config_file
+    assert again == cfg
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("config (what differs")]
+    assert " training.lr=0.001 " in f"{line} " and " compile.mode=" in line and "training.beta1" not in line
