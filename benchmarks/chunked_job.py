@@ -36,6 +36,7 @@ def chunk_moe_modules(model, settings) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from graph_trainer.config import EpOverlap
     from graph_trainer.config_loading import load_config
     from graph_trainer.loop.preflight import preflight
     from graph_trainer.trainer import Trainer
@@ -43,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(argv)
+        # The ep_overlap settings are this job's own (it chunks the modules itself, below, without
+        # the pass they belong to): set aside while the job is validated, checked by the chunking.
+        chunking, cfg.compile.ep_overlap = cfg.compile.ep_overlap, EpOverlap()
         validate_config(cfg, world_size=1)
+        cfg.compile.ep_overlap = chunking
         check_device(cfg.job.device)
         preflight(cfg)
         trainer = Trainer(cfg)

@@ -49,6 +49,7 @@ def _loss_step(trainer):
 
 
 def main(argv: list[str]) -> int:
+    from graph_trainer.config import EpOverlap
     from graph_trainer.config_loading import load_config
     from graph_trainer.trainer import Trainer
     from graph_trainer.validation import validate_config
@@ -69,6 +70,8 @@ def main(argv: list[str]) -> int:
         cfg = copy.deepcopy(base)
         cfg.compile.passes = ["ep_overlap", *cfg.compile.passes] if passes else list(cfg.compile.passes)
         cfg.compile.ep_overlap.reorder = reorder
+        if not passes:  # (the plain job runs no ep_overlap: its settings would be refused as ignored)
+            cfg.compile.ep_overlap = EpOverlap()
         validate_config(cfg, world_size=world_size)
         variants[name] = cfg
     if world_size < 2:

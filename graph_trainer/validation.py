@@ -191,6 +191,48 @@ def _check_around_the_loop(cfg: JobConfig) -> None:
     require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")
 
 
+def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, str]]:
+    """(field, value, default, whether what it depends on is set, what that is) for every setting
+    that means something only together with another (``compile.inductor_scope`` has its own check
+    in ``_check_compile``)."""
+    p, c, ac, default = cfg.parallelism, cfg.compile, cfg.activation_checkpoint, JobConfig()
+    pipeline = f"parallelism.pp > 1 (it is {p.pp})"
+    inductor = f"compile.backend 'inductor' (it is {c.backend!r})"
+    overlap = "'ep_overlap' in compile.passes"
+    return [
+        ("parallelism.pp_stage_blocks", p.pp_stage_blocks, default.parallelism.pp_stage_blocks, p.pp > 1, pipeline),
+        ("parallelism.pp_schedule", p.pp_schedule, default.parallelism.pp_schedule, p.pp > 1, pipeline),
+        ("compile.cache_dir", c.cache_dir, default.compile.cache_dir, c.backend == "inductor", inductor),
+        (
+            "activation_checkpoint.selective_ops",
+            ac.selective_ops,
+            default.activation_checkpoint.selective_ops,
+            ac.mode == "selective",
+            f"activation_checkpoint.mode 'selective' (it is {ac.mode!r})",
+        ),
+        *[
+            (
+                f"compile.ep_overlap.{f.name}",
+                getattr(c.ep_overlap, f.name),
+                getattr(default.compile.ep_overlap, f.name),
+                "ep_overlap" in c.passes,
+                overlap,
+            )
+            for f in dataclasses.fields(c.ep_overlap)
+        ],
+    ]
+
+
+def _check_settings_in_use(cfg: JobConfig) -> None:
+    """A setting that means something only together with another is refused where it would be
+    ignored, rather than the job training silently without it."""
+    for name, value, default, in_use, needs in _settings_in_use(cfg):
+        require(
+            in_use or value == default,
+            f"{name} = {value!r} means something only with {needs}: it would be ignored; leave it out or set that too",
+        )
+
+
 def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     """Check every field before anything is built; raise ConfigError on the first problem, in the
     order of the sections (model, training, parallelism, compile and memory policy, the rest)."""
@@ -200,6 +242,7 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     degrees = _check_parallelism(cfg, world_size, args)
     _check_compile(cfg, degrees)
     _check_around_the_loop(cfg)
+    _check_settings_in_use(cfg)
 
 
 __all__ = ["check_device", "resolve_device", "validate_config"]

@@ -421,3 +421,32 @@ def test_the_written_config_reads_back_as_the_same_config(tmp_path, config):
     changed = changed_fields(cfg)
     assert "training.lr=2.5e-05" in changed and 'compile.passes=["auto_bucketing"]' in changed
     assert not [c for c in changed if c.startswith("training.beta1=")]  # a default is not listed
+
+
+_IGNORED = "it would be ignored; leave it out or set that too"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--parallelism.pp_stage_blocks", "3,3"], "parallelism.pp_stage_blocks = '3,3' means something only with "),
+        (["--parallelism.pp_schedule", "GPipe"], "parallelism.pp_schedule = 'GPipe' means something only with "),
+        (["--compile.cache_dir", "/tmp/c"], "compile.cache_dir = '/tmp/c' means something only with "),
+        (
+            ["--activation_checkpoint.selective_ops", "mm"],
+            "activation_checkpoint.selective_ops = ['mm'] means something only with ",
+        ),
+        (["--compile.ep_overlap.chunk_dim", "seq"], "compile.ep_overlap.chunk_dim = 'seq' means something only with "),
+    ],
+)
+def test_a_setting_that_would_be_ignored_is_refused(flags, message):
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config(flags))
+    needs = {
+        "parallelism": "parallelism.pp > 1 (it is 1)",
+        "compile.cache_dir": "compile.backend 'inductor' (it is 'none')",
+        "activation_checkpoint": "activation_checkpoint.mode 'selective' (it is 'none')",
+        "compile.ep_overlap": "'ep_overlap' in compile.passes",
+    }
+    (what,) = [v for k, v in needs.items() if flags[0][2:].startswith(k)]
+    assert str(info.value) == f"{message}{what}: {_IGNORED}"
