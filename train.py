@@ -70,16 +70,10 @@ def _leave(code: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from graph_trainer.config_loading import load_config
-    from graph_trainer.validation import check_device, validate_config
+    from graph_trainer.loop.preflight import check_job
 
     try:
-        cfg = load_config(argv)
-        validate_config(cfg, world_size=_world_size())
-        check_device(cfg.job.device)
-        from graph_trainer.loop.preflight import preflight
-
-        preflight(cfg)
+        cfg = check_job(argv, _world_size())
     except OneLineError as e:
         return _leave(_fail(e))
 

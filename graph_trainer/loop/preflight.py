@@ -1,5 +1,6 @@
-"""Checks of THIS machine against the job, before anything is built (``train.py`` runs them after
-``validate_config``; each failure is a one-line ``ConfigError``, exit code 2).
+"""Checks of THIS machine against the job, before anything is built (``check_job`` runs them after
+``validate_config``: ``train.py`` in every process, ``graph_trainer.cli.check`` once before torchrun;
+each failure is a one-line ``ConfigError``, exit code 2).
 
 * Output folders: ``job.dump_folder``, the checkpoint folder (when the job saves; a job that only
   resumes may read a read-only one) and ``compile.dump_graphs`` must be folders this process can
@@ -41,9 +42,10 @@ import tempfile
 
 from graph_trainer.analysis.memory import StepMemoryEstimate, optimizer_memory
 from graph_trainer.config import JobConfig, checkpoint_root
+from graph_trainer.config_loading import load_config
 from graph_trainer.distributed.parallel_dims import largest_local_numel
 from graph_trainer.errors import ConfigError
-from graph_trainer.validation import resolve_device
+from graph_trainer.validation import check_device, resolve_device, validate_config
 from models.registry import model_args
 
 GIB = float(1 << 30)
@@ -204,3 +206,15 @@ def preflight(cfg: JobConfig) -> None:
     check_output_folders(cfg)
     check_threads(cfg)
     check_batch_fits(cfg)
+
+
+def check_job(argv: list[str] | None, world_size: int) -> JobConfig:
+    """Everything a job checks before it builds anything, in order: its configuration
+    (``load_config``, ``validate_config`` for ``world_size`` processes), the device, then this
+    machine (``preflight``). Returns the config; the first problem raises a one-line ConfigError.
+    ``train.py`` runs it in every process, ``graph_trainer.cli.check`` once before torchrun."""
+    cfg = load_config(argv)
+    validate_config(cfg, world_size=world_size)
+    check_device(cfg.job.device)
+    preflight(cfg)
+    return cfg

@@ -1,0 +1,42 @@
+"""scripts/run_train.sh: the job checked in one process (``graph_trainer.cli.check``), then torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from graph_trainer.cli.check import main
+from tests.conftest import ROOT
+from tests.launch import FAST_ARGS, read_losses
+
+RUN_TRAIN = os.path.join(ROOT, "scripts", "run_train.sh")
+
+
+def _run_train(ngpu: int, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(["bash", RUN_TRAIN, *flags], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+
+
+def test_a_mistake_is_one_line_and_exit_2_before_any_rank_starts(tmp_path):
+    result = _run_train(2, *FAST_ARGS, "--job.dump_folder", str(tmp_path), "--parallelism.pp", "-2")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["error: parallelism.pp = -2 must be >= 1"]
+    assert not os.listdir(tmp_path)  # no rank ran
+
+
+def test_a_job_that_passes_is_started_under_torchrun(tmp_path):
+    flags = [*FAST_ARGS, "--job.dump_folder", str(tmp_path), "--compile.mode", "eager", "--training.steps", "2"]
+    result = _run_train(2, *flags)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("checked: llama3 debugmodel on 2 processes (1 node(s) of 2), 2 steps")
+    assert [step for step, _ in read_losses(tmp_path)] == [1, 2]
+
+
+def test_the_check_counts_every_node_and_refuses_a_bad_count(tmp_path, capsys):
+    job = [*FAST_ARGS, "--job.dump_folder", str(tmp_path), "--parallelism.dp_shard", "4"]
+    assert main([*job, "--nproc_per_node", "2", "--nnodes", "2"]) == 0  # FSDP over 2 nodes of 2
+    assert capsys.readouterr().out.startswith("checked: llama3 debugmodel on 4 processes (2 node(s) of 2)")
+    assert main([*job, "--nproc_per_node", "2"]) == 2  # one node of 2 cannot shard 4 ways
+    assert capsys.readouterr().err.startswith("error: ")
+    assert main([*FAST_ARGS, "--nproc_per_node", "0"]) == 2
+    assert capsys.readouterr().err == "error: --nproc_per_node 0 and --nnodes 1 must be >= 1\n"
