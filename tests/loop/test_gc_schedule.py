@@ -7,6 +7,7 @@ import gc
 import pytest
 
 from graph_trainer.config_loading import load_config
+from graph_trainer.loop.gc_schedule import scheduled_collection
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
 from tests.launch import FAST_ARGS
@@ -48,9 +49,11 @@ def test_collections_only_at_the_scheduled_steps(tmp_path):
     assert gc.isenabled()  # restored
 
 
-def test_zero_leaves_automatic_collection_on(tmp_path):
-    _, enabled = _collections_while_training(tmp_path, gc_freq=0)
-    assert enabled
+def test_zero_leaves_automatic_collection_on():
+    with scheduled_collection(0) as after_step:
+        assert gc.isenabled()
+        after_step(50)
+        assert gc.isenabled()
 
 
 def test_a_negative_frequency_is_one_line_error():
