@@ -182,7 +182,7 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 def test_inductor_is_within_the_stated_bound_of_none_and_repeats_bitwise(tmp_path, monkeypatch, config, scopes):
     """The numerics contract. The scope compiles cold into its own --compile.cache_dir, and the
     repeat, a warm start from that cache, must give the same losses bit for bit. (The full scope,
-    and DeepSeek-V3 in both scopes, are held to the bound by the cpu suite's FSDP=2 and EP=2 jobs,
+    and DeepSeek-V3 in both scopes, are held to the bound by the cpu suite's DeepSeek-V3 EP=2 jobs,
     10 steps each; their 20-step deviations when measured: docs/performance.md. Each more cold
     compile here costs CI about a minute.)"""
     # (the option sets the variable Inductor reads; restore it after the test)
