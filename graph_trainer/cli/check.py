@@ -12,8 +12,10 @@ instead of one per rank followed by torchrun's failure report.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 from graph_trainer.config_loading import take_flag
 from graph_trainer.errors import ConfigError, OneLineError
@@ -28,12 +30,27 @@ def _processes(argv: list[str]) -> tuple[list[str], int, int]:
     return argv, nproc, nnodes
 
 
+@contextlib.contextmanager
+def _as_first_rank(nproc: int, nnodes: int) -> Iterator[None]:
+    """The environment torchrun gives this node's first process, while inside."""
+    seen = {"WORLD_SIZE": str(nproc * nnodes), "LOCAL_WORLD_SIZE": str(nproc), "RANK": "0", "LOCAL_RANK": "0"}
+    before = {k: os.environ.get(k) for k in seen}
+    os.environ.update(seen)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main(argv: list[str]) -> int:
     try:
         argv, nproc, nnodes = _processes(argv)
-        # what torchrun tells each process, as this node's first one sees it
-        os.environ.update(WORLD_SIZE=str(nproc * nnodes), LOCAL_WORLD_SIZE=str(nproc), RANK="0", LOCAL_RANK="0")
-        cfg = check_job(argv, nproc * nnodes)
+        with _as_first_rank(nproc, nnodes):
+            cfg = check_job(argv, nproc * nnodes)
     except OneLineError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code

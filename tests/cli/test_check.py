@@ -40,3 +40,4 @@ def test_the_check_counts_every_node_and_refuses_a_bad_count(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: ")
     assert main([*FAST_ARGS, "--nproc_per_node", "0"]) == 2
     assert capsys.readouterr().err == "error: --nproc_per_node 0 and --nnodes 1 must be >= 1\n"
+    assert "WORLD_SIZE" not in os.environ  # (the check's view of the job is not left to this process)
