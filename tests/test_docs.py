@@ -4,6 +4,7 @@ issue or when."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -91,3 +92,26 @@ def test_code_says_what_and_why_not_which_issue_or_when():
             if WHEN_OR_WHICH_ISSUE.search(line):
                 found.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def _setting(root, path: str):
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_the_torchtitan_table_names_settings_both_trainers_have():
+    """Every setting in the first two columns of docs/architecture.md's torchtitan table is a field
+    of ``torchtitan.trainer.Trainer.Config`` (0.3.0) and of our ``JobConfig``."""
+    from torchtitan.trainer import Trainer
+
+    from graph_trainer.config import JobConfig
+
+    table = _block(_read("docs", "architecture.md"), "torchtitan flags")
+    rows = re.findall(r"^\| `([\w.]+)` \| `([\w.]+)` \|", table, re.M)
+    assert len(rows) >= 30
+    theirs, ours = Trainer.Config(), JobConfig()
+    for torchtitan_name, our_name in rows:
+        _setting(theirs, torchtitan_name)  # AttributeError names a setting torchtitan does not have
+        assert not dataclasses.is_dataclass(_setting(ours, our_name)), our_name
