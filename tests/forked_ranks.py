@@ -50,7 +50,7 @@ PRELOAD = (
     "graph_trainer.trainer",
     "graph_trainer.compiler.chain",
 )
-"""What every job imports at start-up: imported once in the launcher, before the ranks fork."""
+"""What every job imports at start-up: imported once, by the server every job's launcher is forked from."""
 
 STOP_GRACE_SECONDS = 5.0
 """How long the other ranks get to leave after SIGTERM once one rank failed."""
