@@ -124,7 +124,7 @@ CONFIG_FILE = "config.toml"
 
 def _record_config(cfg: JobConfig) -> None:
     """Log what the job sets (its fields that differ from the defaults) and write every field to
-    ``<dump_folder>/config.toml`` (a resumed run writes its own)."""
+    ``<dump_folder>/config.toml`` (a resumed run writes its own over the earlier run's)."""
     path = os.path.join(cfg.job.dump_folder, CONFIG_FILE)
     try:
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
@@ -142,8 +142,6 @@ class Trainer:
         self.cfg = cfg
         self.dist = dist_info or setup_distributed(cfg)
         self.logger = setup_logging(self.dist.rank, getattr(logging, cfg.debug.log_level))
-        if self.dist.rank == 0:
-            _record_config(cfg)
         _set_determinism(cfg)
         self.layout = build_layout(cfg, self.dist.world_size, self.dist.device.type)
         self.model_args, self.dims, self.mesh = self.layout.model_args, self.layout.dims, self.layout.mesh
@@ -159,6 +157,8 @@ class Trainer:
             cfg, self.dist.rank, self.dist.world_size, self.dims.as_dict(), self.dist.device
         )
         resume_step = self.checkpointer.resolve_load_step()
+        if self.dist.rank == 0:  # (after a refusal to mix runs in the folder: that keeps the earlier config)
+            _record_config(cfg)
         hf_weights = self._hf_weights_to_load(resume_step)
         # The data next, still before the model: a dataset or tokenizer that cannot be read fails fast.
         self.dataloader = self._build_dataloader()

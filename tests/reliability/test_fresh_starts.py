@@ -26,8 +26,10 @@ def test_fresh_start_beside_checkpoints_is_refused_or_moves_them_aside(tmp_path,
         "--training.seed",
         "7",
     )
+    earlier_config = (job / "config.toml").read_text()
     with pytest.raises(ConfigError) as info:
         make_trainer(job, *fresh)
+    assert (job / "config.toml").read_text() == earlier_config  # the refused run left the earlier run's
     assert str(info.value).startswith(
         f"checkpoint.load_step = 0 starts fresh, but {root} holds checkpoints "
         f"(step-1, step-2, step-3) of an earlier run"
