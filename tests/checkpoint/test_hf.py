@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from graph_trainer.errors import ConfigError
 from tests.conftest import ROOT
 from tests.hf_models import DEEPSEEK_JOB, LLAMA_JOB, deepseek_model, llama_model, logits, relative_error, save
-from tests.launch import read_losses, run_torchrun
+from tests.launch import read_losses, run_forked
 
 COMMON = ["--job.device", "cpu", "--compile.mode", "eager", "--metrics.enable_tensorboard", "False"]
 FAMILIES = {"llama": (llama_model, LLAMA_JOB, "2MB"), "deepseek": (deepseek_model, DEEPSEEK_JOB, "8MB")}
@@ -117,7 +117,7 @@ def test_each_rank_reads_only_its_shards_and_computes_transformers_logits(tmp_pa
     out = tmp_path / "probe"
     out.mkdir()
     argv = _job(family, folder, tmp_path / "job", *degrees)
-    run_torchrun(2, os.path.join(ROOT, "tests", "hf_probe.py"), str(out), str(tmp_path / "tokens.pt"), *argv)
+    run_forked(2, os.path.join(ROOT, "tests", "hf_probe.py"), str(out), str(tmp_path / "tokens.pt"), *argv)
     error = relative_error(torch.load(out / "logits.pt"), reference)
     print(f"{layout}: largest logit difference / largest logit = {error:.2e}")
     assert error < BOUND

@@ -26,7 +26,7 @@ from graph_trainer.graph.collectives import collective_name, is_collective
 from graph_trainer.validation import validate_config
 from tests.conftest import ROOT
 from tests.graph_compare import node_signature
-from tests.launch import FAST_ARGS, run_torchrun
+from tests.launch import FAST_ARGS, run_forked
 
 TBB = "transformer_block_bucketing"
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32"]
@@ -195,8 +195,8 @@ def test_loss_and_every_gradient_bitwise(nproc, extra, tmp_path):
 
 
 def _launch(nproc: int, *args: str) -> None:
-    """This file as a torchrun script with ``args`` (see ``__main__``)."""
-    run_torchrun(nproc, os.path.abspath(__file__), *args)
+    """This file as the script of a multi-process job with ``args`` (see ``__main__``)."""
+    run_forked(nproc, os.path.abspath(__file__), *args)
 
 
 def test_mixed_dtype_gather_bucket_is_bitwise(tmp_path):
@@ -326,7 +326,7 @@ def test_padded_buckets_sum_like_their_members_on_four_gloo_ranks():
     """gloo reduce-scatters by a ring all-reduce whose chunks need not start at a rank's row: the
     padding from ``ring_aligned_row`` makes every member bitwise its own reduce-scatter. This
     fails loudly if gloo's segmentation changes (padding no longer enough, or no longer needed)."""
-    result = run_torchrun(4, os.path.join(ROOT, "tests", "compiler", "passes", "gloo_bucket_probe.py"))
+    result = run_forked(4, os.path.join(ROOT, "tests", "compiler", "passes", "gloo_bucket_probe.py"))
     lines = [line for line in result.stdout.splitlines() if "pad=" in line]
     assert len(lines) == 3 and all("padded=True" in line for line in lines), lines
     assert "pad=3 unpadded=False padded=True" in lines[-1], lines[-1]  # [2**20, 6]: the case padding fixes
