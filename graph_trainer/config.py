@@ -191,6 +191,11 @@ class Compile:
     cache_dir: str = ""
     """Folder of Inductor's on-disk caches, reused by the next start of the job ('': Inductor's
     default, $TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_<user>)."""
+    once_per_node: bool = True
+    """With backend 'inductor' (not under pipeline parallel): of the ranks on one host whose graphs
+    are the same (``compiler.backend.compile_key``), the lowest compiles first and the others wait,
+    then load its result from Inductor's FX graph cache instead of compiling the same kernels side
+    by side. Off: every rank compiles at once (on by default; without the FX graph cache it is off)."""
 
 
 @dataclass

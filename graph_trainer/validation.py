@@ -203,6 +203,7 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
         ("parallelism.pp_stage_blocks", p.pp_stage_blocks, default.parallelism.pp_stage_blocks, p.pp > 1, pipeline),
         ("parallelism.pp_schedule", p.pp_schedule, default.parallelism.pp_schedule, p.pp > 1, pipeline),
         ("compile.cache_dir", c.cache_dir, default.compile.cache_dir, c.backend == "inductor", inductor),
+        ("compile.once_per_node", c.once_per_node, default.compile.once_per_node, c.backend == "inductor", inductor),
         (
             "activation_checkpoint.selective_ops",
             ac.selective_ops,

@@ -432,6 +432,7 @@ _IGNORED = "it would be ignored; leave it out or set that too"
         (["--parallelism.pp_stage_blocks", "3,3"], "parallelism.pp_stage_blocks = '3,3' means something only with "),
         (["--parallelism.pp_schedule", "GPipe"], "parallelism.pp_schedule = 'GPipe' means something only with "),
         (["--compile.cache_dir", "/tmp/c"], "compile.cache_dir = '/tmp/c' means something only with "),
+        (["--compile.once_per_node", "False"], "compile.once_per_node = False means something only with "),
         (
             ["--activation_checkpoint.selective_ops", "mm"],
             "activation_checkpoint.selective_ops = ['mm'] means something only with ",
@@ -445,6 +446,7 @@ def test_a_setting_that_would_be_ignored_is_refused(flags, message):
     needs = {
         "parallelism": "parallelism.pp > 1 (it is 1)",
         "compile.cache_dir": "compile.backend 'inductor' (it is 'none')",
+        "compile.once_per_node": "compile.backend 'inductor' (it is 'none')",
         "activation_checkpoint": "activation_checkpoint.mode 'selective' (it is 'none')",
         "compile.ep_overlap": "'ep_overlap' in compile.passes",
     }

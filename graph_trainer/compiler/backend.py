@@ -65,7 +65,8 @@ region boundaries may change the rounding.
 
 Compile time is logged; Inductor's on-disk caches (``--compile.cache_dir``, else Inductor's
 default folder) make a second start of the same job reuse the kernels, and identical blocks
-compile once.
+compile once. ``compile_key`` names what a compile depends on, so that ranks of one host holding
+the same graph can compile it once (``--compile.once_per_node``, graph_trainer/loop/gradients.py).
 """
 
 from __future__ import annotations
@@ -427,6 +428,19 @@ def apply_backend(
     return gm, report
 
 
+def compile_key(gm: fx.GraphModule, backend: str, scope: str, deterministic: bool) -> str:
+    """A digest of what ``apply_backend`` makes of ``gm``: its code, every input's shape, stride and
+    dtype, and the settings. Two graphs with the same key compile to the same code, so the second
+    compile finds the first one's result in Inductor's FX graph cache."""
+    digest = hashlib.sha256(f"{backend} {scope} {deterministic}\n{gm.code}".encode())
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            described = (tuple(val.shape), val.stride(), val.dtype) if isinstance(val, torch.Tensor) else val
+            digest.update(repr(described).encode())
+    return digest.hexdigest()
+
+
 def _whole_graph_module(compiled, traced: fx.GraphModule, deterministic: bool) -> fx.GraphModule:
     """A GraphModule with ``traced``'s placeholders whose only compute is one call of ``compiled``
     (the step keeps one calling convention whatever the backend)."""
@@ -444,6 +458,7 @@ __all__ = [
     "BackendReport",
     "InductorRegion",
     "apply_backend",
+    "compile_key",
     "compile_region",
     "cut_regions",
     "find_inductor_regions",

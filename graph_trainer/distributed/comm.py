@@ -9,6 +9,9 @@
   step, ``comm.timeout_seconds``.
   On gloo a collective that waits longer raises on the waiting rank ("Timed out waiting ... for
   recv"), which ``failure_message`` turns into one line; NCCL's watchdog aborts the process itself.
+* ``first_per_node(key, fn)``: every rank runs ``fn``; of the ranks on one host holding the same
+  ``key``, the lowest runs it first and the others after it (one barrier, under the timeout in
+  force), so that they find its result in a cache on the host.
 * ``agree(fn, what)``: every rank runs ``fn``; an ``OSError`` or ``JobError`` on any rank becomes the
   same ``JobError`` on all, after one ``all_gather_object``. Without it, a rank whose write failed
   would leave while the others wait in the next collective until the timeout.
@@ -17,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -85,6 +89,32 @@ def _is_checkpoint_exception(e: BaseException) -> bool:
     from torch.distributed.checkpoint.api import CheckpointException
 
     return isinstance(e, CheckpointException)
+
+
+def leaders(keys: list[tuple[str, str]]) -> list[bool]:
+    """Per rank, given every rank's (host, key): whether it is the lowest rank of its (host, key)."""
+    first: dict[tuple[str, str], int] = {}
+    for rank, host_key in enumerate(keys):
+        first.setdefault(host_key, rank)
+    return [first[host_key] == rank for rank, host_key in enumerate(keys)]
+
+
+def first_per_node(key: str, fn):
+    """``fn()`` on every rank, in two waves: the lowest rank of each (host, ``key``) first, then,
+    after a barrier on the world group, every other rank. Returns ``fn``'s result and, per rank,
+    whether it ran in the first wave. Every rank must call it at the same point of its program (it
+    gathers the keys, then waits in one barrier); without a process group, ``fn`` runs at once."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fn(), [True]
+    keys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, (socket.gethostname(), key))
+    first = leaders(keys)
+    if not first[dist.get_rank()]:
+        dist.barrier()
+    result = fn()
+    if first[dist.get_rank()]:
+        dist.barrier()
+    return result, first
 
 
 def agree(fn, what: str):

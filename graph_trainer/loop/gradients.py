@@ -40,14 +40,17 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from graph_trainer import torch_compat
 from graph_trainer.analysis.devices import DEVICES
 from graph_trainer.analysis.memory import StepMemoryEstimate, estimate_step_memory
 from graph_trainer.analysis.simulator import simulate
 from graph_trainer.build import JobLayout, pass_context, stage_modules
+from graph_trainer.compiler.backend import compile_key
 from graph_trainer.compiler.chain import apply_memory_policy, apply_passes, compile_graph
 from graph_trainer.compiler.passes.runner import PassRunner
 from graph_trainer.compiler.tracer import GraphStep, TracedStep, eager_step
 from graph_trainer.config import JobConfig
+from graph_trainer.distributed.comm import first_per_node
 from graph_trainer.distributed.parallel_dims import pp_group
 from graph_trainer.loop.metrics import ForwardBackwardTimer, MetricsLogger
 from graph_trainer.loop.preflight import check_step_fits
@@ -160,7 +163,7 @@ class StepPreparation:
             self.check_memory(gm.graph)
             self.simulate(gm.graph)
         deterministic = self.device.type == "cpu" or self.cfg.debug.deterministic
-        traced.gm, report = compile_graph(gm, self.cfg.compile, deterministic)
+        traced.gm, report = self._compile_once_per_node(gm, deterministic, in_pipeline=not check)
         if report.backend != "none":
             self.metrics.log_event(
                 "compile",
@@ -170,6 +173,30 @@ class StepPreparation:
                 regions=report.regions,
             )
         return traced
+
+    def _compile_once_per_node(self, gm: fx.GraphModule, deterministic: bool, in_pipeline: bool):
+        """``compile_graph``; with ``compile.once_per_node`` the ranks of a host holding the same graph
+        take turns (``distributed.comm.first_per_node``): the first compiles, the others load its
+        result from Inductor's FX graph cache. Not in a pipeline: a stage compiles inside the
+        schedule, where ranks wait for each other's activations, not in a barrier."""
+        settings = self.cfg.compile
+
+        def compile_it():
+            return compile_graph(gm, settings, deterministic)
+
+        if in_pipeline or settings.backend != "inductor" or not settings.once_per_node:
+            return compile_it()
+        if not torch_compat.fx_graph_cache_enabled():
+            return compile_it()
+        key = compile_key(gm, settings.backend, settings.inductor_scope, deterministic)
+        (gm, report), first = first_per_node(key, compile_it)
+        logger.info(
+            "compile.once_per_node: %d of %d ranks compiled (the first of each host and graph), the others "
+            "loaded that result from Inductor's FX graph cache",
+            sum(first),
+            len(first),
+        )
+        return gm, report
 
     def simulate(self, graph: fx.Graph) -> None:
         """Log the step ``metrics.simulate_device``'s model predicts for ``graph``, ranks placed on

@@ -275,6 +275,15 @@ def inductor_output_files():
         log.propagate = propagate
 
 
+def fx_graph_cache_enabled() -> bool:
+    """Whether Inductor's FX graph cache is on (``torch._inductor.config.fx_graph_cache``, set from
+    ``TORCHINDUCTOR_FX_GRAPH_CACHE``): a second compile of the same graph then loads the first one's result."""
+    with private_api("torch._inductor.config.fx_graph_cache"):
+        from torch._inductor import config as inductor_config
+
+        return bool(inductor_config.fx_graph_cache)
+
+
 def default_cache_dir() -> str:
     """Inductor's cache folder when ``TORCHINDUCTOR_CACHE_DIR`` is not set (``/tmp/torchinductor_<user>``)."""
     with private_api("torch._inductor.runtime.cache_dir_utils.default_cache_dir"):

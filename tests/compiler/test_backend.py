@@ -10,6 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.compiler.backend import (
     apply_backend,
+    compile_key,
     compile_region,
     cut_regions,
     region_post_grad_pass,
@@ -104,6 +105,25 @@ def _region(fn, *inputs: torch.Tensor, deterministic: bool):
     gm = make_fx(fn, tracing_mode="fake")(*inputs)
     fake = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     return compile_region(gm, fake, fake_mode_of(fake[0]), deterministic, region_post_grad_pass(deterministic))
+
+
+def test_compile_key_names_the_code_the_inputs_and_the_settings():
+    """Ranks whose graphs share a key compile once per host (``--compile.once_per_node``): the key
+    must change with anything that changes what Inductor makes of the graph."""
+
+    def traced(fn, *shape, dtype=torch.float32):
+        return make_fx(fn, tracing_mode="fake")(torch.randn(*shape, dtype=dtype))
+
+    def key(gm, scope="full", deterministic=True):
+        return compile_key(gm, "inductor", scope, deterministic)
+
+    base = key(traced(torch.sin, 4, 8))
+    assert key(traced(torch.sin, 4, 8)) == base  # traced again: the same graph
+    assert key(traced(torch.cos, 4, 8)) != base
+    assert key(traced(torch.sin, 8, 4)) != base
+    assert key(traced(torch.sin, 4, 8, dtype=torch.bfloat16)) != base
+    assert key(traced(torch.sin, 4, 8), scope="regional") != base
+    assert key(traced(torch.sin, 4, 8), deterministic=False) != base
 
 
 @pytest.mark.parametrize(
