@@ -230,6 +230,28 @@ class Metrics:
 
 
 @dataclass
+class Profiling:
+    """torch.profiler traces and CUDA memory snapshots of chosen steps (graph_trainer/loop/profiling.py);
+    torchtitan's section and names."""
+
+    enable_profiling: bool = False
+    """Record a torch.profiler trace of every profile_freq-th step (after 3 warm-up steps), one Chrome
+    trace file per rank: <dump_folder>/<save_traces_folder>/iteration_<N>/rank<r>_trace.json (open in
+    Perfetto or chrome://tracing). In graph mode every node of the graph that runs is a named range:
+    '<module fqn>: <node name>' (an Inductor region is one node)."""
+    profile_freq: int = 10
+    """Trace (and snapshot) every this many steps."""
+    save_traces_folder: str = "profile_traces"
+    """Folder of the traces, relative to job.dump_folder unless absolute."""
+    enable_memory_snapshot: bool = False
+    """CUDA only: record the allocator's history from the first step and write a snapshot every
+    profile_freq steps, <dump_folder>/<save_memory_snapshot_folder>/iteration_<N>/rank<r>_memory_snapshot.pickle
+    (open at pytorch.org/memory_viz). On CPU one warning says it is unavailable."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Folder of the memory snapshots, relative to job.dump_folder unless absolute."""
+
+
+@dataclass
 class Checkpoint:
     """Distributed checkpoints (torch.distributed.checkpoint); guarantees in graph_trainer/checkpoint/checkpointer.py,
     what a checkpoint holds in graph_trainer/checkpoint/state.py."""
@@ -299,6 +321,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)

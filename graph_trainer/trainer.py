@@ -64,6 +64,7 @@ from graph_trainer.loop.guards import check_step
 from graph_trainer.loop.metrics import ForwardBackwardTimer, MetricsLogger, peak_flops_per_device, setup_logging
 from graph_trainer.loop.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from graph_trainer.loop.preflight import check_model_state_fits
+from graph_trainer.loop.profiling import step_profiling
 from graph_trainer.torch_compat import cpu_backend
 from graph_trainer.validation import check_device, resolve_device
 from models.registry import MODEL_SPECS
@@ -313,9 +314,11 @@ class Trainer:
             self.checkpointer.save(
                 0, self.model, self.optimizer, self.scheduler, self.dataloader, before_first_step=True
             )
-        with scheduled_collection(t.gc_freq) as after_step:
+        profiling = step_profiling(self.cfg, self.dist.rank, self.dist.device, self.step)
+        with scheduled_collection(t.gc_freq) as after_step, profiling as profile_step:
             while self.step < t.steps:
                 losses.append(self._run_step(data, first=not losses))
+                profile_step(self.step)
                 if self.checkpointer.should_save(self.step, t.steps):
                     self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, self.dataloader)
                 after_step(self.step)

@@ -189,6 +189,11 @@ def _check_around_the_loop(cfg: JobConfig) -> None:
     step = cfg.debug.grad_record_step
     require(step >= 0, f"debug.grad_record_step = {step} must be >= 0 (0: off)")
     require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")
+    require(cfg.profiling.profile_freq >= 1, f"profiling.profile_freq = {cfg.profiling.profile_freq} must be >= 1")
+
+
+def _profiles(cfg: JobConfig) -> bool:
+    return cfg.profiling.enable_profiling or cfg.profiling.enable_memory_snapshot
 
 
 def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, str]]:
@@ -199,7 +204,24 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
     pipeline = f"parallelism.pp > 1 (it is {p.pp})"
     inductor = f"compile.backend 'inductor' (it is {c.backend!r})"
     overlap = "'ep_overlap' in compile.passes"
+    prof, profiling = cfg.profiling, "profiling.enable_profiling or profiling.enable_memory_snapshot"
+    snapshot = "profiling.enable_memory_snapshot"
     return [
+        ("profiling.profile_freq", prof.profile_freq, default.profiling.profile_freq, _profiles(cfg), profiling),
+        (
+            "profiling.save_traces_folder",
+            prof.save_traces_folder,
+            default.profiling.save_traces_folder,
+            prof.enable_profiling,
+            "profiling.enable_profiling",
+        ),
+        (
+            "profiling.save_memory_snapshot_folder",
+            prof.save_memory_snapshot_folder,
+            default.profiling.save_memory_snapshot_folder,
+            prof.enable_memory_snapshot,
+            snapshot,
+        ),
         ("parallelism.pp_stage_blocks", p.pp_stage_blocks, default.parallelism.pp_stage_blocks, p.pp > 1, pipeline),
         ("parallelism.pp_schedule", p.pp_schedule, default.parallelism.pp_schedule, p.pp > 1, pipeline),
         ("compile.cache_dir", c.cache_dir, default.compile.cache_dir, c.backend == "inductor", inductor),

@@ -438,6 +438,12 @@ _IGNORED = "it would be ignored; leave it out or set that too"
             "activation_checkpoint.selective_ops = ['mm'] means something only with ",
         ),
         (["--compile.ep_overlap.chunk_dim", "seq"], "compile.ep_overlap.chunk_dim = 'seq' means something only with "),
+        (["--profiling.profile_freq", "5"], "profiling.profile_freq = 5 means something only with "),
+        (["--profiling.save_traces_folder", "t"], "profiling.save_traces_folder = 't' means something only with "),
+        (
+            ["--profiling.save_memory_snapshot_folder", "m"],
+            "profiling.save_memory_snapshot_folder = 'm' means something only with ",
+        ),
     ],
 )
 def test_a_setting_that_would_be_ignored_is_refused(flags, message):
@@ -449,6 +455,9 @@ def test_a_setting_that_would_be_ignored_is_refused(flags, message):
         "compile.once_per_node": "compile.backend 'inductor' (it is 'none')",
         "activation_checkpoint": "activation_checkpoint.mode 'selective' (it is 'none')",
         "compile.ep_overlap": "'ep_overlap' in compile.passes",
+        "profiling.profile_freq": "profiling.enable_profiling or profiling.enable_memory_snapshot",
+        "profiling.save_traces_folder": "profiling.enable_profiling",
+        "profiling.save_memory_snapshot_folder": "profiling.enable_memory_snapshot",
     }
     (what,) = [v for k, v in needs.items() if flags[0][2:].startswith(k)]
     assert str(info.value) == f"{message}{what}: {_IGNORED}"

@@ -48,6 +48,7 @@ from graph_trainer.build import JobLayout, pass_context, stage_modules
 from graph_trainer.compiler.backend import compile_key
 from graph_trainer.compiler.chain import apply_memory_policy, apply_passes, compile_graph
 from graph_trainer.compiler.passes.runner import PassRunner
+from graph_trainer.compiler.profiler_ranges import add_profiler_ranges
 from graph_trainer.compiler.tracer import GraphStep, TracedStep, eager_step
 from graph_trainer.config import JobConfig
 from graph_trainer.distributed.comm import first_per_node
@@ -164,6 +165,8 @@ class StepPreparation:
             self.simulate(gm.graph)
         deterministic = self.device.type == "cpu" or self.cfg.debug.deterministic
         traced.gm, report = self._compile_once_per_node(gm, deterministic, in_pipeline=not check)
+        if self.cfg.profiling.enable_profiling:
+            traced.gm = add_profiler_ranges(traced.gm)
         if report.backend != "none":
             self.metrics.log_event(
                 "compile",

@@ -3,7 +3,8 @@
 each failure is a one-line ``ConfigError``, exit code 2).
 
 * Output folders: ``job.dump_folder``, the checkpoint folder (when the job saves; a job that only
-  resumes may read a read-only one) and ``compile.dump_graphs`` must be folders this process can
+  resumes may read a read-only one), ``compile.dump_graphs`` and the profiling folders (when
+  profiling) must be folders this process can
   create and write in. The test writes and removes a file, so it holds for root too and on
   read-only mounts.
 * ``debug.num_threads`` at most the CPUs of this machine (a huge value makes OpenMP abort
@@ -84,6 +85,12 @@ def check_output_folders(cfg: JobConfig) -> None:
         raise ConfigError(f"checkpoint.folder = {root!r} is a file, not a folder")
     if cfg.compile.dump_graphs:
         check_writable_folder(cfg.compile.dump_graphs, "compile.dump_graphs")
+    p = cfg.profiling
+    if p.enable_profiling:
+        check_writable_folder(os.path.join(cfg.job.dump_folder, p.save_traces_folder), "profiling.save_traces_folder")
+    if p.enable_memory_snapshot and resolve_device(cfg.job.device) == "cuda":  # (elsewhere: none written)
+        folder = os.path.join(cfg.job.dump_folder, p.save_memory_snapshot_folder)
+        check_writable_folder(folder, "profiling.save_memory_snapshot_folder")
 
 
 def check_threads(cfg: JobConfig) -> None:

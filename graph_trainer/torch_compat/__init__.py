@@ -7,7 +7,8 @@ tensor modes, ``torch._grouped_mm``), ``distributed`` (``_StridedShard``, the dp
 SimpleFSDP needs; mesh flattening; process groups by name and their timeouts; the fake process
 group's store; functional all_to_all; gloo's worker-thread count), ``checkpoint`` (DCP internals:
 the classes a checkpoint's metadata pickle holds, a reader that unpickles it safely),
-``pipelining`` (the action order of PyTorch's pipeline schedules), and
+``pipelining`` (the action order of PyTorch's pipeline schedules), ``profiler`` (the record-function
+ops a graph can call, the CUDA allocator's history and snapshots), and
 ``inductor`` (the overlap scheduler, whose compute estimate, torch 2.13's roofline or 2.11's
 benchmark, is swapped for ours inside one context manager, and its counters; partition fusing;
 standalone compilation; its logs and caches).
@@ -73,6 +74,11 @@ from graph_trainer.torch_compat.inductor import (
     run_overlap_scheduler,
 )
 from graph_trainer.torch_compat.pipelining import COMPUTE_KINDS, schedule_compute_order
+from graph_trainer.torch_compat.profiler import (
+    dump_cuda_memory_snapshot,
+    record_cuda_memory_history,
+    record_function_ops,
+)
 from graph_trainer.torch_compat.versions import (
     SUPPORTED_TORCH,
     TORCH_VERSION,
@@ -99,6 +105,7 @@ __all__ = [
     "dcp_storage_files",
     "default_cache_dir",
     "deterministic_algorithms",
+    "dump_cuda_memory_snapshot",
     "fake_mode_of",
     "fake_mode_of_nodes",
     "fake_store",
@@ -120,6 +127,8 @@ __all__ = [
     "overlap_scheduling_module",
     "private_api",
     "process_groups",
+    "record_cuda_memory_history",
+    "record_function_ops",
     "resolve_process_group",
     "roofline_estimate",
     "run_overlap_scheduler",

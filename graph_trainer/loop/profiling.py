@@ -1,0 +1,117 @@
+"""torch.profiler traces and CUDA memory snapshots of chosen steps (``[profiling]``, torchtitan's names).
+
+``step_profiling(cfg, rank, device, start_step)`` wraps the step loop (``start_step``: the steps
+done before it) and yields ``after_step(step)``, to call after each step:
+
+- ``enable_profiling``: a ``torch.profiler.profile`` (CPU, and CUDA activity on a GPU) whose
+  schedule records every ``profile_freq``-th step after ``WARMUP_STEPS`` warm-up steps and writes
+  it as a Chrome trace, ``<traces folder>/iteration_<N>/rank<r>_trace.json``. Steps count from the
+  job's start, so a resumed job traces the same steps as one that did not stop. In graph mode the
+  graph's nodes are named ranges in the trace (``compiler.profiler_ranges``).
+- ``enable_memory_snapshot`` (CUDA): the allocator records its history from the first step;
+  every ``profile_freq``-th step writes ``<snapshot folder>/iteration_<N>/rank<r>_memory_snapshot.pickle``.
+  On another device one warning says it is unavailable, and the job goes on.
+
+Reads and writes no graph; changes no value computed (the profiler observes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
+from graph_trainer.config import JobConfig
+from graph_trainer.torch_compat import dump_cuda_memory_snapshot, record_cuda_memory_history
+
+logger = logging.getLogger("graph_trainer")
+
+WARMUP_STEPS = 3
+"""Steps the profiler runs before a recorded one, so that its start-up cost stays out of the trace."""
+
+
+def profiler_action(step: int, freq: int) -> ProfilerAction:
+    """What the profiler does during ``step`` (1-based, counted from the job's start)."""
+    if step % freq == 0:
+        return ProfilerAction.RECORD_AND_SAVE
+    if freq - step % freq <= WARMUP_STEPS:
+        return ProfilerAction.WARMUP
+    return ProfilerAction.NONE
+
+
+def iteration_folder(dump_folder: str, folder: str, step: int) -> str:
+    """``<folder>/iteration_<step>`` (``folder`` relative to ``dump_folder`` unless absolute), created."""
+    path = os.path.join(dump_folder, folder, f"iteration_{step}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _traces(cfg: JobConfig, rank: int, device: torch.device, start_step: int) -> Iterator[Callable[[int], None]]:
+    p = cfg.profiling
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    current = [start_step]
+
+    def save(prof) -> None:
+        folder = iteration_folder(cfg.job.dump_folder, p.save_traces_folder, current[0])
+        path = os.path.join(folder, f"rank{rank}_trace.json")
+        prof.export_chrome_trace(path)
+        logger.info("profiler trace of step %d: %s", current[0], path)
+
+    # (the schedule's index counts this run's steps from 0; the action is that of the job's step)
+    schedule = lambda index: profiler_action(start_step + 1 + index, p.profile_freq)  # noqa: E731
+    with warnings.catch_warnings(), profile(activities=activities, schedule=schedule, on_trace_ready=save) as prof:
+        # (each trace is meant to hold its one step: torch's note that a cycle drops the last one's events)
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
+
+        def after_step(step: int) -> None:
+            current[0] = step
+            prof.step()
+
+        yield after_step
+
+
+@contextlib.contextmanager
+def _memory_snapshots(cfg: JobConfig, rank: int, device: torch.device) -> Iterator[Callable[[int], None]]:
+    p = cfg.profiling
+    if device.type != "cuda":
+        logger.warning("profiling.enable_memory_snapshot: memory snapshots need CUDA; none on %s", device.type)
+        yield lambda step: None
+        return
+    record_cuda_memory_history(True)
+
+    def after_step(step: int) -> None:
+        if step % p.profile_freq == 0:
+            folder = iteration_folder(cfg.job.dump_folder, p.save_memory_snapshot_folder, step)
+            dump_cuda_memory_snapshot(os.path.join(folder, f"rank{rank}_memory_snapshot.pickle"))
+
+    try:
+        yield after_step
+    finally:
+        record_cuda_memory_history(False)
+
+
+@contextlib.contextmanager
+def step_profiling(cfg: JobConfig, rank: int, device: torch.device, start_step: int) -> Iterator[Callable[[int], None]]:
+    """Yields ``after_step(step)`` (module docstring); without either option it does nothing."""
+    p = cfg.profiling
+    with contextlib.ExitStack() as stack:
+        hooks = []
+        if p.enable_profiling:
+            hooks.append(stack.enter_context(_traces(cfg, rank, device, start_step)))
+        if p.enable_memory_snapshot:
+            hooks.append(stack.enter_context(_memory_snapshots(cfg, rank, device)))
+
+        def after_step(step: int) -> None:
+            for hook in hooks:
+                hook(step)
+
+        yield after_step
+
+
+__all__ = ["WARMUP_STEPS", "iteration_folder", "profiler_action", "step_profiling"]
