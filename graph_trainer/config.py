@@ -218,6 +218,10 @@ class Metrics:
     """Log one line (and TensorBoard scalars) every this many steps; losses are written every step."""
     enable_tensorboard: bool = True
     """Write TensorBoard events under <dump_folder>/tb."""
+    enable_wandb: bool = False
+    """Also log the scalars to Weights & Biases, the resolved config as the run's config (rank 0; the
+    optional wandb package; project $WANDB_PROJECT or 'graph_trainer', the run in <dump_folder>/wandb;
+    WANDB_MODE=offline keeps it on disk: graph_trainer/loop/wandb_writer.py)."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for MFU; 0 looks it up for CUDA devices and reports n/a on CPU."""
     json_lines: bool = False

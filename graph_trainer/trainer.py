@@ -38,6 +38,7 @@ it will run; every step it records the device time of the forward, loss and back
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -248,6 +249,8 @@ class Trainer:
             logger=self.logger,
             append_losses=append_losses,  # losses.txt continues the resumed run's file
             json_lines=cfg.metrics.json_lines,
+            wandb_config=dataclasses.asdict(cfg) if cfg.metrics.enable_wandb else None,
+            wandb_name=cfg.job.description,
         )
 
     def _load_hf_weights(self, hf_weights: HFWeights | None) -> tuple[int, float]:

@@ -266,6 +266,9 @@ class MetricsLogger:
         append_losses: Append to an existing ``losses.txt`` (and ``metrics.jsonl``)
             instead of truncating.
         json_lines: Also write ``<dump_folder>/metrics.jsonl`` (module docstring).
+        wandb_config: With a config (the job's, as a dict), also log to a W&B run
+            (``loop.wandb_writer``, rank 0 only); None: no W&B.
+        wandb_name: The W&B run's name ('' lets W&B choose).
     """
 
     def __init__(
@@ -283,6 +286,8 @@ class MetricsLogger:
         clock: Callable[[], float] = time.perf_counter,
         append_losses: bool = False,
         json_lines: bool = False,
+        wandb_config: dict[str, Any] | None = None,
+        wandb_name: str = "",
     ):
         if log_freq < 1:
             raise ConfigError(f"metrics.log_freq must be >= 1, got {log_freq}")
@@ -319,6 +324,7 @@ class MetricsLogger:
         self._loss_file = None
         self._json_file = None
         self._writer = None
+        self._wandb = None
         if rank == 0:
             os.makedirs(dump_folder, exist_ok=True)
             self._loss_file = open(self.losses_path, "a" if append_losses else "w", encoding="utf-8")
@@ -328,6 +334,10 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._writer = SummaryWriter(log_dir=self.tb_dir)
+            if wandb_config is not None:
+                from graph_trainer.loop.wandb_writer import WandbWriter
+
+                self._wandb = WandbWriter(dump_folder, wandb_config, wandb_name)
 
     @property
     def writes(self) -> bool:
@@ -414,6 +424,8 @@ class MetricsLogger:
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, global_step=step)
             self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.add_scalars(scalars, step)
         return scalars
 
     def _step_line(self, step: int, scalars: dict[str, float]) -> str:
@@ -445,6 +457,8 @@ class MetricsLogger:
                 for tag, number in _numeric_scalars(name, value):
                     self._writer.add_scalar(f"setup/{tag}", number, global_step=0)
             self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.add_setup_scalars(dict(t for name, v in scalars.items() for t in _numeric_scalars(name, v)))
 
     def record_event(self, message: str, **values: Any) -> None:
         """Write ``{"event": message, **values}`` to ``metrics.jsonl`` only (rank 0, with
@@ -469,6 +483,9 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -7,6 +7,7 @@ each failure is a one-line ``ConfigError``, exit code 2).
   profiling) must be folders this process can
   create and write in. The test writes and removes a file, so it holds for root too and on
   read-only mounts.
+* Optional packages a setting needs are installed (``metrics.enable_wandb``: wandb).
 * ``debug.num_threads`` at most the CPUs of this machine (a huge value makes OpenMP abort
   while allocating its thread pool).
 * The batch fits: one step needs at least the output logits, ``local_batch_size x seq_len x
@@ -36,6 +37,7 @@ total less ``GPU_RESERVE_BYTES``, or this machine's RAM shared by its local proc
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -91,6 +93,14 @@ def check_output_folders(cfg: JobConfig) -> None:
     if p.enable_memory_snapshot and resolve_device(cfg.job.device) == "cuda":  # (elsewhere: none written)
         folder = os.path.join(cfg.job.dump_folder, p.save_memory_snapshot_folder)
         check_writable_folder(folder, "profiling.save_memory_snapshot_folder")
+
+
+def check_optional_packages(cfg: JobConfig) -> None:
+    if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "metrics.enable_wandb = True needs the optional wandb package, which is not installed: "
+            "pip install wandb (into .venv), or leave the flag out"
+        )
 
 
 def check_threads(cfg: JobConfig) -> None:
@@ -212,6 +222,7 @@ def preflight(cfg: JobConfig) -> None:
     """Every check above; the first failure raises ConfigError."""
     check_output_folders(cfg)
     check_threads(cfg)
+    check_optional_packages(cfg)
     check_batch_fits(cfg)
 
 

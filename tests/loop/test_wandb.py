@@ -1,0 +1,83 @@
+"""--metrics.enable_wandb (graph_trainer/loop/wandb_writer.py): a job's scalars and resolved config in
+a W&B run, written offline and read back from the run's file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from graph_trainer.config_loading import load_config
+from graph_trainer.errors import ConfigError
+from graph_trainer.loop import preflight
+from graph_trainer.trainer import Trainer
+from graph_trainer.validation import validate_config
+from tests.launch import FAST_ARGS, read_losses
+
+pytest.importorskip("wandb")  # (an optional dependency; CI installs it)
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf records of an offline W&B run file: after a 7-byte header (':W&B', magic,
+    version), records in LevelDB's log format (32 KiB blocks; per piece a 4-byte checksum, a
+    2-byte length, a type: 1 whole, 2 first, 3 middle, 4 last)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    pos, block, partial, pieces = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # (a block's tail too short for a header is padding)
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        payload, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            pieces.append(partial + payload if kind == 4 else payload)
+        elif kind in (2, 3):
+            partial = payload if kind == 2 else partial + payload
+    records = []
+    for piece in pieces:
+        record = Record()
+        record.ParseFromString(piece)
+        records.append(record)
+    return records
+
+
+def _items(items) -> dict[str, object]:
+    return {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in items}
+
+
+def test_the_run_holds_every_logged_step_and_the_resolved_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    args = [*FAST_ARGS, "--job.dump_folder", str(tmp_path), "--training.steps", "4", "--metrics.log_freq", "2"]
+    cfg = load_config([*args, "--metrics.enable_wandb", "--job.description", "wandb test"])
+    validate_config(cfg)
+    Trainer(cfg).train()
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    records = wandb_records(run_file)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.display_name == "wandb test"
+    config = _items(run.config.update)
+    assert config["training"]["steps"] == 4 and config["metrics"]["enable_wandb"] is True
+    assert config["model"]["name"] == cfg.model.name
+    history = {r.history.step.num: _items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"}
+    losses = dict(read_losses(tmp_path))
+    assert sorted(history) == [1, 2, 4]  # step 1 and every log_freq-th
+    for step, scalars in history.items():
+        assert scalars["loss"] == losses[step]  # the float itself (JSON keeps every digit)
+        assert {"grad_norm", "lr", "tokens_per_sec_per_device", "memory_gib", "step_time_s"} <= set(scalars)
+    summary = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "summary":
+            summary.update(_items(r.summary.update))
+    assert summary["setup/trace_seconds"] > 0 and summary["setup/graph_nodes"] > 0
+
+
+def test_without_the_package_the_job_is_refused_before_it_builds(monkeypatch):
+    cfg = load_config([*FAST_ARGS, "--metrics.enable_wandb"])
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="metrics.enable_wandb = True needs the optional wandb package"):
+        preflight.check_optional_packages(cfg)
