@@ -21,7 +21,7 @@ Device = Literal["auto", "cpu", "cuda"]
 ModelName = Literal["llama3", "deepseek_v3"]
 """The keys of ``models.registry.MODEL_SPECS`` (a test holds the two equal)."""
 Dtype = Literal["float32", "bfloat16", "float16"]
-DecayType = Literal["linear", "cosine", "constant"]
+DecayType = Literal["linear", "sqrt", "cosine", "constant"]
 ReshardAfterForward = Literal["always", "never"]
 ChunkDim = Literal["batch", "seq"]
 CompileMode = Literal["graph", "eager"]
@@ -85,11 +85,17 @@ class Training:
     eps: float = 1e-8
     """AdamW epsilon."""
     warmup_steps: int = 2
-    """Linear warmup from lr/(warmup_steps+1) to lr over this many steps."""
+    """Linear warmup over this many steps: step k (1-based) trains at lr * k / warmup_steps (at most
+    training.steps). The schedule is torchtitan's (warmup, stable, decay), value for value."""
+    decay_ratio: float = 1.0
+    """Warmup-stable-decay: the decay takes the last round(steps * decay_ratio) steps (at most those
+    after warmup), the lr stays at its peak between warmup and decay. 1.0: the decay starts right
+    after warmup (torchtitan's decay_ratio None); e.g. 0.2 decays over the last fifth of the run."""
     decay_type: DecayType = "linear"
-    """Decay after warmup: 'linear', 'cosine' or 'constant'."""
+    """The decay's shape, from lr towards lr * min_lr_ratio: 'linear', 'sqrt' (1 - sqrt(progress)),
+    'cosine', or 'constant' (no decay: the peak lr after warmup)."""
     min_lr_ratio: float = 0.0
-    """The decay ends at lr * min_lr_ratio on the last step (0 <= ratio <= 1)."""
+    """The floor of the decay, as a fraction of lr (0 <= ratio <= 1); torchtitan's min_lr_factor."""
     max_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     seed: int = 42

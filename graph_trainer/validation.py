@@ -132,6 +132,7 @@ def _check_training(cfg: JobConfig, args) -> None:
     require(t.eps > 0, f"training.eps = {t.eps} must be > 0")
     require(t.warmup_steps >= 0, f"training.warmup_steps = {t.warmup_steps} must be >= 0")
     require(0 <= t.min_lr_ratio <= 1, f"training.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1]")
+    require(0 < t.decay_ratio <= 1, f"training.decay_ratio = {t.decay_ratio} must be in (0, 1]")
     require(t.max_norm >= 0, f"training.max_norm = {t.max_norm} must be >= 0 (0 disables clipping)")
     require(t.gc_freq >= 0, f"training.gc_freq = {t.gc_freq} must be >= 0 (0 leaves automatic collection on)")
 

@@ -281,7 +281,7 @@ def test_take_flag_takes_either_spelling_and_refuses_a_missing_or_bad_value():
         ),
         (
             ["--training.decay_type=cosin"],
-            "training.decay_type = 'cosin' is not allowed; choose one of: linear, cosine, constant",
+            "training.decay_type = 'cosin' is not allowed; choose one of: linear, sqrt, cosine, constant",
         ),
         (["--training.seed"], "--training.seed needs a value"),
     ],

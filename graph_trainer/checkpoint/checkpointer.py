@@ -70,6 +70,7 @@ from graph_trainer.config import JobConfig, checkpoint_root
 from graph_trainer.distributed.comm import agree
 from graph_trainer.errors import ConfigError, JobError
 from graph_trainer.loop.guards import check_state
+from graph_trainer.loop.optim import lr_plan, lr_replan
 from graph_trainer.torch_compat import dcp_storage_files
 
 logger = logging.getLogger("graph_trainer")
@@ -344,7 +345,9 @@ class Checkpointer:
         path = self.step_dir(step)
         meta = read_metadata(path)
         load_tensors(path, meta, self.cfg.model, model, optimizer, self.distributed)
-        restore_train_state(path, step, optimizer, scheduler, dataloader)
+        replan = lr_replan(restore_train_state(path, step, optimizer, scheduler, dataloader), self.cfg.training, step)
+        if replan and self.rank == 0:
+            logger.warning("resuming step-%d: %s", step, replan)
         if int(meta.get("world_size", -1)) == self.world_size:
             restore_rng(path, self.rank, self.device)
         else:
@@ -377,7 +380,7 @@ class Checkpointer:
         save_rng(tmp, self.rank, self.device)
         shapes = param_shapes(model, self.distributed)  # (every rank joins: pipeline ranks hold parts)
         if self.rank == 0:
-            write_train_state(tmp, step, scheduler, dataloader)
+            write_train_state(tmp, step, scheduler, dataloader, lr_plan(self.cfg.training))
             write_metadata(tmp, step, self.cfg.model, self.degrees, self.world_size, shapes)
 
     def _seal(self, tmp: str, final: str, hashed: list[dict]) -> None:

@@ -166,12 +166,11 @@ def save_rng(folder: str, rank: int, device: torch.device) -> None:
         os.fsync(f.fileno())
 
 
-def write_train_state(folder: str, step: int, scheduler, dataloader) -> None:
-    """(rank 0) ``train_state.json``: the step, the LR scheduler's state and the data position."""
-    _write_json(
-        os.path.join(folder, "train_state.json"),
-        {"step": step, "scheduler": scheduler.state_dict(), "dataloader": dataloader.state_dict()},
-    )
+def write_train_state(folder: str, step: int, scheduler, dataloader, lr_plan: dict[str, object]) -> None:
+    """(rank 0) ``train_state.json``: the step, the LR scheduler's state, the settings its schedule
+    was planned with (``loop.optim.lr_plan``) and the data position."""
+    state = {"step": step, "scheduler": scheduler.state_dict(), "lr_plan": lr_plan}
+    _write_json(os.path.join(folder, "train_state.json"), {**state, "dataloader": dataloader.state_dict()})
 
 
 def write_metadata(
@@ -240,9 +239,10 @@ def load_tensors(folder: str, meta: dict, model_cfg: Model, model, optimizer, di
         )
 
 
-def restore_train_state(folder: str, step: int, optimizer, scheduler, dataloader) -> None:
+def restore_train_state(folder: str, step: int, optimizer, scheduler, dataloader) -> dict[str, object]:
     """The data position and the LR schedule from ``train_state.json``, checked against ``step`` and
-    the AdamW step counts just loaded; the learning rate is this run's config's at ``step``."""
+    the AdamW step counts just loaded; the learning rate is this run's config's at ``step``.
+    Returns the settings the checkpoint's schedule was planned with ({} if it predates them)."""
     train_state = _read_json(os.path.join(folder, "train_state.json"))
     counts = {float(optimizer.state[p]["step"]) for p in optimizer.state}
     if train_state.get("step") != step or counts != {float(step)}:
@@ -265,6 +265,7 @@ def restore_train_state(folder: str, step: int, optimizer, scheduler, dataloader
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         scheduler.step()
+    return dict(train_state.get("lr_plan", {}))
 
 
 def restore_rng(folder: str, rank: int, device: torch.device) -> None:

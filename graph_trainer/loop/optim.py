@@ -6,6 +6,7 @@ runs differ only in how the gradients were computed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 
@@ -37,23 +38,57 @@ def build_optimizer(params: list[torch.nn.Parameter], t: Training) -> torch.opti
     )
 
 
+def lr_phases(t: Training) -> tuple[int, int, int]:
+    """(warmup, stable, decay) step counts of the schedule, as torchtitan 0.3.0 counts them: the
+    stable phase holds one step more than the steps left between warmup and decay."""
+    warmup = min(t.warmup_steps, t.steps)
+    decay = min(round(t.steps * t.decay_ratio), t.steps - warmup)
+    return warmup, t.steps + 1 - warmup - decay, decay
+
+
 def lr_multiplier(step: int, t: Training) -> float:
     """Multiplier of the peak lr at optimizer step ``step`` (0-based count of steps taken).
 
-    Linear warmup over ``warmup_steps`` (never starting at 0), then ``decay_type`` down to
-    ``min_lr_ratio`` at the last step.
-    """
-    if step < t.warmup_steps:
-        return (step + 1) / (t.warmup_steps + 1)
-    decay_steps = t.steps - t.warmup_steps
-    if t.decay_type == "constant" or decay_steps <= 1:
+    Linear warmup ((step + 1) / warmup), the peak while stable, then ``decay_type`` from 1 towards
+    ``min_lr_ratio`` over the decay steps. The same arithmetic as torchtitan's
+    ``linear_warmup_stable_decay``, so the values are equal bit for bit (tests/loop/test_optim.py)."""
+    warmup, stable, decay = lr_phases(t)
+    if step < warmup:
+        return float((step + 1) / warmup)
+    if step < warmup + stable or t.decay_type == "constant":
         return 1.0
-    progress = min((step - t.warmup_steps) / (decay_steps - 1), 1.0)
+    progress = float(step + 1 - (warmup + stable)) / decay
     if t.decay_type == "linear":
-        remaining = 1.0 - progress
+        remaining = 1 - progress
+    elif t.decay_type == "sqrt":
+        remaining = 1 - math.sqrt(progress)
     else:  # cosine
         remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * remaining
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * remaining
+
+
+LR_PLAN = ("lr", "steps", "warmup_steps", "decay_ratio", "decay_type", "min_lr_ratio")
+"""The ``training`` fields the learning rate of a step depends on (checkpoints record them)."""
+
+
+def lr_plan(t: Training) -> dict[str, object]:
+    return {name: getattr(t, name) for name in LR_PLAN}
+
+
+def lr_replan(saved: dict[str, object], t: Training, step: int) -> str | None:
+    """What changes when a run saved after ``step`` under the plan ``saved`` resumes with ``t``
+    (None: nothing): the fields that differ, the next step's lr, and the last step's under both."""
+    changed = {k: (saved[k], v) for k, v in lr_plan(t).items() if k in saved and saved[k] != v}
+    if not changed:
+        return None
+    before = dataclasses.replace(t, **{k: old for k, (old, _) in changed.items()})
+    fields = ", ".join(f"training.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+    last_before, last_now = before.lr * lr_multiplier(step - 1, before), t.lr * lr_multiplier(step - 1, t)
+    return (
+        f"the LR schedule's settings differ from the checkpoint's ({fields}): re-planned from step "
+        f"{step + 1}, which trains at lr {t.lr * lr_multiplier(step, t):.4e}; step {step} trained at "
+        f"{last_before:.4e} (under the new settings: {last_now:.4e})"
+    )
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, t: Training) -> torch.optim.lr_scheduler.LambdaLR:

@@ -231,7 +231,7 @@ def _trainer(folder, *args) -> Trainer:
 def test_eager_resume_bitwise_restores_adamw_steps_lr_and_trims_losses(tmp_path):
     straight = _trainer(tmp_path, "--training.steps", "4", "--checkpoint.interval", "2")
     straight_losses = straight.train()
-    lr_after_2 = straight.cfg.training.lr * 0.6  # warmup 4: multiplier (2+1)/(4+1) at optimizer step 2
+    lr_after_2 = straight.cfg.training.lr * 0.75  # warmup 4: multiplier (2+1)/4 at optimizer step 2
     reference = (tmp_path / "losses.txt").read_text()
     assert complete_steps(str(tmp_path / "checkpoint")) == [2, 4]
 
@@ -265,6 +265,28 @@ def test_eager_resume_bitwise_restores_adamw_steps_lr_and_trims_losses(tmp_path)
     assert (tmp_path / aside / "losses.txt").read_text() == reference
     for (n, a), b in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b), n
+
+
+def test_a_resume_with_other_lr_settings_says_what_changes(tmp_path, caplog):
+    """Raising training.steps re-plans the decay: the resumed run says so, with the lr both ways."""
+    warmup = ["--training.warmup_steps", "2", "--checkpoint.interval", "4"]
+    _trainer(tmp_path, "--training.steps", "4", *warmup).train()
+    log = logging.getLogger("graph_trainer")  # (it does not propagate to the root logger caplog watches)
+    log.addHandler(caplog.handler)
+    try:
+        _trainer(tmp_path, "--training.steps", "8", *warmup)
+    finally:
+        log.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if "LR schedule" in r.getMessage()]
+    t = load_config(FAST_ARGS).training
+    # warmup 2, 1 stable step, then linear decay towards min_lr_ratio: over 2 steps when training 4, 6 when 8
+    lr = lambda remaining: t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * remaining)  # noqa: E731
+    next_lr, last_lr, last_lr_now = lr(1 - 2 / 6), lr(1 - 1 / 2), lr(1 - 1 / 6)
+    assert lines == [
+        "resuming step-4: the LR schedule's settings differ from the checkpoint's (training.steps 4 -> 8): "
+        f"re-planned from step 5, which trains at lr {next_lr:.4e}; step 4 trained at {last_lr:.4e} "
+        f"(under the new settings: {last_lr_now:.4e})"
+    ]
 
 
 def test_resume_with_gradient_accumulation_continues_at_the_next_microbatch_bitwise(tmp_path):
