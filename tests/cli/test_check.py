@@ -41,3 +41,30 @@ def test_the_check_counts_every_node_and_refuses_a_bad_count(tmp_path, capsys):
     assert main([*FAST_ARGS, "--nproc_per_node", "0"]) == 2
     assert capsys.readouterr().err == "error: --nproc_per_node 0 and --nnodes 1 must be >= 1\n"
     assert "WORLD_SIZE" not in os.environ  # (the check's view of the job is not left to this process)
+
+
+def test_the_slurm_script_starts_one_run_train_per_node_meeting_at_the_first(tmp_path):
+    """scripts/slurm_train.sh with Slurm's environment and stand-ins for scontrol and srun (this
+    machine has no Slurm): srun gets run_train.sh once per node, every node the same rendezvous."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n'
+    )
+    record = tmp_path / "srun.txt"
+    (bin_dir / "srun").write_text(
+        f'#!/bin/sh\necho "$NNODES|$NGPU|$TORCHRUN_ARGS" > {record}\nfor a in "$@"; do echo "$a" >> {record}; done\n'
+    )
+    for stub in ("scontrol", "srun"):
+        os.chmod(bin_dir / stub, 0o755)
+    slurm = {"SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "8"}
+    env = {**os.environ, **slurm, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    script = os.path.join(ROOT, "scripts", "slurm_train.sh")
+    result = subprocess.run(
+        ["bash", script, "--training.steps", "2"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "graph_trainer: 2 node(s) x 8 process(es), rendezvous at gpu07:29500\n"
+    lines = record.read_text().splitlines()
+    assert lines[0] == "2|8|--rdzv_backend c10d --rdzv_endpoint gpu07:29500 --rdzv_id 4242"
+    assert lines[1:] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", RUN_TRAIN, "--training.steps", "2"]
