@@ -77,9 +77,10 @@ def lr_plan(t: Training) -> dict[str, object]:
 
 def lr_replan(saved: dict[str, object], t: Training, step: int) -> str | None:
     """What changes when a run saved after ``step`` under the plan ``saved`` resumes with ``t``
-    (None: nothing): the fields that differ, the next step's lr, and the last step's under both."""
+    (None: nothing, or nothing trained yet: a step-0 conversion plans no schedule): the fields
+    that differ, the next step's lr, and the last step's under both."""
     changed = {k: (saved[k], v) for k, v in lr_plan(t).items() if k in saved and saved[k] != v}
-    if not changed:
+    if not changed or step == 0:
         return None
     before = dataclasses.replace(t, **{k: old for k, (old, _) in changed.items()})
     fields = ", ".join(f"training.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graph_trainer.config import Training
-from graph_trainer.loop.optim import build_lr_scheduler, lr_phases
+from graph_trainer.loop.optim import build_lr_scheduler, lr_phases, lr_plan, lr_replan
 
 SETTINGS = list(
     itertools.product(
@@ -71,3 +71,12 @@ def test_constant_keeps_the_peak_after_warmup():
     t = dataclasses.replace(Training(), lr=1.0, steps=20, warmup_steps=4, decay_type="constant")
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     assert _walk(build_lr_scheduler(optimizer, t), optimizer, 20) == [0.25, 0.5, 0.75] + [1.0] * 17
+
+
+def test_a_replan_is_reported_after_a_trained_step_only():
+    t = dataclasses.replace(Training(), steps=40, warmup_steps=4)
+    saved = lr_plan(dataclasses.replace(t, steps=0))  # a converted step-0: nothing trained yet
+    assert lr_replan(saved, t, 0) is None
+    assert lr_replan(lr_plan(t), t, 12) is None  # the same settings
+    line = lr_replan(lr_plan(dataclasses.replace(t, steps=20)), t, 12)
+    assert line.startswith("the LR schedule's settings differ from the checkpoint's (training.steps 20 -> 40)")
