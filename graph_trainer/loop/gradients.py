@@ -154,18 +154,21 @@ class StepPreparation:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # uneven shards differ a little
         check_step_fits(self.cfg, estimate, int(peak.item()), self.device.type)
 
-    def compile(self, traced: TracedStep, context=None, dumps: str | None = None, check: bool = True) -> TracedStep:
-        """The compile chain after tracing: memory policy, passes (then the memory check), backend."""
+    def compile(
+        self, traced: TracedStep, context=None, dumps: str | None = None, pipeline_stage: bool = False
+    ) -> TracedStep:
+        """The compile chain after tracing: memory policy, passes (then the memory check, which for a
+        ``pipeline_stage`` waits for every local stage), backend."""
         self.metrics.log_event("trace", trace_seconds=traced.trace_seconds, graph_nodes=len(traced.gm.graph.nodes))
         dumps = self.cfg.compile.dump_graphs if dumps is None else dumps
         runner = PassRunner(context or pass_context(self.cfg, self.layout, self.model), dumps)
         gm = apply_passes(apply_memory_policy(traced.gm, runner), runner)
-        if check:
+        if not pipeline_stage:
             self.check_memory(gm.graph)
             self.simulate(gm.graph)
         deterministic = self.device.type == "cpu" or self.cfg.debug.deterministic
-        traced.gm, report = self._compile_once_per_node(gm, deterministic, in_pipeline=not check)
-        if self.cfg.profiling.enable_profiling:
+        traced.gm, report = self._compile_once_per_node(gm, deterministic, pipeline_stage)
+        if self.cfg.profiling.enable_profiling and not pipeline_stage:  # (a stage's pieces get theirs)
             traced.gm = add_profiler_ranges(traced.gm)
         if report.backend != "none":
             self.metrics.log_event(
@@ -177,29 +180,28 @@ class StepPreparation:
             )
         return traced
 
-    def _compile_once_per_node(self, gm: fx.GraphModule, deterministic: bool, in_pipeline: bool):
+    def _compile_once_per_node(self, gm: fx.GraphModule, deterministic: bool, pipeline_stage: bool):
         """``compile_graph``; with ``compile.once_per_node`` the ranks of a host holding the same graph
-        take turns (``distributed.comm.first_per_node``): the first compiles, the others load its
-        result from Inductor's FX graph cache. Not in a pipeline: a stage compiles inside the
-        schedule, where ranks wait for each other's activations, not in a barrier."""
+        take turns (``distributed.comm.first_per_node``): the first compiles, the others should
+        find its result in Inductor's FX graph cache (logged: how many of their lookups missed).
+        Not for a pipeline stage: it compiles inside the schedule, where ranks wait for each
+        other's activations, not in a barrier."""
         settings = self.cfg.compile
 
         def compile_it():
-            return compile_graph(gm, settings, deterministic)
+            before = dict(torch_compat.inductor_counters())
+            compiled = compile_graph(gm, settings, deterministic)
+            after = torch_compat.inductor_counters()
+            return compiled, after["fxgraph_cache_miss"] - before.get("fxgraph_cache_miss", 0)
 
-        if in_pipeline or settings.backend != "inductor" or not settings.once_per_node:
-            return compile_it()
+        if pipeline_stage or settings.backend != "inductor" or not settings.once_per_node:
+            return compile_graph(gm, settings, deterministic)
         if not torch_compat.fx_graph_cache_enabled():
-            return compile_it()
+            return compile_graph(gm, settings, deterministic)
         key = compile_key(gm, settings.backend, settings.inductor_scope, deterministic)
-        (gm, report), first = first_per_node(key, compile_it)
-        logger.info(
-            "compile.once_per_node: %d of %d ranks compiled (the first of each host and graph), the others "
-            "loaded that result from Inductor's FX graph cache",
-            sum(first),
-            len(first),
-        )
-        return gm, report
+        (compiled, misses), first = first_per_node(key, compile_it)
+        _log_followers_misses(first, misses)
+        return compiled
 
     def simulate(self, graph: fx.Graph) -> None:
         """Log the step ``metrics.simulate_device``'s model predicts for ``graph``, ranks placed on
@@ -224,7 +226,7 @@ class StepPreparation:
         """``compile`` for one pipeline stage's graph: the passes see that stage's modules; the memory
         check waits for every local stage (``check_pipeline_memory``)."""
         dumps = self.cfg.compile.dump_graphs and os.path.join(self.cfg.compile.dump_graphs, f"stage{stage}")
-        return self.compile(traced, pass_context(self.cfg, self.layout, module), dumps, check=False)
+        return self.compile(traced, pass_context(self.cfg, self.layout, module), dumps, pipeline_stage=True)
 
     def check_pipeline_memory(self, step: PipelineStep) -> None:
         """The memory check of a pipeline rank once its stages are traced: parameters, gradient
@@ -233,6 +235,29 @@ class StepPreparation:
         costs = {s: stage_cost(runner.graphs, step.traced[s]) for s, runner in step.runners.items()}
         pipeline = self.layout.pipeline
         self.check_memory(None, rank_memory(pipeline.plan, pipeline.rank, costs, self.optimizer))
+
+
+def once_per_node_report(first: list[bool], misses: list[int]) -> tuple[int, str]:
+    """The log level and line after ``compile.once_per_node``, from each rank's turn (``first``) and
+    its FX graph cache misses: a rank that compiled second and missed means the ranks of a host do
+    not share the cache folder, so it compiled again (a warning)."""
+    waited = [m for m, led in zip(misses, first, strict=True) if not led]
+    line = f"compile.once_per_node: {sum(first)} of {len(first)} ranks compiled (the first of each host and graph)"
+    if not any(waited):
+        loaded = f"; the other {len(waited)} loaded the result from Inductor's FX graph cache" if waited else ""
+        return logging.INFO, line + loaded
+    return logging.WARNING, (
+        f"{line}; the others missed Inductor's FX graph cache {sum(waited)} time(s) and compiled again: is "
+        "its folder (compile.cache_dir, $TORCHINDUCTOR_CACHE_DIR) shared by the ranks of a host?"
+    )
+
+
+def _log_followers_misses(first: list[bool], misses: int) -> None:
+    every = [misses]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        every = [0] * dist.get_world_size()
+        dist.all_gather_object(every, misses)
+    logger.log(*once_per_node_report(first, every))
 
 
 def build_gradients(prep: StepPreparation, hidden_dim: int, timer: ForwardBackwardTimer) -> Gradients:
@@ -255,6 +280,7 @@ def build_gradients(prep: StepPreparation, hidden_dim: int, timer: ForwardBackwa
             grad_scale=grad_scale,
             post_trace=lambda traced, stage: prep.compile_stage(traced, stage, modules[stage]),
             on_traced=prep.check_pipeline_memory,
+            profiler_ranges=cfg.profiling.enable_profiling,
         )
         return PipelineGradients(pipeline_step, group, prep.device)
     if cfg.compile.mode == "graph":
@@ -269,4 +295,11 @@ def build_gradients(prep: StepPreparation, hidden_dim: int, timer: ForwardBackwa
     return AccumulatedGradients(step_fn, prep.device, timer)
 
 
-__all__ = ["AccumulatedGradients", "Gradients", "PipelineGradients", "StepPreparation", "build_gradients"]
+__all__ = [
+    "AccumulatedGradients",
+    "Gradients",
+    "PipelineGradients",
+    "StepPreparation",
+    "build_gradients",
+    "once_per_node_report",
+]

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.compiler.flat_tensors import split_flat, unflatten_tensor
+from graph_trainer.compiler.profiler_ranges import add_profiler_ranges
 from graph_trainer.compiler.tracer import TracedStep, loss_head
 from graph_trainer.pipelining.split import StageGraphs, split_stage
 
@@ -46,12 +47,18 @@ class _Accumulator:
 
 
 class GraphStageRunner:
-    """Runs a stage's traced joint graph, cut by ``split.split_stage``, on live tensors."""
+    """Runs a stage's traced joint graph, cut by ``split.split_stage``, on live tensors.
+    ``profiler_ranges``: each piece's nodes as named profiler ranges (``compiler.profiler_ranges``;
+    added to the pieces, since a range node has no phase to split it by)."""
 
-    def __init__(self, traced: TracedStep, module: nn.Module):
+    def __init__(self, traced: TracedStep, module: nn.Module, profiler_ranges: bool = False):
         self.traced, self.module = traced, module
         self.num_flat_grads = traced.num_flat_param_grads
         self.graphs: StageGraphs = split_stage(traced.gm, self.num_flat_grads)
+        if profiler_ranges:
+            graphs = self.graphs
+            for piece in (graphs.forward, graphs.backward, graphs.backward_input, graphs.backward_weight):
+                add_profiler_ranges(piece)
         self.saved: dict[int, list[torch.Tensor]] = {}
         self.for_weight: dict[int, list[torch.Tensor]] = {}
         self.grads = _Accumulator()

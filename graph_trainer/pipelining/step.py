@@ -50,11 +50,12 @@ class PipelineStep:
         grad_scale: float,
         post_trace: Callable[[TracedStep, int], TracedStep] | None = None,
         on_traced: Callable[[PipelineStep], None] | None = None,
+        profiler_ranges: bool = False,
     ):
         self.pipeline, self.model, self.modules, self.group = pipeline, model, modules, group
         self.graph, self.hidden_dim, self.hidden_dtype = graph, hidden_dim, hidden_dtype
         self.loss_chunks, self.grad_scale, self.post_trace = loss_chunks, grad_scale, post_trace
-        self.on_traced = on_traced
+        self.on_traced, self.profiler_ranges = on_traced, profiler_ranges
         self.runners: dict[int, GraphStageRunner | EagerStageRunner] = {}
         self.traced: dict[int, TracedStep] = {}
         if not graph:
@@ -88,7 +89,7 @@ class PipelineStep:
             if self.post_trace is not None:
                 traced = self.post_trace(traced, stage)
             self.traced[stage] = traced
-            self.runners[stage] = GraphStageRunner(traced, module)
+            self.runners[stage] = GraphStageRunner(traced, module, self.profiler_ranges)
         if self.on_traced is not None:
             self.on_traced(self)
 

@@ -166,7 +166,8 @@ def run_overlap_scheduler(gm: fx.GraphModule, estimate_ms, **kwargs) -> fx.Graph
 
 
 def inductor_counters() -> collections.Counter:
-    """``torch._dynamo.utils.counters["inductor"]``, where the overlap scheduler counts exposed collectives."""
+    """``torch._dynamo.utils.counters["inductor"]``, where the overlap scheduler counts exposed collectives
+    and the FX graph cache its hits and misses (``fxgraph_cache_hit``, ``fxgraph_cache_miss``)."""
     with private_api("torch._dynamo.utils.counters"):
         from torch._dynamo.utils import counters
 
