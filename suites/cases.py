@@ -28,8 +28,8 @@ INDUCTOR_RTOL = 5e-6
 """Bound on the relative deviation of losses compiled by Inductor (``--compile.backend inductor``)
 from the op-by-op graph of the same job, fp32 on CPU: fusion rounds differently, and other CPUs'
 vector widths change Inductor's reduction loops. The measured deviations this bound covers (20
-steps of both debug models, both scopes; the cpu suite's jobs, 10 steps until 2026-11-28, 5 since)
-are in docs/performance.md and their causes in docs/numerics.md."""
+steps of both debug models, both scopes; the cpu suite's jobs) are in docs/performance.md and their
+causes in docs/numerics.md."""
 
 
 @dataclass(frozen=True)
