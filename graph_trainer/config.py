@@ -337,7 +337,11 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
 
 
+def in_dump_folder(cfg: JobConfig, folder: str) -> str:
+    """An output folder setting: ``folder``, relative to ``job.dump_folder`` unless absolute."""
+    return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
+
+
 def checkpoint_root(cfg: JobConfig) -> str:
     """The checkpoint folder: ``checkpoint.folder``, relative to ``job.dump_folder`` unless absolute."""
-    folder = cfg.checkpoint.folder
-    return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
+    return in_dump_folder(cfg, cfg.checkpoint.folder)

@@ -44,7 +44,7 @@ import os
 import tempfile
 
 from graph_trainer.analysis.memory import StepMemoryEstimate, optimizer_memory
-from graph_trainer.config import JobConfig, checkpoint_root
+from graph_trainer.config import JobConfig, checkpoint_root, in_dump_folder
 from graph_trainer.config_loading import load_config
 from graph_trainer.distributed.parallel_dims import largest_local_numel
 from graph_trainer.errors import ConfigError
@@ -89,10 +89,11 @@ def check_output_folders(cfg: JobConfig) -> None:
         check_writable_folder(cfg.compile.dump_graphs, "compile.dump_graphs")
     p = cfg.profiling
     if p.enable_profiling:
-        check_writable_folder(os.path.join(cfg.job.dump_folder, p.save_traces_folder), "profiling.save_traces_folder")
+        check_writable_folder(in_dump_folder(cfg, p.save_traces_folder), "profiling.save_traces_folder")
     if p.enable_memory_snapshot and resolve_device(cfg.job.device) == "cuda":  # (elsewhere: none written)
-        folder = os.path.join(cfg.job.dump_folder, p.save_memory_snapshot_folder)
-        check_writable_folder(folder, "profiling.save_memory_snapshot_folder")
+        check_writable_folder(
+            in_dump_folder(cfg, p.save_memory_snapshot_folder), "profiling.save_memory_snapshot_folder"
+        )
 
 
 def check_optional_packages(cfg: JobConfig) -> None:

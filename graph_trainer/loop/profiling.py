@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-from graph_trainer.config import JobConfig
+from graph_trainer.config import JobConfig, in_dump_folder
 from graph_trainer.torch_compat import dump_cuda_memory_snapshot, record_cuda_memory_history
 
 logger = logging.getLogger("graph_trainer")
@@ -44,9 +44,9 @@ def profiler_action(step: int, freq: int) -> ProfilerAction:
     return ProfilerAction.NONE
 
 
-def iteration_folder(dump_folder: str, folder: str, step: int) -> str:
-    """``<folder>/iteration_<step>`` (``folder`` relative to ``dump_folder`` unless absolute), created."""
-    path = os.path.join(dump_folder, folder, f"iteration_{step}")
+def iteration_folder(cfg: JobConfig, folder: str, step: int) -> str:
+    """``<folder>/iteration_<step>`` (``folder`` relative to ``job.dump_folder`` unless absolute), created."""
+    path = os.path.join(in_dump_folder(cfg, folder), f"iteration_{step}")
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -58,7 +58,7 @@ def _traces(cfg: JobConfig, rank: int, device: torch.device, start_step: int) ->
     current = [start_step]
 
     def save(prof) -> None:
-        folder = iteration_folder(cfg.job.dump_folder, p.save_traces_folder, current[0])
+        folder = iteration_folder(cfg, p.save_traces_folder, current[0])
         path = os.path.join(folder, f"rank{rank}_trace.json")
         prof.export_chrome_trace(path)
         logger.info("profiler trace of step %d: %s", current[0], path)
@@ -87,7 +87,7 @@ def _memory_snapshots(cfg: JobConfig, rank: int, device: torch.device) -> Iterat
 
     def after_step(step: int) -> None:
         if step % p.profile_freq == 0:
-            folder = iteration_folder(cfg.job.dump_folder, p.save_memory_snapshot_folder, step)
+            folder = iteration_folder(cfg, p.save_memory_snapshot_folder, step)
             dump_cuda_memory_snapshot(os.path.join(folder, f"rank{rank}_memory_snapshot.pickle"))
 
     try:
