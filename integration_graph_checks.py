@@ -320,7 +320,8 @@ def check_backend(gm, cfg, row: dict[str, object]) -> list[str]:
 
 def check_stage_graph(gm, cfg, degrees: dict[str, int], blocks: range, first: bool, last: bool) -> list[str]:
     """What is wrong with one pipeline stage's graph (after its passes): FSDP all-gathers and
-    reduce-scatters iff ``dp_shard > 1``, gradient all-reduces iff ``dp_replicate > 1``;
+    reduce-scatters iff ``dp_shard > 1``, gradient all-reduces iff ``dp_replicate > 1``; on LLaMA-3,
+    tensor parallel's all-reduces iff ``tp > 1`` (every stage holds blocks);
     all_to_alls iff ``ep > 1`` and the stage holds MoE blocks, each tagged, every MoE block of the
     stage with its dispatch and combine both ways and nothing of another stage's; with
     ``transformer_block_bucketing`` alone, one forward all-gather bucket per block plus the
@@ -337,7 +338,7 @@ def check_stage_graph(gm, cfg, degrees: dict[str, int], blocks: range, first: bo
         if not ok:
             problems.append(message)
 
-    problems += _data_parallel_problems(nodes, degrees)
+    problems += _data_parallel_problems(nodes, degrees) + _tensor_parallel_problems(nodes, cfg, degrees)
     gathers = fsdp_launches(nodes, FSDP_GATHER, "forward")
     n_dense = getattr(args, "n_dense_layers", None)  # (None: a model without MoE blocks)
     moe = [] if n_dense is None else [b for b in blocks if b >= n_dense]

@@ -72,11 +72,6 @@ def _check_pipeline(cfg: JobConfig, degrees: dict[str, int], microbatches: int, 
     cannot run per stage."""
     p, c = cfg.parallelism, cfg.compile
     require(
-        degrees["tp"] == 1,
-        f"parallelism.pp = {p.pp} with parallelism.tp = {degrees['tp']}: tensor parallelism inside pipeline "
-        f"stages is not supported yet; use dp_shard, dp_replicate or ep with pp",
-    )
-    require(
         not (c.backend == "inductor" and c.inductor_scope == "full"),
         f"compile.inductor_scope = 'full' compiles a stage's forward and backward as one graph, which a "
         f"pipeline schedule (parallelism.pp = {p.pp}) runs apart; use compile.inductor_scope regional",

@@ -92,10 +92,12 @@ def _pp(schedule: str) -> list[str]:
     return ["--parallelism.pp", "2", "--parallelism.pp_schedule", schedule, *_GLOBAL_8]
 
 
+# Tensor parallel inside the stages: the interleaved schedule (two stages per rank) on Llama,
+# 1F1B on DeepSeek-V3's 2 blocks (a dense stage, then a MoE stage). ZBV runs beside FSDP only
+# (alone on 2 ranks it adds nothing the 4-rank case does not check).
 _CPU_PIPELINE_LAYOUTS = {
     "pp2_1f1b": (2, _pp("1F1B"), "single_b8"),
-    "pp2_interleaved": (2, _pp("Interleaved1F1B"), "single_b8"),
-    "pp2_zbv": (2, _pp("ZBVZeroBubble"), "single_b8"),
+    "pp2xtp2_interleaved": (4, [*_pp("Interleaved1F1B"), "--parallelism.tp", "2"], "single_b8"),
     "pp2xfsdp2_zbv": (4, _pp("ZBVZeroBubble"), "single_b8"),
 }
 _CPU_DEEPSEEK_PIPELINE_LAYOUTS = {
@@ -104,6 +106,11 @@ _CPU_DEEPSEEK_PIPELINE_LAYOUTS = {
         [*_DEEPSEEK_3_LAYERS, "--parallelism.ep", "2", "--parallelism.pp", "2", *batch(1)]
         + ["--training.global_batch_size", "4"],
         "deepseek_single_b4",
+    ),
+    "deepseek_2l_pp2xtp2": (
+        4,
+        [*_TP2, "--parallelism.pp", "2", *batch(1), "--training.global_batch_size", "4"],
+        "deepseek_2l_single_b4",
     ),
 }
 CPU_PIPELINE_CASES = (

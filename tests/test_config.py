@@ -346,7 +346,7 @@ def test_simulated_devices_are_the_analysis_devices():
             "must give 2 positive block counts (one per pipeline stage) adding up",
         ),
         ({"pp": 2, "pp_stage_blocks": "two,one"}, 2, "'two,one' is not a comma-separated list of block counts"),
-        ({"pp": 2, "tp": 2}, 4, "tensor parallelism inside pipeline stages is not supported yet"),
+        ({"pp": 2, "tp": 3}, 6, "parallelism.tp = 3 does not divide the model's n_heads"),
         ({"pp": 2, "pp_microbatches": 3, "global": 32}, 2, "disagrees with parallelism.pp_microbatches = 3"),
         ({"pp": 2, "full_scope": True}, 2, "compile.inductor_scope = 'full' compiles a stage's forward and backward"),
     ],

@@ -2,7 +2,7 @@
 
     python -m graph_trainer.cli.analyze --world_size N [--device h100|cpu] [--ranks_per_node 8]
         [--trace_out trace.json] [--compare "none;pass_a;pass_a,pass_b"] [--ac_modes none,selective,full]
-        [--device_memory_gib G] [--section.key value ...]
+        [--device_memory_gib G] [--json OUT.json] [--section.key value ...]
 
     python -m graph_trainer.cli.analyze --world_size 8 --model.flavor 8B --training.seq_len 8192 \\
         --training.local_batch_size 1 --training.mixed_precision_param bfloat16
@@ -33,6 +33,12 @@ bubble fraction, tokens/s and model TFLOP/s per GPU, the highest rank's peak mem
 then per stage its blocks, rank and the seconds of its pieces (F, B, I, W) and what one microbatch
 holds, then the memory line of every pipeline rank.
 
+``--json OUT.json`` also writes the tables for scripts and plots: ``{"job": the first line,
+"summary": [...], "stages": [...], "kinds": [...]}``, one object per printed row keyed by the
+printed table's column names ("tokens/s/GPU", "peak GiB", ...), numbers unrounded; "stages" is a
+pipeline job's table of stages (empty without one), "kinds" the table by collective kind (empty for
+a pipeline job). Its folder is checked writable before anything is traced.
+
 With ``--training.global_batch_size`` giving M > 1 microbatches per step, the simulated graph is
 one microbatch; the memory estimate counts the gradient accumulation buffer, and one line per pass
 list (``accumulation_line``) gives the step (M graphs), and what the gradient reductions send and
@@ -42,6 +48,7 @@ them unreduced and reducing once.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -64,6 +71,7 @@ from graph_trainer.fake_trace import fake_world, trace_job, trace_pipeline
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import is_collective
 from graph_trainer.graph.tags import FSDP_ROLE, REDUCE_GRAD
+from graph_trainer.loop.preflight import check_writable_folder
 from graph_trainer.pipelining.timeline import estimate_pipeline
 from graph_trainer.validation import validate_config
 from models.registry import MODEL_SPECS, model_args
@@ -269,6 +277,8 @@ class CommandLine:
     device: DeviceModel
     ranks_per_node: int
     trace_out: str | None
+    json_out: str | None
+    """Where ``--json`` writes the tables (None: not written)."""
     memory_limit: int | None
     """Bytes of device memory a rank's peak is warned against (None: no warning)."""
     cfg: JobConfig
@@ -288,6 +298,9 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     argv, device_memory_gib = take_flag(argv, "--device_memory_gib", None, float)
     argv, ac_modes = take_flag(argv, "--ac_modes", None)
     argv, pp_schedules = take_flag(argv, "--pp_schedules", None)
+    argv, json_out = take_flag(argv, "--json", None)
+    if json_out is not None:
+        check_json_path(json_out)
     if ranks_per_node < 1:
         raise ConfigError(f"--ranks_per_node {ranks_per_node} must be >= 1 (GPUs per node)")
     if device_name not in DEVICES:
@@ -305,8 +318,16 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         for c in configs
     ]
     return CommandLine(
-        world_size, device_name, DEVICES[device_name], ranks_per_node, trace_out, limit, cfg, configs, labels
+        world_size, device_name, DEVICES[device_name], ranks_per_node, trace_out, json_out, limit, cfg, configs, labels
     )
+
+
+def check_json_path(path: str) -> None:
+    """``--json``'s file can be written: not a folder, in a folder this process can write in
+    (made if missing); else a one-line ``ConfigError``."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--json {path!r} is a folder; give a file name, e.g. {os.path.join(path, 'analyze.json')}")
+    check_writable_folder(os.path.dirname(os.path.abspath(path)), "the folder of --json")
 
 
 def _comma_list(spec: str) -> list[str]:
@@ -345,10 +366,22 @@ def main(argv: list[str] | None = None) -> int:
     print(job_header(command, microbatches))
     optimizer = adamw_memory("cpu" if command.device_name == "cpu" else "cuda")
     jobs = zip(command.configs, command.labels, strict=True)
+    tables: dict[str, list] = {"summary": [], "stages": [], "kinds": []}
     if cfg.parallelism.pp > 1:
-        print_pipeline_reports([pipeline_report(c, label, command, optimizer) for c, label in jobs])
+        pipeline_reports = [pipeline_report(c, label, command, optimizer) for c, label in jobs]
+        print_pipeline_reports(pipeline_reports)
+        tables["summary"] = [r.summary for r in pipeline_reports]
+        tables["stages"] = [row for r in pipeline_reports for row in r.stages]
     else:
-        print_graph_reports([graph_report(c, label, command, optimizer, microbatches) for c, label in jobs])
+        graph_reports = [graph_report(c, label, command, optimizer, microbatches) for c, label in jobs]
+        print_graph_reports(graph_reports)
+        tables["summary"] = [r.summary for r in graph_reports]
+        tables["kinds"] = [row for r in graph_reports for row in r.kinds]
+    if command.json_out is not None:
+        with open(command.json_out, "w", encoding="utf-8") as f:
+            json.dump({"job": job_header(command, microbatches), **tables}, f, indent=1)
+            f.write("\n")
+        print(f"wrote {command.json_out}")
     return 0
 
 

@@ -213,26 +213,26 @@ def test_debug_llama3_world_size_4_end_to_end(tmp_path):
     assert len(comm) == len(r.collectives) and sum(e["dur"] for e in comm) == pytest.approx(r.comm_time * 1e6)
 
 
-def test_analyze_cli_compare(capsys):
+def test_analyze_cli_compare(capsys, tmp_path):
     from graph_trainer.cli.analyze import main
 
-    rc = main(
-        [
-            "--world_size",
-            "2",
-            "--compare",
-            "none;",
-            "--job.config_file",
-            "configs/llama3_debug.toml",
-            "--training.local_batch_size",
-            "2",
-        ]
-    )
+    flags = ["--world_size", "2", "--job.config_file", "configs/llama3_debug.toml", "--training.local_batch_size", "2"]
+    rc = main([*flags, "--compare", "none;", "--json", str(tmp_path / "out" / "analyze.json")])
     out = capsys.readouterr().out
     assert rc == 0
     assert out.count("\nnone ") >= 2 and "exposed %" in out and "reduce_scatter" in out
     assert out.count("bytes/rank (none): over NVLink ") == 2 and "GB, over InfiniBand 0 GB (by kind" in out
+    # --json: the printed rows, unrounded, under the printed column names
+    tables = json.loads((tmp_path / "out" / "analyze.json").read_text())
+    assert tables["job"] == out.splitlines()[0] and tables["stages"] == []
+    assert [r["passes"] for r in tables["summary"]] == ["none", "none"]
+    assert format_table(tables["summary"]) in out and format_table(tables["kinds"]) in out
+    assert {r["kind"] for r in tables["kinds"]} >= {"all_gather", "reduce_scatter"}
     assert main(["--world_size", "2", "--compare", "no_such_pass"]) == 2
+    capsys.readouterr()
+    assert main([*flags, "--json", str(tmp_path)]) == 2  # a folder: refused before tracing
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --json {str(tmp_path)!r} is a folder") and err.count("\n") == 1
 
 
 def test_analyze_cli_ranks_per_node(capsys):
@@ -249,12 +249,12 @@ def test_analyze_cli_ranks_per_node(capsys):
         assert err.startswith("error: --ranks_per_node") and err.count("\n") == 1
 
 
-def test_analyze_cli_compares_pipeline_schedules(capsys):
+def test_analyze_cli_compares_pipeline_schedules(capsys, tmp_path):
     from graph_trainer.cli.analyze import main
 
     flags = ["--world_size", "4", "--job.config_file", "configs/llama3_debug.toml", "--parallelism.pp", "2"]
     flags += ["--training.local_batch_size", "2", "--training.global_batch_size", "16"]
-    assert main([*flags, "--pp_schedules", "1F1B,GPipe,ZBVZeroBubble"]) == 0
+    assert main([*flags, "--pp_schedules", "1F1B,GPipe,ZBVZeroBubble", "--json", str(tmp_path / "a.json")]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {r.split()[1]: r.split() for r in lines if r.startswith("none ") and len(r.split()) > 10}
     # columns: passes, schedule, stages, microbatches, step ms, bubble %, tokens/s/GPU, TFLOP/s/GPU, peak GiB, ...
@@ -265,6 +265,16 @@ def test_analyze_cli_compares_pipeline_schedules(capsys):
     peak = {s: float(r[8]) for s, r in rows.items()}
     assert peak["GPipe"] > peak["1F1B"]
     assert sum(x.startswith("memory of pipeline rank ") for x in lines) == 2 * 3
+    # --json: the same rows with the printed columns; a stage row per stage and schedule
+    tables = json.loads((tmp_path / "a.json").read_text())
+    assert format_table(tables["stages"]) in "\n".join(lines)
+    summary = {r["schedule"]: r for r in tables["summary"]}
+    assert set(summary) == set(rows) and tables["kinds"] == []
+    for schedule, row in summary.items():
+        assert f"{row['bubble %']:.4g}" == rows[schedule][5] and f"{row['peak GiB']:.4g}" == rows[schedule][8]
+    assert [(r["schedule"], r["stage"]) for r in tables["stages"]] == [
+        (s, k) for s in ("1F1B", "GPipe", "ZBVZeroBubble") for k in range(4 if s == "ZBVZeroBubble" else 2)
+    ]
     assert main([*flags[:-2], "--pp_schedules", "1F1B", "--parallelism.pp", "1"]) == 2
     assert "--pp_schedules compares pipeline schedules" in capsys.readouterr().err
 

@@ -118,23 +118,27 @@ def test_fsdp2_checkpoint_resumes_at_fsdp4(tmp_path, straight, first_half):
         assert got == pytest.approx(want, rel=1e-4), step
 
 
-def test_fsdp2_checkpoint_resumes_in_a_pipeline_and_the_pipeline_checkpoint_in_one_process(
+def test_fsdp2_checkpoint_resumes_at_pp2xtp2_and_that_checkpoint_in_one_process(
     tmp_path, straight, first_half, straight_run
 ):
-    """Across pp both ways. FSDP=2's global batch of 4 is 2 microbatches of 2 through PP=2 (every
-    gradient the same 2-term sum); the gradient norm adds the stages' sums of squares in another
-    grouping, so the bound is ACCUMULATION_RTOL's, not bitwise (docs/numerics.md, Pipeline parallel)."""
+    """Across pp and tp both ways. FSDP=2's global batch of 4 is 2 microbatches of 2 through PP=2 x
+    TP=2 on 4 ranks (every gradient the same 2-term sum over microbatches; TP's all-reduces sum
+    partial products the one-process matmul sums in one); the gradient norm adds the stages' sums
+    of squares in another grouping, so the bound is ACCUMULATION_RTOL's, not bitwise
+    (docs/numerics.md, Pipeline parallel)."""
     from suites.cases import ACCUMULATION_RTOL
 
     # (a copy of step-5 alone: first_half's folder stays as the other tests leave it, step-10 included)
     checkpoints = tmp_path / "checkpoint"
     shutil.copytree(first_half / "checkpoint" / "step-5", checkpoints / "step-5")
     result = run_train(
-        2,
+        4,
         tmp_path,
         "--training.steps",
         "10",
         "--parallelism.pp",
+        "2",
+        "--parallelism.tp",
         "2",
         "--parallelism.pp_microbatches",
         "2",
@@ -150,7 +154,7 @@ def test_fsdp2_checkpoint_resumes_in_a_pipeline_and_the_pipeline_checkpoint_in_o
     assert [s for s, _ in losses] == list(range(6, 11))
     for (step, got), (_, want) in zip(losses, straight[5:], strict=True):
         assert got == pytest.approx(want, rel=ACCUMULATION_RTOL), step
-    # The pipeline's step-10 checkpoint (each rank saved its stages) loads whole in one process.
+    # The step-10 checkpoint of PP=2 x TP=2 (each rank saved its tp shards of its stages) loads whole in one process.
     piped, plain = (
         _trainer(
             tmp_path / name, "--training.steps", "10", "--checkpoint.folder", str(root), "--checkpoint.load_step", "10"
