@@ -1,9 +1,13 @@
 """Gradient records (graph_trainer/loop/grad_record.py) and the check against one process that uses them.
 
 The cpu suite compares every layout's step-1 gradients with one process on the same global
-batch (``suites.GRAD_RTOL``). Here: the comparison itself, and real gloo jobs showing
-that the check FAILS when a layout's gradients are doubled (tests/faults/doubled_grads.py) for
-FSDP=2, TP=2 and EP=2, and passes for the same layout unchanged.
+batch (``suites.GRAD_RTOL``). Here: the comparison itself; real gloo jobs showing that the check
+FAILS when a layout's gradients are doubled (tests/faults/doubled_grads.py), on FSDP=2 and on
+DeepSeek-V3 TP=2; and the check on the paths where gradients are summed in ways of their own,
+each against one process on the same global batch, so that a wrong sum there fails the test
+command and not only the cpu suite: FSDP=2, gradient accumulation on one process (4 microbatches),
+the pipeline runners' accumulation with tensor parallel inside the stages (PP=2 x TP=2,
+interleaved, 4 microbatches), and DeepSeek-V3's tensor-parallel gradient reductions (TP=2).
 """
 
 from __future__ import annotations
@@ -100,7 +104,7 @@ def references(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("layout", ["fsdp2_graph", "tp2_graph", "deepseek_ep2_graph"])
+@pytest.mark.parametrize("layout", ["fsdp2_graph", "deepseek_2l_tp2_graph"])
 def test_gradient_check_fails_when_a_layout_doubles_its_gradients(layout, references, tmp_path):
     case = CASES[layout]
     done = dict(references(case.close_to))
@@ -112,8 +116,11 @@ def test_gradient_check_fails_when_a_layout_doubles_its_gradients(layout, refere
     assert "losses deviate" not in result.problem
 
 
-def test_gradient_check_passes_the_same_layout_unchanged(references, tmp_path):
-    case = CASES["fsdp2_graph"]
+@pytest.mark.parametrize(
+    "layout", ["fsdp2_graph", "single_accum4_graph", "pp2xtp2_interleaved_graph", "deepseek_2l_tp2_graph"]
+)
+def test_gradient_check_passes_each_summing_path_unchanged(layout, references, tmp_path):
+    case = CASES[layout]
     done = dict(references(case.close_to))
     result = it.run_case(SUITE, case, str(tmp_path), done)
     assert result.problem is None, result.problem
