@@ -88,7 +88,7 @@ H100_INDUCTOR_CASES = [
 # Cluster layouts, checked by the dry run only (traced stage by stage at 512 and 256 ranks, the
 # step simulated): the shipped 405B and 671B flavors with pipeline parallel, one case per schedule,
 # every stage SimpleFSDP-sharded over the ranks pp leaves (and DeepSeek's experts over ep); then
-# the 405B with tensor parallel inside its stages (PP=16 x TP=8 x FSDP=4, 1F1B); full
+# the shipped 405B config, tensor parallel inside its stages (PP=16 x TP=8 x FSDP=4, 1F1B); full
 # checkpointing. 1F1B keeps pp microbatches in flight on its first rank, the interleaved and V
 # schedules more: only 1F1B fits 75 GiB (docs/performance.md). DeepSeek's 1F1B stages give the
 # first ranks fewer blocks (they hold more microbatches) and stage 0 the three dense blocks.
@@ -117,15 +117,7 @@ H100_PIPELINE_CASES = (
         "configs/deepseek_v3_671b.toml",
         "6,7,7,8,8,8,9,8",
     )
-    + [
-        Case(
-            "llama3_405b_pp16xtp8xfsdp4_1f1b",
-            512,
-            ["--model.flavor", "405B", "--parallelism.pp", "16", "--parallelism.tp", "8"]
-            + ["--training.global_batch_size", "1024", *_PIPELINE_COMMON],
-            dry_run_only=True,
-        )
-    ]
+    + [Case("llama3_405b_pp16xtp8xfsdp4_1f1b", 512, [], config="configs/llama3_405b.toml", dry_run_only=True)]
 )
 H100_CASES = (
     layout_cases(_8B_LAYOUTS)

@@ -244,6 +244,7 @@ def test_train_py_unknown_toml_key(tmp_path, capsys, monkeypatch):
 CONFIG_WORLD_SIZES = {
     "llama3_debug.toml": 1,
     "llama3_8b.toml": 8,
+    "llama3_405b.toml": 512,
     "deepseek_v3_debug.toml": 1,
     "deepseek_v3_16b.toml": 8,
     "deepseek_v3_671b.toml": 256,
