@@ -104,7 +104,8 @@ class Training:
     """'synthetic' (built in, no download), a local .json/.jsonl/.parquet/.txt file or folder, or a
     Hugging Face hub name."""
     dataset_split: str = "train"
-    """Split of a Hugging Face dataset."""
+    """Split of a Hugging Face dataset (of the synthetic corpus: another name draws its documents
+    from a seed of their own; 'train' is the corpus of training.seed)."""
     text_field: str = "text"
     """Column holding the document text in a Hugging Face dataset."""
     tokenizer_path: str = ""
@@ -240,6 +241,30 @@ class Metrics:
 
 
 @dataclass
+class Validation:
+    """The loss on held-out data during training, forward only (graph_trainer/loop/held_out.py);
+    torchtitan's section and names."""
+
+    enable: bool = False
+    """Compute the mean token loss and its perplexity (exp of it) on held-out batches at step 1 and
+    every freq steps, after the step's update; logged ('validation step N | loss ... | perplexity
+    ...'), in metrics.jsonl and TensorBoard / W&B as validation/loss and validation/perplexity.
+    Every layout, pipelines included; the model runs op by op without autograd (no trace)."""
+    freq: int = 10
+    """Validate every this many steps (and at step 1)."""
+    steps: int = 10
+    """Batches of training.local_batch_size sequences per data-parallel rank in one validation: the
+    first ones of the held-out stream, the same every time (under pipeline parallel, that many
+    microbatches through the pipeline)."""
+    dataset: str = ""
+    """The held-out data, as training.dataset takes it; '' reads training.dataset."""
+    split: str = "validation"
+    """The held-out split: a Hugging Face split name (slices such as 'train[95%:]' work, and a local
+    file's rows take any split name); of the synthetic corpus, documents drawn from a seed of their
+    own for each split name other than 'train' (which is the training stream)."""
+
+
+@dataclass
 class Profiling:
     """torch.profiler traces and CUDA memory snapshots of chosen steps (graph_trainer/loop/profiling.py);
     torchtitan's section and names."""
@@ -331,6 +356,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)

@@ -34,6 +34,10 @@ rank and, with ``metrics.simulate_device``, the step the analysis simulator pred
 it will run; every step it records the device time of the forward, loss and backward
 (``loop.gradients``). With ``metrics.json_lines`` all of it also goes to
 ``<dump_folder>/metrics.jsonl`` (``loop.metrics``).
+
+Validation (``validation.enable``): after the update of step 1 and of every ``validation.freq``-th
+step, the loss and perplexity of held-out batches, forward only (``loop.held_out``), before that
+step's checkpoint is written.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from graph_trainer.loop.gc_schedule import scheduled_collection
 from graph_trainer.loop.grad_record import gather_record, merge_over, record_path, save_record
 from graph_trainer.loop.gradients import StepPreparation, build_gradients
 from graph_trainer.loop.guards import check_step
+from graph_trainer.loop.held_out import HeldOutLoss
 from graph_trainer.loop.metrics import ForwardBackwardTimer, MetricsLogger, peak_flops_per_device, setup_logging
 from graph_trainer.loop.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from graph_trainer.loop.preflight import check_model_state_fits
@@ -164,6 +169,7 @@ class Trainer:
         hf_weights = self._hf_weights_to_load(resume_step)
         # The data next, still before the model: a dataset or tokenizer that cannot be read fails fast.
         self.dataloader = self._build_dataloader()
+        held_out_loader = self._build_dataloader(held_out=True) if cfg.validation.enable else None
         self.model = self._build_model(init=hf_weights is None)  # a folder fills every parameter
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.params, cfg.training)
@@ -173,6 +179,9 @@ class Trainer:
         prep = StepPreparation(cfg, self.layout, self.model, self.optimizer, self.metrics, self.dist.device)
         self.timer = ForwardBackwardTimer(self.dist.device) if self.layout.pipeline is None else None
         self.gradients = build_gradients(prep, self.model_args.dim, self.timer)
+        self.held_out = None
+        if held_out_loader is not None:
+            self.held_out = HeldOutLoss(cfg, self.layout, self.model, held_out_loader, self.dist.device)
         # Last: the memory checks above refuse a job that cannot fit before the folder is read.
         self.hf_bytes_read, self.hf_load_seconds = self._load_hf_weights(hf_weights)
 
@@ -184,10 +193,13 @@ class Trainer:
             logger.info("resuming step %d: checkpoint.initial_load_hf is not read", resume_step)
         return open_hf_weights(self.cfg, self.model_args) if folder and resume_step is None else None
 
-    def _build_dataloader(self):
-        t = self.cfg.training
+    def _build_dataloader(self, held_out: bool = False):
+        """The training batches, or with ``held_out`` the validation batches (``[validation]``:
+        its dataset, or the training one, and its split)."""
+        t, v = self.cfg.training, self.cfg.validation
+        setting = "validation.dataset" if held_out and v.dataset else "training.dataset"
         return build_dataloader(
-            dataset=t.dataset,
+            dataset=(v.dataset or t.dataset) if held_out else t.dataset,
             tokenizer=build_tokenizer(t.tokenizer_path),
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
@@ -195,8 +207,9 @@ class Trainer:
             dp_degree=self.dims.dp_size,
             seed=t.seed,
             vocab_size=self.model_args.vocab_size,
-            dataset_split=t.dataset_split,
+            dataset_split=v.split if held_out else t.dataset_split,
             text_field=t.text_field,
+            setting=setting,
         )
 
     def _build_model(self, init: bool) -> torch.nn.Module:
@@ -321,12 +334,21 @@ class Trainer:
         with scheduled_collection(t.gc_freq) as after_step, profiling as profile_step:
             while self.step < t.steps:
                 losses.append(self._run_step(data, first=not losses))
+                if self.held_out is not None and self.held_out.due(self.step):
+                    self.validate()
                 profile_step(self.step)
                 if self.checkpointer.should_save(self.step, t.steps):
                     self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, self.dataloader)
                 after_step(self.step)
         self.metrics.close()
         return losses
+
+    def validate(self) -> tuple[float, float]:
+        """The held-out loss and perplexity with the current weights (``loop.held_out``), recorded."""
+        start = time.perf_counter()
+        loss, perplexity = self.held_out()
+        self.metrics.record_validation(self.step, loss, perplexity, time.perf_counter() - start)
+        return loss, perplexity
 
     def _run_step(self, data, first: bool) -> float:
         """Take the next step's microbatches from ``data``, run the step, log it; its loss."""

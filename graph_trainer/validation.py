@@ -186,6 +186,9 @@ def _check_around_the_loop(cfg: JobConfig) -> None:
     require(step >= 0, f"debug.grad_record_step = {step} must be >= 0 (0: off)")
     require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")
     require(cfg.profiling.profile_freq >= 1, f"profiling.profile_freq = {cfg.profiling.profile_freq} must be >= 1")
+    for name in ("freq", "steps"):
+        value = getattr(cfg.validation, name)
+        require(value >= 1, f"validation.{name} = {value} must be >= 1")
 
 
 def _profiles(cfg: JobConfig) -> bool:
@@ -202,6 +205,7 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
     overlap = "'ep_overlap' in compile.passes"
     prof, profiling = cfg.profiling, "profiling.enable_profiling or profiling.enable_memory_snapshot"
     snapshot = "profiling.enable_memory_snapshot"
+    v, validating = cfg.validation.enable, "validation.enable"
     return [
         ("profiling.profile_freq", prof.profile_freq, default.profiling.profile_freq, _profiles(cfg), profiling),
         (
@@ -218,6 +222,10 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
             prof.enable_memory_snapshot,
             snapshot,
         ),
+        *[
+            (f"validation.{name}", getattr(cfg.validation, name), getattr(default.validation, name), v, validating)
+            for name in ("freq", "steps", "dataset", "split")
+        ],
         ("parallelism.pp_stage_blocks", p.pp_stage_blocks, default.parallelism.pp_stage_blocks, p.pp > 1, pipeline),
         ("parallelism.pp_schedule", p.pp_schedule, default.parallelism.pp_schedule, p.pp > 1, pipeline),
         ("compile.cache_dir", c.cache_dir, default.compile.cache_dir, c.backend == "inductor", inductor),

@@ -170,6 +170,7 @@ def _main(capsys, monkeypatch, *args) -> tuple[int, list[str]]:
         ),
         (["--compile.inductor_scope", "full"], "compile.inductor_scope = 'full' needs compile.backend = 'inductor'"),
         (["--training.global_batch_size", "12"], "training.global_batch_size = 12 must be a positive multiple of"),
+        (["--validation.enable", "True", "--validation.steps", "0"], "validation.steps = 0 must be >= 1"),
     ],
 )
 def test_train_main_exits_2_with_one_line(capsys, monkeypatch, args, message):
@@ -445,6 +446,8 @@ _IGNORED = "it would be ignored; leave it out or set that too"
             ["--profiling.save_memory_snapshot_folder", "m"],
             "profiling.save_memory_snapshot_folder = 'm' means something only with ",
         ),
+        (["--validation.freq", "5"], "validation.freq = 5 means something only with "),
+        (["--validation.split", "test"], "validation.split = 'test' means something only with "),
     ],
 )
 def test_a_setting_that_would_be_ignored_is_refused(flags, message):
@@ -459,6 +462,7 @@ def test_a_setting_that_would_be_ignored_is_refused(flags, message):
         "profiling.profile_freq": "profiling.enable_profiling or profiling.enable_memory_snapshot",
         "profiling.save_traces_folder": "profiling.enable_profiling",
         "profiling.save_memory_snapshot_folder": "profiling.enable_memory_snapshot",
+        "validation": "validation.enable",
     }
     (what,) = [v for k, v in needs.items() if flags[0][2:].startswith(k)]
     assert str(info.value) == f"{message}{what}: {_IGNORED}"

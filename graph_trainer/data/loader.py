@@ -44,7 +44,7 @@ import os
 
 import torch
 
-from graph_trainer.data.synthetic import SyntheticDocuments
+from graph_trainer.data.synthetic import SyntheticDocuments, split_seed
 from graph_trainer.data.tokenizer import Tokenizer, with_specials
 from graph_trainer.errors import ConfigError, one_line
 
@@ -111,13 +111,13 @@ def _is_local_path(dataset: str) -> bool:
     return os.path.isabs(dataset) or dataset.startswith((".", "~")) or os.path.splitext(dataset)[1].lower() in _BUILDERS
 
 
-def _local_data_files(dataset: str) -> tuple[str, list[str]]:
+def _local_data_files(dataset: str, setting: str) -> tuple[str, list[str]]:
     """The ``datasets`` builder name and the sorted files of a local file or folder."""
     path = os.path.expanduser(dataset)
     allowed = ", ".join(sorted(_BUILDERS))
     if not os.path.exists(path):
         raise ConfigError(
-            f"training.dataset path {dataset!r} does not exist; give 'synthetic', an existing "
+            f"{setting} path {dataset!r} does not exist; give 'synthetic', an existing "
             f"{allowed} file or folder of them, or a Hugging Face hub dataset name"
         )
     if os.path.isdir(path):
@@ -131,32 +131,31 @@ def _local_data_files(dataset: str) -> tuple[str, list[str]]:
             ]
         files.sort()
         if not files:
-            raise ConfigError(f"training.dataset folder {dataset!r} holds no {allowed} files")
+            raise ConfigError(f"{setting} folder {dataset!r} holds no {allowed} files")
     else:
         files = [path]
     builders = {_BUILDERS.get(os.path.splitext(f)[1].lower()) for f in files}
     if None in builders:
-        raise ConfigError(f"training.dataset file {dataset!r} has an unsupported extension; allowed: {allowed}")
+        raise ConfigError(f"{setting} file {dataset!r} has an unsupported extension; allowed: {allowed}")
     if len(builders) > 1:
         raise ConfigError(
-            f"training.dataset folder {dataset!r} mixes file types ({sorted(builders)}); "
-            f"keep one of {allowed} per folder"
+            f"{setting} folder {dataset!r} mixes file types ({sorted(builders)}); keep one of {allowed} per folder"
         )
     return builders.pop(), files
 
 
-def _load_hf_documents(dataset: str, split: str, text_field: str, tokenizer: Tokenizer) -> _HFDocuments:
+def _load_hf_documents(dataset: str, split: str, text_field: str, tokenizer: Tokenizer, setting: str) -> _HFDocuments:
     """Open a local file/folder or a hub dataset as a lazy document source."""
     import datasets
 
     if _is_local_path(dataset):
-        builder, files = _local_data_files(dataset)
+        builder, files = _local_data_files(dataset, setting)
         # Name the files after the requested split so any split name (and slicing such as
         # "train[:10%]") works on local data.
         kwargs = {"data_files": {split.split("[")[0]: files}}
         if builder == "text":
             kwargs["sample_by"] = "paragraph"  # a blank-line separated paragraph is one document
-        what = f"training.dataset {dataset!r}"
+        what = f"{setting} {dataset!r}"
     else:
         builder, kwargs = dataset, {}
         what = f"Hugging Face dataset {dataset!r} (hub datasets need network access or a copy in the HF cache)"
@@ -304,14 +303,16 @@ def build_dataloader(
     vocab_size: int,
     dataset_split: str = "train",
     text_field: str = "text",
+    setting: str = "training.dataset",
 ) -> TokenBatchLoader:
-    """Build the loader for ``training.dataset``.
+    """Build the loader for ``training.dataset`` (or the setting named ``setting``, which errors name).
 
     ``dataset`` is ``"synthetic"`` (the built-in corpus, a pure function of ``seed``), a local
     ``.json``/``.jsonl``/``.parquet``/``.txt`` file or folder of such files (read with
     ``datasets.load_dataset``; a ``.txt`` document is a blank-line separated paragraph), or a Hugging
     Face hub dataset name (needs network or the HF cache). Documents come from column ``text_field``
-    in order; the dataset repeats forever. ``seed`` only affects the synthetic corpus. Rank
+    in order; the dataset repeats forever. ``seed`` only affects the synthetic corpus (with
+    ``dataset_split``: ``synthetic.split_seed``). Rank
     ``dp_rank`` of ``dp_degree`` gets its share of each step by the rule in the module docstring.
     Token ids are checked to fit the model's ``vocab_size``.
     """
@@ -331,7 +332,7 @@ def build_dataloader(
         )
     if not dataset:
         raise ConfigError(
-            "training.dataset is empty; give 'synthetic', a local .json/.jsonl/.parquet/.txt file "
+            f"{setting} is empty; give 'synthetic', a local .json/.jsonl/.parquet/.txt file "
             "or folder, or a Hugging Face hub dataset name"
         )
     # Not repr(tokenizer): a user tokenizer's default repr holds a memory address.
@@ -339,10 +340,11 @@ def build_dataloader(
         f"{type(tokenizer).__name__}(vocab_size={tokenizer.vocab_size}, bos={tokenizer.bos_id}, eos={tokenizer.eos_id})"
     )
     if dataset == "synthetic":
-        documents = SyntheticDocuments(seed, tokenizer)
-        stream_id = f"synthetic seed={seed} tokenizer={tok_id}"
+        documents = SyntheticDocuments(split_seed(seed, dataset_split), tokenizer)
+        held_out = "" if dataset_split == "train" else f" split={dataset_split}"
+        stream_id = f"synthetic seed={seed}{held_out} tokenizer={tok_id}"
     else:
-        documents = _load_hf_documents(dataset, dataset_split, text_field, tokenizer)
+        documents = _load_hf_documents(dataset, dataset_split, text_field, tokenizer, setting)
         stream_id = f"{dataset} split={dataset_split} field={text_field} tokenizer={tok_id}"
     return TokenBatchLoader(
         _PackedStream(documents, dataset),

@@ -11,11 +11,12 @@ document and a resumed run reads the same text. The corpus is endless: it has no
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 from graph_trainer.data.tokenizer import Tokenizer, with_specials
 
-__all__ = ["synthetic_document", "SyntheticDocuments"]
+__all__ = ["split_seed", "synthetic_document", "SyntheticDocuments"]
 
 # A tiny closed vocabulary: a small model first learns the spelling of these words (byte level),
 # then the sentence templates, then the arithmetic and the in-document repetitions.
@@ -122,3 +123,14 @@ class SyntheticDocuments:
     def tokens(self, index: int) -> list[int]:
         """Token ids of document ``index`` with bos/eos."""
         return with_specials(self._tokenizer, self._tokenizer.encode(synthetic_document(self._seed, index)))
+
+
+def split_seed(seed: int, split: str) -> int:
+    """The seed of the synthetic corpus's ``split``: ``seed`` itself for "train" (the training
+    stream), else a seed of its own for each split name (held-out documents: text the training
+    stream holds only by the chance of the same template and draw), the same on every run and
+    every Python version (no ``hash()``)."""
+    if split == "train":
+        return seed
+    digest = hashlib.sha256(f"{seed}:{split}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")

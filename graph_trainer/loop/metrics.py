@@ -43,7 +43,6 @@ from graph_trainer.errors import ConfigError
 __all__ = [
     "ForwardBackwardTimer",
     "MetricsLogger",
-    "StepTimer",
     "peak_flops_per_device",
     "peak_memory_bytes",
     "setup_logging",
@@ -127,38 +126,6 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(maxrss) if sys.platform == "darwin" else int(maxrss) * 1024
-
-
-class StepTimer:
-    """Wall-clock timer for one block of work, usable as a context manager.
-
-    ``with StepTimer() as t: ...`` leaves the elapsed seconds in ``t.seconds``;
-    ``t.elapsed()`` reads the running time while still inside the block.
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.clock = clock
-        """Zero-argument function returning the current time in seconds."""
-        self.start: float | None = None
-        """Clock reading when the block was entered (None before)."""
-        self.seconds: float | None = None
-        """Elapsed seconds of the finished block (None until it exits)."""
-
-    def __enter__(self) -> StepTimer:
-        self.start = self.clock()
-        self.seconds = None
-        return self
-
-    def elapsed(self) -> float:
-        """Seconds since the block was entered (the final value once it exited)."""
-        if self.seconds is not None:
-            return self.seconds
-        if self.start is None:
-            raise RuntimeError("StepTimer has not been started")
-        return self.clock() - self.start
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.seconds = self.elapsed()
 
 
 class ForwardBackwardTimer:
@@ -420,13 +387,17 @@ class MetricsLogger:
 
         self.logger.log(logging.INFO if self.writes else logging.DEBUG, self._step_line(step, scalars))
         self._write_json({"step": step, **scalars})
+        self._add_scalars(scalars, step)
+        return scalars
+
+    def _add_scalars(self, scalars: dict[str, float], step: int) -> None:
+        """``scalars`` at ``step`` in TensorBoard and W&B (where enabled)."""
         if self._writer is not None:
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, global_step=step)
             self._writer.flush()
         if self._wandb is not None:
             self._wandb.add_scalars(scalars, step)
-        return scalars
 
     def _step_line(self, step: int, scalars: dict[str, float]) -> str:
         """The log line of a logged step."""
@@ -437,6 +408,20 @@ class MetricsLogger:
             f"lr {scalars['lr']:.2e} | tok/s/dev {scalars['tokens_per_sec_per_device']:,.0f} | mfu {mfu} | "
             f"mem {scalars['memory_gib']:.2f} GiB ({mem_kind}) | step {scalars['step_time_s']:.3f}s"
         )
+
+    def record_validation(self, step: int, loss: float, perplexity: float, seconds: float) -> None:
+        """Record the held-out loss measured after ``step`` (``loop.held_out``): one line
+        ``validation step N | loss ... | perplexity ... | seconds``, a ``{"event": "validation", ...}``
+        JSON line (the loss at full precision), and ``validation/loss`` and ``validation/perplexity``
+        at ``step`` in TensorBoard and W&B (rank 0)."""
+        self._check_open()
+        if not self.writes:
+            return
+        self.logger.info(f"validation step {step} | loss {loss:.6f} | perplexity {perplexity:.4f} | {seconds:.3f}s")
+        self._write_json(
+            {"event": "validation", "step": step, "loss": loss, "perplexity": perplexity, "seconds": seconds}
+        )
+        self._add_scalars({"validation/loss": loss, "validation/perplexity": perplexity}, step)
 
     def log_event(self, message: str, **scalars: Any) -> None:
         """Log one-off information, e.g. ``log_event("trace", trace_seconds=3.2, graph_nodes=5120)``.

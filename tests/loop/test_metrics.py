@@ -1,6 +1,7 @@
 """Metrics: loss file, log cadence, throughput/MFU arithmetic, TensorBoard, helpers."""
 
 import logging
+import math
 import os
 
 import pytest
@@ -10,7 +11,6 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.loop.metrics import (
     ForwardBackwardTimer,
     MetricsLogger,
-    StepTimer,
     peak_flops_per_device,
     peak_memory_bytes,
     setup_logging,
@@ -170,6 +170,9 @@ def test_tensorboard_events(tmp_path, capture):
         m.log_event("trace", trace_seconds=1.5, graph_nodes=1234, collectives={"all_reduce": 3}, mode="graph")
         for step in range(1, 5):
             m.record_step(step=step, loss=losses.get(step, 5.0), grad_norm=1.0, lr=1e-3, ntokens=8, step_time_s=0.1)
+            if step % 2 == 0:
+                m.record_validation(step, loss=step / 4, perplexity=math.exp(step / 4), seconds=0.5)
+    assert handler.lines[-1] == "validation step 4 | loss 1.000000 | perplexity 2.7183 | 0.500s"
     assert (
         handler.lines[0] == "trace | trace_seconds 1.5 | graph_nodes 1,234 | collectives {all_reduce: 3} | mode graph"
     )
@@ -183,6 +186,8 @@ def test_tensorboard_events(tmp_path, capture):
     assert {"setup/trace_seconds", "setup/graph_nodes", "setup/collectives/all_reduce"} <= tags
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(s, pytest.approx(loss)) for s, loss in losses.items()]
     assert [(e.step, e.value) for e in acc.Scalars("setup/graph_nodes")] == [(0, 1234.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("validation/loss")] == [(2, 0.5), (4, 1.0)]
+    assert [e.step for e in acc.Scalars("validation/perplexity")] == [2, 4]
 
 
 def test_json_lines_hold_logged_steps_and_events(tmp_path, capture):
@@ -262,16 +267,6 @@ def test_peak_memory_bytes_cpu():
     before = peak_memory_bytes(CPU)
     assert isinstance(before, int) and before > 1 << 20  # a Python process with torch exceeds 1 MiB
     assert peak_memory_bytes(CPU) >= before
-
-
-def test_step_timer():
-    clock = FakeClock(5.0)
-    with StepTimer(clock) as t:
-        clock.now = 5.75
-        assert t.elapsed() == pytest.approx(0.75)
-        clock.now = 6.5
-    clock.now = 100.0
-    assert t.seconds == pytest.approx(1.5) and t.elapsed() == pytest.approx(1.5)
 
 
 def test_setup_logging_idempotent_and_rank_levels():

@@ -4,6 +4,7 @@ a W&B run, written offline and read back from the run's file."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,8 @@ def test_the_run_holds_every_logged_step_and_the_resolved_config(tmp_path, monke
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     args = [*FAST_ARGS, "--job.dump_folder", str(tmp_path), "--training.steps", "4", "--metrics.log_freq", "2"]
-    cfg = load_config([*args, "--metrics.enable_wandb", "--job.description", "wandb test"])
+    validation = ["--validation.enable", "True", "--validation.freq", "2", "--validation.steps", "1"]
+    cfg = load_config([*args, *validation, "--metrics.enable_wandb", "--job.description", "wandb test"])
     validate_config(cfg)
     Trainer(cfg).train()
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
@@ -69,6 +71,7 @@ def test_the_run_holds_every_logged_step_and_the_resolved_config(tmp_path, monke
     for step, scalars in history.items():
         assert scalars["loss"] == losses[step]  # the float itself (JSON keeps every digit)
         assert {"grad_norm", "lr", "tokens_per_sec_per_device", "memory_gib", "step_time_s"} <= set(scalars)
+        assert scalars["validation/perplexity"] == pytest.approx(math.exp(scalars["validation/loss"]))
     summary = {}
     for r in records:
         if r.WhichOneof("record_type") == "summary":
