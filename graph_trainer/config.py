@@ -23,6 +23,7 @@ ModelName = Literal["llama3", "deepseek_v3"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 DecayType = Literal["linear", "sqrt", "cosine", "constant"]
 ReshardAfterForward = Literal["always", "never"]
+AsyncMode = Literal["disabled", "async"]
 ChunkDim = Literal["batch", "seq"]
 CompileMode = Literal["graph", "eager"]
 Backend = Literal["none", "inductor"]
@@ -312,6 +313,12 @@ class Checkpoint:
     found). 0 keeps every one. Only complete step-<N> folders are deleted: never the newest, never a
     save in progress, nothing else in the folder (corrupt-, aside- or other files). torchtitan's
     option and default."""
+    async_mode: AsyncMode = "disabled"
+    """'async': a save copies the state to host memory and returns; the files are written, hashed
+    and sealed in the background (torch.distributed.checkpoint.async_save over a gloo group of its
+    own) while training goes on. The next save, and the end of the job, wait for it; its failure
+    is raised there. A kill before it is sealed leaves the previous checkpoint the newest.
+    'disabled': a save blocks until sealed. torchtitan's option and default."""
     move_aside: bool = False
     """A run that would not continue the newest checkpoints of the folder (load_step 0 in a folder holding checkpoints,
     or load_step N with later steps there) is refused, so one folder and one losses.txt never mix two runs. True

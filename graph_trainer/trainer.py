@@ -340,6 +340,7 @@ class Trainer:
                 if self.checkpointer.should_save(self.step, t.steps):
                     self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, self.dataloader)
                 after_step(self.step)
+        self.checkpointer.finish_pending()  # (a background save of the last step is sealed before the job ends)
         self.metrics.close()
         return losses
 

@@ -226,6 +226,13 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
             (f"validation.{name}", getattr(cfg.validation, name), getattr(default.validation, name), v, validating)
             for name in ("freq", "steps", "dataset", "split")
         ],
+        (
+            "checkpoint.async_mode",
+            cfg.checkpoint.async_mode,
+            default.checkpoint.async_mode,
+            cfg.checkpoint.interval > 0,
+            f"checkpoint.interval > 0 (it is {cfg.checkpoint.interval})",
+        ),
         ("parallelism.pp_stage_blocks", p.pp_stage_blocks, default.parallelism.pp_stage_blocks, p.pp > 1, pipeline),
         ("parallelism.pp_schedule", p.pp_schedule, default.parallelism.pp_schedule, p.pp > 1, pipeline),
         ("compile.cache_dir", c.cache_dir, default.compile.cache_dir, c.backend == "inductor", inductor),

@@ -447,6 +447,7 @@ _IGNORED = "it would be ignored; leave it out or set that too"
             "profiling.save_memory_snapshot_folder = 'm' means something only with ",
         ),
         (["--validation.freq", "5"], "validation.freq = 5 means something only with "),
+        (["--checkpoint.async_mode", "async"], "checkpoint.async_mode = 'async' means something only with "),
         (["--validation.split", "test"], "validation.split = 'test' means something only with "),
     ],
 )
@@ -463,6 +464,7 @@ def test_a_setting_that_would_be_ignored_is_refused(flags, message):
         "profiling.save_traces_folder": "profiling.enable_profiling",
         "profiling.save_memory_snapshot_folder": "profiling.enable_memory_snapshot",
         "validation": "validation.enable",
+        "checkpoint.async_mode": "checkpoint.interval > 0 (it is 0)",
     }
     (what,) = [v for k, v in needs.items() if flags[0][2:].startswith(k)]
     assert str(info.value) == f"{message}{what}: {_IGNORED}"

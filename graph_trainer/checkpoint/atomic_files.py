@@ -15,6 +15,7 @@ clean-up of what an interrupted save left behind.
 * ``remove_steps(root, names)``: deletes old checkpoints (``checkpoint.keep_latest_k``): each is first
   renamed ``<name>.removing-<token>``, so from that moment it is no checkpoint, then deleted; a crash
   in between leaves the ``.removing-`` folder, which ``clean_leftovers`` deletes.
+* ``trim_step_lines``: a resumed run's ``losses.txt`` without the lines after its step, atomically.
 * ``move_aside``: moves checkpoints (and a ``losses.txt``) into ``<root>.aside-<time>/``, never deleting.
 """
 
@@ -57,6 +58,18 @@ def write_text_atomic(path: str, text: str) -> None:
             os.remove(tmp)
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def trim_step_lines(path: str, step: int) -> None:
+    """Drop the lines of ``path`` (``"<step> ..."`` lines, as ``losses.txt``) whose step is after
+    ``step``, atomically (``write_text_atomic``); nothing when there are none or no file."""
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = [line for line in lines if not (line[:1].isdigit() and int(line.split()[0]) > step)]
+    if len(kept) != len(lines):
+        write_text_atomic(path, "".join(kept))
 
 
 def _exchange(a: str, b: str) -> bool:

@@ -27,6 +27,12 @@ broadcast, so all ranks resume from the same step. ``load`` then restores everyt
 before the first step (``checkpoint_state``: bitwise identical to not stopping when the layout is
 unchanged).
 
+``checkpoint.async_mode async``: ``save`` copies the tensors to host memory (DCP's ``async_save``),
+writes the small files and returns; writing the tensors, hashing and sealing run on a thread
+(``background.BackgroundSave``) over a gloo group of their own. The next ``save`` and the end of
+the job (``finish_pending``) wait for it; its failure is the same ``JobError`` there. The files
+hold the state as it was when ``save`` was called (the host copy): bitwise a blocking save's.
+
 Retention: once a save is complete, rank 0 deletes the complete checkpoints older than the newest
 ``checkpoint.keep_latest_k`` (``atomic_files.remove_steps``: renamed away, then deleted), never the
 one just saved; other ranks do not wait for it.
@@ -50,8 +56,9 @@ from graph_trainer.checkpoint.atomic_files import (
     move_aside,
     remove_steps,
     replace_dir,
-    write_text_atomic,
+    trim_step_lines,
 )
+from graph_trainer.checkpoint.background import BackgroundSave
 from graph_trainer.checkpoint.safe_metadata import load_dcp_metadata, metadata_path
 from graph_trainer.checkpoint.state import (
     check_model,
@@ -62,6 +69,7 @@ from graph_trainer.checkpoint.state import (
     restore_train_state,
     save_rng,
     save_tensors,
+    start_saving_tensors,
     tensor_state,
     write_metadata,
     write_train_state,
@@ -120,6 +128,10 @@ class Checkpointer:
         self.degrees = dict(degrees)
         self.device = device
         self.distributed = dist.is_available() and dist.is_initialized()
+        self.background = cfg.checkpoint.async_mode == "async"
+        # (a group of its own: a background save's collectives run beside the training step's)
+        self.async_group = dist.new_group(backend="gloo") if self.background and self.distributed else None
+        self.pending: BackgroundSave | None = None
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.root, f"step-{step}")
@@ -162,11 +174,11 @@ class Checkpointer:
             raise RuntimeError(f"rank 0 failed while reading checkpoints: {value}")
         return value
 
-    def _gather(self, obj) -> list:
+    def _gather(self, obj, group=None) -> list:
         if not self.distributed:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=group)
         return out
 
     # ------------------------------------------------------------------------------ resume
@@ -356,27 +368,17 @@ class Checkpointer:
                 meta.get("world_size"),
                 self.world_size,
             )
-        if self.rank == 0:
-            self._trim_losses(step)
+        if self.rank == 0:  # (lines a longer earlier run left after this step)
+            trim_step_lines(os.path.join(self.cfg.job.dump_folder, "losses.txt"), step)
         logger.info("loaded checkpoint %s in %.2fs", path, time.perf_counter() - start)
-
-    def _trim_losses(self, step: int) -> None:
-        """Drop ``losses.txt`` lines after ``step`` (left by a longer earlier run) before appending;
-        atomically, so a crash leaves the old file or the trimmed one."""
-        path = os.path.join(self.cfg.job.dump_folder, "losses.txt")
-        if not os.path.isfile(path):
-            return
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-        kept = [line for line in lines if not (line[:1].isdigit() and int(line.split()[0]) > step)]
-        if len(kept) != len(lines):
-            write_text_atomic(path, "".join(kept))
 
     # ------------------------------------------------------------------------------ save
 
-    def _write_state(self, tmp: str, step: int, state: dict, model, scheduler, dataloader) -> None:
-        """(all ranks) Every file of the checkpoint but the manifest."""
-        save_tensors(tmp, state, self.distributed)
+    def _write_state(self, tmp: str, step: int, state: dict | None, model, scheduler, dataloader) -> None:
+        """(all ranks) Every file of the checkpoint but the manifest (and, without ``state``, but the
+        tensors: a background save writes those)."""
+        if state is not None:
+            save_tensors(tmp, state, self.distributed)
         save_rng(tmp, self.rank, self.device)
         shapes = param_shapes(model, self.distributed)  # (every rank joins: pipeline ranks hold parts)
         if self.rank == 0:
@@ -404,7 +406,11 @@ class Checkpointer:
 
     def save(self, step: int, model, optimizer, scheduler, dataloader, before_first_step: bool = False) -> str:
         """Write ``step-<step>`` atomically (all ranks call this); returns its path. ``before_first_step``:
-        the optimizer has not stepped (a converted ``step-0``): its state is saved as AdamW would create it."""
+        the optimizer has not stepped (a converted ``step-0``): its state is saved as AdamW would create it.
+        With ``checkpoint.async_mode`` async (not for a converted step-0) it returns once the tensors
+        are copied to host memory and the small files written; the rest runs in the background
+        (``finish_pending``, which the next save calls first)."""
+        self.finish_pending()
         start = time.perf_counter()
         final = self.step_dir(step)
         state = tensor_state(model, optimizer, create=before_first_step)
@@ -414,9 +420,32 @@ class Checkpointer:
         token = self._on_rank0(lambda: uuid.uuid4().hex[:8])
         tmp = f"{final}.tmp-{token}"
         what = f"cannot save checkpoint {final}"
+        background = self.background and not before_first_step
         try:
             agree(lambda: os.makedirs(tmp) if self.rank == 0 else None, what)
-            agree(lambda: self._write_state(tmp, step, state, model, scheduler, dataloader), what)
+            tensors = None if background else state
+            agree(lambda: self._write_state(tmp, step, tensors, model, scheduler, dataloader), what)
+            if background:
+                writes = agree(lambda: start_saving_tensors(tmp, state, self.distributed, self.async_group), what)
+        except JobError as e:
+            raise self._failed(tmp, e) from None
+        if not background:
+            self._complete(step, tmp, final, start, None)
+            return final
+        logger.info(
+            "checkpoint %s: state copied in %.2fs, written in the background", final, time.perf_counter() - start
+        )
+        self.pending = BackgroundSave(lambda: self._complete(step, tmp, final, start, writes), final)
+        return final
+
+    def _complete(self, step: int, tmp: str, final: str, start: float, writes) -> None:
+        """(all ranks) The rest of a save once the files are being written: wait for the tensors
+        (``writes``: a background save's DCP future, over the save's own group), hash every rank's
+        share, seal (rank 0), retention."""
+        group, what = (self.async_group if writes is not None else None), f"cannot save checkpoint {final}"
+        try:
+            if writes is not None:
+                agree(writes.result, what, group)
             written = time.perf_counter()
             # every rank's files are in tmp now (agree gathered from all): hash our own share
             mine = agree(
@@ -425,22 +454,28 @@ class Checkpointer:
                     for n in manifest.save_share(manifest.folder_files(tmp), self.rank, self.world_size)
                 },
                 what,
+                group,
             )
-            hashed = self._gather(mine)
-            agree(lambda: self._seal(tmp, final, hashed) if self.rank == 0 else None, what)
+            hashed = self._gather(mine, group)
+            agree(lambda: self._seal(tmp, final, hashed) if self.rank == 0 else None, what, group)
         except JobError as e:
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # never a checkpoint; the earlier ones are untouched
-            raise JobError(f"{e} (earlier checkpoints are intact)") from None
-        logger.info(
-            "saved checkpoint %s in %.2fs (manifest: %.2fs)",
-            final,
-            time.perf_counter() - start,
-            time.perf_counter() - written,
-        )
+            raise self._failed(tmp, e) from None
+        seconds = (time.perf_counter() - start, time.perf_counter() - written)
+        logger.info("saved checkpoint %s in %.2fs (manifest: %.2fs)", final, *seconds)
         if self.rank == 0:
             self._keep_latest(step)
-        return final
+
+    def _failed(self, tmp: str, error: JobError) -> JobError:
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # never a checkpoint; the earlier ones are untouched
+        return JobError(f"{error} (earlier checkpoints are intact)")
+
+    def finish_pending(self) -> None:
+        """Wait until the background save (if one runs) is sealed; raise its failure (a ``JobError``
+        on every rank). The trainer calls it at the end of a job."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
 
     def _keep_latest(self, saved: int) -> None:
         """(rank 0, after step ``saved`` is complete) Delete the complete checkpoints older than the

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from concurrent.futures import Future
 from contextlib import contextmanager
 
 import torch
@@ -153,6 +154,18 @@ def save_tensors(folder: str, state: dict, distributed: bool):
     """(all ranks) The DCP files of ``state`` (``tensor_state``), ``.metadata`` among them."""
     with single_process_ok():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=not distributed)
+
+
+def start_saving_tensors(folder: str, state: dict, distributed: bool, group) -> Future:
+    """(all ranks) ``save_tensors`` in the background: DCP's ``async_save`` copies ``state`` into host
+    memory it owns before it returns (so later updates of the tensors do not reach the files),
+    then writes the files on a thread of its own, coordinating over ``group``. The future is done
+    when every file of this rank is written (its result: DCP's metadata)."""
+    with single_process_ok():
+        pending = dcp.async_save(
+            state, storage_writer=dcp.FileSystemWriter(folder), process_group=group, no_dist=not distributed
+        )
+    return getattr(pending, "upload_completion", pending)  # (a response object when DCP splits staging off)
 
 
 def save_rng(folder: str, rank: int, device: torch.device) -> None:

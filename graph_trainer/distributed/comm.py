@@ -117,9 +117,10 @@ def first_per_node(key: str, fn):
     return result, first
 
 
-def agree(fn, what: str):
-    """Run ``fn`` on every rank; if it failed on any with an I/O error (or a ``JobError``), raise the same
-    ``JobError`` ("<what>: <the first failure>") on every rank. Returns ``fn``'s result."""
+def agree(fn, what: str, group=None):
+    """Run ``fn`` on every rank (of ``group``, default all); if it failed on any with an I/O error (or
+    a ``JobError``), raise the same ``JobError`` ("<what>: <the first failure>") on every rank.
+    Returns ``fn``'s result."""
     result, problem = None, None
     try:
         result = fn()
@@ -132,8 +133,8 @@ def agree(fn, what: str):
     distributed = dist.is_available() and dist.is_initialized()
     problems = [problem]
     if distributed:
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
+        problems = [None] * dist.get_world_size(group)
+        dist.all_gather_object(problems, problem, group=group)
     failed = [(rank, p) for rank, p in enumerate(problems) if p]
     if failed:
         rank, p = failed[0]

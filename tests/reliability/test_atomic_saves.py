@@ -9,12 +9,10 @@ import os
 import shutil
 
 import pytest
-import torch
 
-from graph_trainer.checkpoint.atomic_files import clean_leftovers, remove_steps, replace_dir
-from graph_trainer.checkpoint.checkpointer import Checkpointer, complete_steps
-from graph_trainer.config_loading import load_config
-from tests.reliability.helpers import EAGER, copy_job, make_trainer
+from graph_trainer.checkpoint.atomic_files import clean_leftovers, remove_steps, replace_dir, trim_step_lines
+from graph_trainer.checkpoint.checkpointer import complete_steps
+from tests.reliability.helpers import copy_job, make_trainer
 
 
 def test_leftovers_of_interrupted_saves_are_cleaned_at_the_next_start(tmp_path, three_steps):
@@ -77,8 +75,7 @@ def test_replace_dir_fallback_is_recovered_at_the_next_start(tmp_path, monkeypat
 
 def test_losses_are_trimmed_atomically(tmp_path, three_steps, monkeypatch):
     job = copy_job(three_steps, tmp_path)
-    cfg = load_config([*EAGER, "--job.dump_folder", str(job)])
-    checkpointer = Checkpointer(cfg, 0, 1, {}, torch.device("cpu"))
+    losses = str(job / "losses.txt")
     before = (job / "losses.txt").read_text()
     real_open = builtins.open
 
@@ -103,11 +100,11 @@ def test_losses_are_trimmed_atomically(tmp_path, three_steps, monkeypatch):
 
     monkeypatch.setattr(builtins, "open", open_)
     with pytest.raises(OSError):
-        checkpointer._trim_losses(1)
+        trim_step_lines(losses, 1)
     monkeypatch.setattr(builtins, "open", real_open)
     assert (job / "losses.txt").read_text() == before  # the old file, whole
     assert sorted(p for p in os.listdir(job) if p.startswith("losses")) == ["losses.txt"]
-    checkpointer._trim_losses(1)
+    trim_step_lines(losses, 1)
     assert (job / "losses.txt").read_text() == before.splitlines(keepends=True)[0]
 
 
