@@ -20,7 +20,7 @@ from tests.launch import read_losses, run_forked
 from tests.reliability.helpers import EAGER, make_trainer
 
 ASYNC = ["--checkpoint.async_mode", "async"]
-SIX_STEPS = ["--training.steps", "6", "--checkpoint.interval", "2"]
+FOUR_STEPS = ["--training.steps", "4", "--checkpoint.interval", "2"]
 
 
 def _hashes(step_dir) -> dict[str, str]:
@@ -33,15 +33,15 @@ def _hashes(step_dir) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def blocking(tmp_path_factory):
     folder = tmp_path_factory.mktemp("blocking")
-    return folder, make_trainer(folder, *SIX_STEPS).train()
+    return folder, make_trainer(folder, *FOUR_STEPS).train()
 
 
 def test_a_background_save_writes_what_a_blocking_save_writes(tmp_path, blocking):
     folder, losses = blocking
-    trainer = make_trainer(tmp_path, *SIX_STEPS, *ASYNC)
+    trainer = make_trainer(tmp_path, *FOUR_STEPS, *ASYNC)
     assert trainer.train() == losses
-    assert complete_steps(str(tmp_path / "checkpoint")) == [2, 4, 6]
-    for step in (2, 4, 6):  # tensors, RNG states, train state and metadata, byte for byte
+    assert complete_steps(str(tmp_path / "checkpoint")) == [2, 4]
+    for step in (2, 4):  # tensors, RNG states, train state and metadata, byte for byte
         assert _hashes(tmp_path / "checkpoint" / f"step-{step}") == _hashes(folder / "checkpoint" / f"step-{step}")
 
 
@@ -80,12 +80,13 @@ def test_a_failed_background_save_is_one_job_error_and_earlier_checkpoints_stay(
 def test_a_kill_during_a_background_save_resumes_from_the_previous_step_and_loses_nothing(tmp_path, blocking):
     _, losses = blocking
     script = os.path.join(ROOT, "tests", "faults", "killed_in_background_save.py")
-    flags = [*EAGER, "--job.dump_folder", str(tmp_path), *SIX_STEPS, *ASYNC]
-    killed = run_forked(1, script, *flags, check=False, env={"KILL_AT_STEP": "4"})
+    # a save every step: step 4 trains while step 3's save is being sealed, and is killed then
+    flags = [*EAGER, "--job.dump_folder", str(tmp_path), "--training.steps", "4", "--checkpoint.interval", "1"]
+    killed = run_forked(1, script, *flags, *ASYNC, check=False, env={"KILL_AT_STEP": "3"})
     assert killed.returncode != 0
     root = tmp_path / "checkpoint"
-    assert complete_steps(str(root)) == [2]
-    assert [d for d in os.listdir(root) if d.startswith("step-4.tmp-")]  # written, never sealed
-    run_forked(1, os.path.join(ROOT, "train.py"), *flags)
-    assert sorted(os.listdir(root)) == ["step-2", "step-4", "step-6"]  # the leftover is gone
+    assert complete_steps(str(root)) == [1, 2]
+    assert [d for d in os.listdir(root) if d.startswith("step-3.tmp-")]  # written, never sealed
+    run_forked(1, os.path.join(ROOT, "train.py"), *flags, *ASYNC)
+    assert sorted(os.listdir(root)) == ["step-1", "step-2", "step-3", "step-4"]  # the leftover is gone
     assert [loss for _, loss in read_losses(tmp_path)] == losses
