@@ -107,6 +107,19 @@ class Training:
     dataset_split: str = "train"
     """Split of a Hugging Face dataset (of the synthetic corpus: another name draws its documents
     from a seed of their own; 'train' is the corpus of training.seed)."""
+    dataset_subset: str = ""
+    """A hub dataset's subset (its configuration name, such as 'en' of allenai/c4); '' for none."""
+    dataset_streaming: bool = False
+    """Read a file or hub dataset as a stream (datasets' streaming mode: nothing downloaded or
+    converted ahead, rows read in order) instead of a memory-mapped table; the same batches either
+    way. Resuming reads the stream again up to the saved document (without tokenizing it)."""
+    dataset_shards: int = 1
+    """Split the documents into this many shards (document i in shard i % shards), each packed into
+    its own token stream and giving an equal part of every batch; a data-parallel rank reads and
+    tokenizes only the shards its rows come from. 1: every rank tokenizes the whole stream and the
+    batches do not depend on the data-parallel degree; the data-parallel degree (or a multiple):
+    each rank tokenizes only its own documents. Must divide local_batch_size x data-parallel degree;
+    the batches depend on it, so a resume keeps it (graph_trainer/data/loader.py)."""
     text_field: str = "text"
     """Column holding the document text in a Hugging Face dataset."""
     tokenizer_path: str = ""
@@ -258,7 +271,10 @@ class Validation:
     first ones of the held-out stream, the same every time (under pipeline parallel, that many
     microbatches through the pipeline)."""
     dataset: str = ""
-    """The held-out data, as training.dataset takes it; '' reads training.dataset."""
+    """The held-out data, as training.dataset takes it; '' reads training.dataset (with its subset).
+    Read as training.dataset_streaming and training.dataset_shards say."""
+    dataset_subset: str = ""
+    """The subset of validation.dataset (a hub dataset's configuration name); '' for none."""
     split: str = "validation"
     """The held-out split: a Hugging Face split name (slices such as 'train[95%:]' work, and a local
     file's rows take any split name); of the synthetic corpus, documents drawn from a seed of their

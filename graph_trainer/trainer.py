@@ -197,9 +197,13 @@ class Trainer:
         """The training batches, or with ``held_out`` the validation batches (``[validation]``:
         its dataset, or the training one, and its split)."""
         t, v = self.cfg.training, self.cfg.validation
-        setting = "validation.dataset" if held_out and v.dataset else "training.dataset"
+        own = held_out and v.dataset != ""  # validation's own dataset, else the training one
+        dataset = v.dataset if own else t.dataset
         return build_dataloader(
-            dataset=(v.dataset or t.dataset) if held_out else t.dataset,
+            dataset=dataset,
+            subset=v.dataset_subset if own else t.dataset_subset,
+            streaming=t.dataset_streaming and dataset != "synthetic",
+            shards=t.dataset_shards,
             tokenizer=build_tokenizer(t.tokenizer_path),
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
@@ -209,7 +213,7 @@ class Trainer:
             vocab_size=self.model_args.vocab_size,
             dataset_split=v.split if held_out else t.dataset_split,
             text_field=t.text_field,
-            setting=setting,
+            setting="validation.dataset" if own else "training.dataset",
         )
 
     def _build_model(self, init: bool) -> torch.nn.Module:

@@ -133,13 +133,21 @@ def _check_training(cfg: JobConfig, args) -> None:
 
 
 def _check_parallelism(cfg: JobConfig, world_size: int, args) -> dict[str, int]:
-    """Degrees against the world size and the model's shapes, the pipeline; the resolved degrees."""
+    """Degrees against the world size and the model's shapes, the pipeline, the data's shards; the
+    resolved degrees."""
     t = cfg.training
     degrees = resolve_parallel_degrees(cfg.parallelism, world_size)
     MODEL_SPECS[cfg.model.name].validate_parallelism(args, degrees)
     microbatches = job_microbatches(cfg.parallelism, t.global_batch_size, t.local_batch_size, world_size)
     if degrees["pp"] > 1:
         _check_pipeline(cfg, degrees, microbatches, args)
+    dp, shards = degrees["dp_replicate"] * degrees["dp_shard"], t.dataset_shards
+    require(shards >= 1, f"training.dataset_shards = {shards} must be >= 1")
+    require(
+        t.local_batch_size * dp % shards == 0,
+        f"training.dataset_shards = {shards} must divide the sequences of a batch over all data-parallel "
+        f"ranks (training.local_batch_size x data-parallel degree = {t.local_batch_size} x {dp})",
+    )
     return degrees
 
 
@@ -206,6 +214,7 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
     prof, profiling = cfg.profiling, "profiling.enable_profiling or profiling.enable_memory_snapshot"
     snapshot = "profiling.enable_memory_snapshot"
     v, validating = cfg.validation.enable, "validation.enable"
+    files, named = cfg.training.dataset != "synthetic", "training.dataset other than 'synthetic' (generated)"
     return [
         ("profiling.profile_freq", prof.profile_freq, default.profiling.profile_freq, _profiles(cfg), profiling),
         (
@@ -226,6 +235,17 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
             (f"validation.{name}", getattr(cfg.validation, name), getattr(default.validation, name), v, validating)
             for name in ("freq", "steps", "dataset", "split")
         ],
+        *[
+            (f"training.{name}", getattr(cfg.training, name), getattr(default.training, name), files, named)
+            for name in ("dataset_subset", "dataset_streaming")
+        ],
+        (
+            "validation.dataset_subset",
+            cfg.validation.dataset_subset,
+            default.validation.dataset_subset,
+            v and cfg.validation.dataset != "",
+            "validation.enable and validation.dataset",
+        ),
         (
             "checkpoint.async_mode",
             cfg.checkpoint.async_mode,

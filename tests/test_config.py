@@ -449,6 +449,9 @@ _IGNORED = "it would be ignored; leave it out or set that too"
         (["--validation.freq", "5"], "validation.freq = 5 means something only with "),
         (["--checkpoint.async_mode", "async"], "checkpoint.async_mode = 'async' means something only with "),
         (["--validation.split", "test"], "validation.split = 'test' means something only with "),
+        (["--validation.dataset_subset", "en"], "validation.dataset_subset = 'en' means something only with "),
+        (["--training.dataset_subset", "en"], "training.dataset_subset = 'en' means something only with "),
+        (["--training.dataset_streaming"], "training.dataset_streaming = True means something only with "),
     ],
 )
 def test_a_setting_that_would_be_ignored_is_refused(flags, message):
@@ -465,6 +468,15 @@ def test_a_setting_that_would_be_ignored_is_refused(flags, message):
         "profiling.save_memory_snapshot_folder": "profiling.enable_memory_snapshot",
         "validation": "validation.enable",
         "checkpoint.async_mode": "checkpoint.interval > 0 (it is 0)",
+        "validation.dataset_subset": "validation.enable and validation.dataset",
+        "training.dataset_": "training.dataset other than 'synthetic' (generated)",
     }
-    (what,) = [v for k, v in needs.items() if flags[0][2:].startswith(k)]
+    what = needs[max((k for k in needs if flags[0][2:].startswith(k)), key=len)]
     assert str(info.value) == f"{message}{what}: {_IGNORED}"
+
+
+def test_data_shards_must_divide_the_batch_of_all_data_parallel_ranks():
+    flags = ["--training.local_batch_size", "3", "--training.dataset_shards", "4"]
+    with pytest.raises(ConfigError, match=r"dataset_shards = 4 must divide .* = 3 x 2\)"):
+        validate_config(load_config(flags), world_size=2)
+    validate_config(load_config([*flags[:3], "2"]), world_size=2)

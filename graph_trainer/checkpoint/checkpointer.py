@@ -62,6 +62,7 @@ from graph_trainer.checkpoint.background import BackgroundSave
 from graph_trainer.checkpoint.safe_metadata import load_dcp_metadata, metadata_path
 from graph_trainer.checkpoint.state import (
     check_model,
+    gathered_data_state,
     load_tensors,
     param_shapes,
     read_metadata,
@@ -374,7 +375,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------ save
 
-    def _write_state(self, tmp: str, step: int, state: dict | None, model, scheduler, dataloader) -> None:
+    def _write_state(self, tmp: str, step: int, state: dict | None, model, scheduler, data_state: dict) -> None:
         """(all ranks) Every file of the checkpoint but the manifest (and, without ``state``, but the
         tensors: a background save writes those)."""
         if state is not None:
@@ -382,7 +383,7 @@ class Checkpointer:
         save_rng(tmp, self.rank, self.device)
         shapes = param_shapes(model, self.distributed)  # (every rank joins: pipeline ranks hold parts)
         if self.rank == 0:
-            write_train_state(tmp, step, scheduler, dataloader, lr_plan(self.cfg.training))
+            write_train_state(tmp, step, scheduler, data_state, lr_plan(self.cfg.training))
             write_metadata(tmp, step, self.cfg.model, self.degrees, self.world_size, shapes)
 
     def _seal(self, tmp: str, final: str, hashed: list[dict]) -> None:
@@ -421,10 +422,11 @@ class Checkpointer:
         tmp = f"{final}.tmp-{token}"
         what = f"cannot save checkpoint {final}"
         background = self.background and not before_first_step
+        data_state = gathered_data_state(dataloader, self.distributed)
         try:
             agree(lambda: os.makedirs(tmp) if self.rank == 0 else None, what)
             tensors = None if background else state
-            agree(lambda: self._write_state(tmp, step, tensors, model, scheduler, dataloader), what)
+            agree(lambda: self._write_state(tmp, step, tensors, model, scheduler, data_state), what)
             if background:
                 writes = agree(lambda: start_saving_tensors(tmp, state, self.distributed, self.async_group), what)
         except JobError as e:

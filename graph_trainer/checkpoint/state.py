@@ -20,8 +20,8 @@ A checkpoint folder holds:
   flavor) and again against the built model (names and shapes), so a wrong checkpoint fails with a
   ``ConfigError`` naming what differs rather than a DCP traceback.
 * ``train_state.json`` (rank 0): the step, the LR scheduler's state and the data loader's state
-  (``TokenBatchLoader.state_dict()``: a global stream position, identical on all ranks and valid
-  under any dp degree).
+  (every shard's stream position, merged from the ranks' ``TokenBatchLoader.state_dict()``; valid
+  under any dp degree the number of shards divides).
 * ``rng-rank<R>.pt`` (each rank): that rank's torch CPU RNG state (and CUDA RNG on cuda), read with
   ``weights_only=True``. RNG streams belong to a rank of a layout, so they are restored only at the
   same world size.
@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from graph_trainer.checkpoint.safe_metadata import load_dcp_metadata, metadata_path, safe_reader
 from graph_trainer.config import Model
+from graph_trainer.data.loader import merge_states
 from graph_trainer.distributed.comm import agree
 from graph_trainer.distributed.simple_fsdp import clean_fqn
 from graph_trainer.errors import ConfigError, some_names
@@ -179,11 +180,23 @@ def save_rng(folder: str, rank: int, device: torch.device) -> None:
         os.fsync(f.fileno())
 
 
-def write_train_state(folder: str, step: int, scheduler, dataloader, lr_plan: dict[str, object]) -> None:
+def gathered_data_state(dataloader, distributed: bool) -> dict:
+    """(all ranks) The data loader's state with every shard's position. A rank knows the positions
+    of the shards it reads: with several shards and data-parallel ranks (then no rank reads them
+    all) every rank's state is gathered and merged."""
+    state = dataloader.state_dict()
+    if not (distributed and state["shards"] > 1 and dataloader.dp_degree > 1):
+        return state
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return merge_states(states)
+
+
+def write_train_state(folder: str, step: int, scheduler, data_state: dict, lr_plan: dict[str, object]) -> None:
     """(rank 0) ``train_state.json``: the step, the LR scheduler's state, the settings its schedule
-    was planned with (``loop.optim.lr_plan``) and the data position."""
+    was planned with (``loop.optim.lr_plan``) and the data position (``data_state``: every shard's)."""
     state = {"step": step, "scheduler": scheduler.state_dict(), "lr_plan": lr_plan}
-    _write_json(os.path.join(folder, "train_state.json"), {**state, "dataloader": dataloader.state_dict()})
+    _write_json(os.path.join(folder, "train_state.json"), {**state, "dataloader": data_state})
 
 
 def write_metadata(

@@ -1,173 +1,58 @@
-"""Datasets, token packing, data-parallel sharding and the resumable batch loader.
+"""Token packing, data-parallel sharding and the resumable batch loader.
 
 The trainer calls ``build_dataloader(...)``: a :class:`TokenBatchLoader` yielding ``(tokens, labels)``
 batches. Documents come from the synthetic corpus (``graph_trainer.data.synthetic``), a local file or
-folder, or a Hugging Face hub dataset, and are tokenized by a ``graph_trainer.data.tokenizer`` tokenizer.
+folder, or a Hugging Face hub dataset (``graph_trainer.data.documents``: tables or streams), and are
+tokenized by a ``graph_trainer.data.tokenizer`` tokenizer.
 
 How batches are made
 --------------------
-Documents are read in order. Each becomes ``[bos] + encode(text) + [eos]`` (bos/eos only when the
-tokenizer has them) and all documents are concatenated into one endless token stream; a finite
-dataset simply starts over (next epoch) when it runs out. The stream is cut into consecutive,
-non-overlapping windows of ``seq_len + 1`` tokens; a window gives ``tokens = window[:-1]`` and
-``labels = window[1:]``.
+The documents are split into ``S`` shards (``training.dataset_shards``; shard ``s`` holds documents
+``s, s+S, s+2S, ...``, see ``graph_trainer.data.documents``). In each shard, documents are read in
+order; each becomes ``[bos] + encode(text) + [eos]`` (bos/eos only when the tokenizer has them) and
+they are concatenated into one endless token stream; a finite dataset simply starts over (next
+epoch) when it runs out. A shard's stream is cut into consecutive, non-overlapping windows of
+``seq_len + 1`` tokens; a window gives ``tokens = window[:-1]`` and ``labels = window[1:]``.
 
 Data-parallel sharding rule
 ---------------------------
-With ``B = local_batch_size`` and ``D = dp_degree``, step ``s`` (0-based) consumes the global
-windows ``s*B*D .. s*B*D + B*D - 1``, and rank ``r`` takes row ``i`` of its batch from window
-``s*B*D + r*B + i``. So the rows of ranks 0..D-1 concatenated in rank order are exactly the rows of a
-single process run with batch ``B*D``. With gradient accumulation a training step takes M
-consecutive batches (microbatches); the ``M*D`` batches of a step in (microbatch, rank) order are
-then the rows of one process with batch ``M*B*D``. Every rank reads (tokenises) the whole global stream and skips
-the other ranks' windows, which keeps the rule exact for any dataset at the price of D-fold
-tokenisation work (cheap next to a training step).
+With ``B = local_batch_size`` and ``D = dp_degree``, a batch of all ranks together has ``G = B*D``
+rows (``S`` must divide it): global rows ``s*G/S .. (s+1)*G/S - 1`` are the next ``G/S`` windows of
+shard ``s``, and rank ``r`` takes global rows ``r*B .. r*B + B - 1``. So the rows of ranks 0..D-1
+concatenated in rank order are exactly the rows of a single process run with batch ``B*D`` and the
+same ``S``. With gradient accumulation a training step takes M consecutive batches (microbatches);
+the ``M*D`` batches of a step in (microbatch, rank) order are then, with one shard, the rows of one
+process with batch ``M*B*D``.
+
+A rank reads (tokenizes) only the shards its rows come from, and skips the other ranks' windows in
+them. With ``S = 1`` (the default) every rank tokenizes the whole stream: ``D``-fold work, but the
+batches do not depend on ``D``. With ``S = D`` each rank tokenizes only its own shard's documents;
+the batches are then fixed by ``S``, and a single process reproduces them with the same ``S``.
 
 Resuming
 --------
-``state_dict()`` is ``{"version", "stream", "step", "doc", "offset"}``: the number of batches
-(microbatches) produced, and the position of the next unread token of the global stream (document index counted
-across epochs, token offset inside that document). After every batch all ranks stand at the same
-global step boundary, so the state is identical on every rank and does not depend on the rank; it can
-be loaded with a different local batch size or dp degree and reading continues at the same token.
-``stream`` names the dataset and tokenizer; loading a state saved for a different stream is a
-ConfigError.
-
-Hub datasets (``training.dataset = "org/name"``) are read with ``datasets.load_dataset(name,
-split=...)`` and so need network access or a copy already in the Hugging Face cache.
+``state_dict()`` is ``{"version", "stream", "step", "shards", "positions"}``: the number of batches
+(microbatches) produced, and for each shard this rank reads the position of its next unread token
+(document index counted across epochs, token offset inside that document). After every batch all
+ranks reading a shard stand at the same place in it; :func:`merge_states` joins the ranks' states
+into one with every shard (the checkpoint holds that one). It can be loaded with a different local
+batch size or dp degree (``S`` still dividing the batch) and reading continues at the same tokens.
+``stream`` names the dataset and tokenizer; loading a state saved for a different stream or number
+of shards is a ConfigError. A version 1 state (one stream: ``doc`` and ``offset``) loads as one shard.
 """
 
 from __future__ import annotations
 
 import array
-import os
 
 import torch
 
+from graph_trainer.data.documents import load_documents
 from graph_trainer.data.synthetic import SyntheticDocuments, split_seed
-from graph_trainer.data.tokenizer import Tokenizer, with_specials
-from graph_trainer.errors import ConfigError, one_line
+from graph_trainer.data.tokenizer import Tokenizer
+from graph_trainer.errors import ConfigError
 
-__all__ = ["TokenBatchLoader", "build_dataloader"]
-
-
-# --------------------------------------------------------------------------------------------
-# Files and Hugging Face datasets
-# --------------------------------------------------------------------------------------------
-
-_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
-_CHUNK_DOCS = 256  # documents read from Arrow at a time: bounded memory, few slow per-row calls
-
-
-class _HFDocuments:
-    """Documents of a map-style ``datasets.Dataset``, read lazily in chunks; index ``i`` is row ``i % n``.
-
-    Arrow tables are memory-mapped, so nothing is loaded beyond the current chunk, and resuming jumps
-    straight to a row instead of replaying the corpus.
-    """
-
-    def __init__(self, ds, text_field: str, tokenizer: Tokenizer, name: str, strip_newlines: bool):
-        columns = list(ds.column_names)
-        if text_field not in columns:
-            raise ConfigError(
-                f"training.text_field {text_field!r} is not a column of dataset {name!r}; its columns are {columns}"
-            )
-        self.num_docs = len(ds)
-        if self.num_docs == 0:
-            raise ConfigError(f"dataset {name!r} has no rows")
-        self._ds = ds.select_columns([text_field])
-        self._field = text_field
-        self._name = name
-        self._tokenizer = tokenizer
-        self._strip = strip_newlines
-        self._chunk_start = -1
-        self._chunk: list = []
-
-    def tokens(self, index: int) -> list[int]:
-        """Token ids of row ``index % num_docs`` with bos/eos; ``[]`` for an empty or null text."""
-        row = index % self.num_docs
-        if not 0 <= row - self._chunk_start < len(self._chunk):
-            self._chunk_start = row - row % _CHUNK_DOCS
-            self._chunk = self._ds[self._chunk_start : self._chunk_start + _CHUNK_DOCS][self._field]
-        text = self._chunk[row - self._chunk_start]
-        if text is None:
-            return []
-        if not isinstance(text, str):
-            raise ConfigError(
-                f"training.text_field {self._field!r} of dataset {self._name!r} holds "
-                f"{type(text).__name__} values (row {row}); it must hold strings"
-            )
-        if self._strip:
-            text = text.strip("\n")
-        if not text:
-            return []  # an empty document carries nothing to learn, not even a bos/eos pair
-        return with_specials(self._tokenizer, self._tokenizer.encode(text))
-
-
-def _is_local_path(dataset: str) -> bool:
-    """Whether ``dataset`` names a local file/folder rather than a hub dataset such as "org/name"."""
-    if os.path.exists(os.path.expanduser(dataset)):
-        return True
-    return os.path.isabs(dataset) or dataset.startswith((".", "~")) or os.path.splitext(dataset)[1].lower() in _BUILDERS
-
-
-def _local_data_files(dataset: str, setting: str) -> tuple[str, list[str]]:
-    """The ``datasets`` builder name and the sorted files of a local file or folder."""
-    path = os.path.expanduser(dataset)
-    allowed = ", ".join(sorted(_BUILDERS))
-    if not os.path.exists(path):
-        raise ConfigError(
-            f"{setting} path {dataset!r} does not exist; give 'synthetic', an existing "
-            f"{allowed} file or folder of them, or a Hugging Face hub dataset name"
-        )
-    if os.path.isdir(path):
-        files = []
-        for root, dirs, names in os.walk(path):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # skip .cache and the like
-            files += [
-                os.path.join(root, n)
-                for n in names
-                if not n.startswith(".") and os.path.splitext(n)[1].lower() in _BUILDERS
-            ]
-        files.sort()
-        if not files:
-            raise ConfigError(f"{setting} folder {dataset!r} holds no {allowed} files")
-    else:
-        files = [path]
-    builders = {_BUILDERS.get(os.path.splitext(f)[1].lower()) for f in files}
-    if None in builders:
-        raise ConfigError(f"{setting} file {dataset!r} has an unsupported extension; allowed: {allowed}")
-    if len(builders) > 1:
-        raise ConfigError(
-            f"{setting} folder {dataset!r} mixes file types ({sorted(builders)}); keep one of {allowed} per folder"
-        )
-    return builders.pop(), files
-
-
-def _load_hf_documents(dataset: str, split: str, text_field: str, tokenizer: Tokenizer, setting: str) -> _HFDocuments:
-    """Open a local file/folder or a hub dataset as a lazy document source."""
-    import datasets
-
-    if _is_local_path(dataset):
-        builder, files = _local_data_files(dataset, setting)
-        # Name the files after the requested split so any split name (and slicing such as
-        # "train[:10%]") works on local data.
-        kwargs = {"data_files": {split.split("[")[0]: files}}
-        if builder == "text":
-            kwargs["sample_by"] = "paragraph"  # a blank-line separated paragraph is one document
-        what = f"{setting} {dataset!r}"
-    else:
-        builder, kwargs = dataset, {}
-        what = f"Hugging Face dataset {dataset!r} (hub datasets need network access or a copy in the HF cache)"
-    try:
-        ds = datasets.load_dataset(builder, split=split, **kwargs)
-    except ConfigError:
-        raise
-    except Exception as e:  # datasets raises many unrelated types for bad files, splits and names
-        raise ConfigError(f"cannot load {what} with split {split!r}: {one_line(e)}") from e
-    if not isinstance(ds, datasets.Dataset):
-        raise ConfigError(f"{what} with split {split!r} did not give a single table but {type(ds).__name__}")
-    return _HFDocuments(ds, text_field, tokenizer, dataset, strip_newlines=builder == "text")
+__all__ = ["TokenBatchLoader", "build_dataloader", "merge_states"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,24 +107,26 @@ class _PackedStream:
 class TokenBatchLoader:
     """Endless iterator of ``(tokens, labels)`` int64 CPU batches of shape ``[local_batch_size, seq_len]``.
 
-    See the module docstring for the packing, the data-parallel sharding rule and the resume state.
+    ``streams`` maps each shard this rank reads (see the module docstring) to its packed stream.
     ``iter()`` returns the loader itself, so all iterators share one position.
     """
 
-    _STATE_VERSION = 1
+    _STATE_VERSION = 2
 
     def __init__(
         self,
-        stream: _PackedStream,
+        streams: dict[int, _PackedStream],
         *,
         stream_id: str,
+        shards: int,
         seq_len: int,
         local_batch_size: int,
         dp_rank: int,
         dp_degree: int,
     ):
-        self._stream = stream
+        self._streams = dict(sorted(streams.items()))
         self._stream_id = stream_id
+        self.shards = shards
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
@@ -250,45 +137,104 @@ class TokenBatchLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        window = self.seq_len + 1
-        rows = self.local_batch_size
-        # Global windows of this step: ranks 0..D-1 take consecutive blocks of `rows` windows.
-        self._stream.read(self.dp_rank * rows * window, None)
+        window, rows = self.seq_len + 1, self.local_batch_size
+        per_shard = rows * self.dp_degree // self.shards  # global rows of a batch each shard gives
+        first, last = self.dp_rank * rows, (self.dp_rank + 1) * rows  # this rank's global rows
         # int64 buffer: turning it into a tensor is faster than a list (measured: docs/performance.md)
         flat = array.array("q")
-        self._stream.read(rows * window, flat)
-        self._stream.read((self.dp_degree - 1 - self.dp_rank) * rows * window, None)
+        for shard, stream in self._streams.items():
+            start, stop = shard * per_shard, (shard + 1) * per_shard
+            mine_from, mine_to = max(first, start), min(last, stop)
+            stream.read((mine_from - start) * window, None)  # other ranks' windows of this shard
+            stream.read((mine_to - mine_from) * window, flat)
+            stream.read((stop - mine_to) * window, None)
         self._step += 1
         batch = torch.frombuffer(flat, dtype=torch.int64).view(rows, window)
         # Contiguous copies: a traced step should not see two overlapping strided views.
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
-        """Small picklable state to resume exactly after the last batch produced (same on every rank)."""
+        """Small picklable state to resume exactly after the last batch produced: the positions of
+        the shards this rank reads (every shard with one shard or one data-parallel rank; else
+        :func:`merge_states` of every rank's makes the whole state)."""
         return {
             "version": self._STATE_VERSION,
             "stream": self._stream_id,
             "step": self._step,
-            "doc": self._stream.doc,
-            "offset": self._stream.offset,
+            "shards": self.shards,
+            "positions": {str(s): [stream.doc, stream.offset] for s, stream in self._streams.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (from :meth:`state_dict`): the next batch is the one that followed it."""
-        missing = [k for k in ("version", "stream", "step", "doc", "offset") if k not in state]
-        if missing:
-            raise ConfigError(f"data loader state lacks {missing}; it must come from TokenBatchLoader.state_dict()")
-        if state["version"] != self._STATE_VERSION:
-            raise ConfigError(
-                f"data loader state has version {state['version']}; this build reads version {self._STATE_VERSION}"
-            )
+        """Continue from ``state`` (from :meth:`state_dict` or :func:`merge_states`): the next batch
+        is the one that followed it."""
+        state = _upgraded(state)
         if state["stream"] != self._stream_id:
             raise ConfigError(
                 f"data loader state was saved for {state['stream']!r} but this run reads "
                 f"{self._stream_id!r}; resume with the same dataset, seed and tokenizer"
             )
+        if state["shards"] != self.shards:
+            raise ConfigError(
+                f"data loader state was saved with training.dataset_shards = {state['shards']}, this run "
+                f"has {self.shards}; resume with the same number of shards"
+            )
+        missing = [s for s in self._streams if str(s) not in state["positions"]]
+        if missing:
+            raise ConfigError(f"data loader state holds no position of shard {missing[0]}, which this rank reads")
         self._step = int(state["step"])
-        self._stream.seek(int(state["doc"]), int(state["offset"]))
+        for shard, stream in self._streams.items():
+            doc, offset = state["positions"][str(shard)]
+            stream.seek(int(doc), int(offset))
+
+
+def _upgraded(state: dict) -> dict:
+    """``state`` checked, in the current version's form (version 1: one stream, ``doc`` and ``offset``)."""
+    if state.get("version") == 1 and all(k in state for k in ("stream", "step", "doc", "offset")):
+        return {**state, "shards": 1, "positions": {"0": [state["doc"], state["offset"]]}}
+    missing = [k for k in ("version", "stream", "step", "shards", "positions") if k not in state]
+    if missing:
+        raise ConfigError(f"data loader state lacks {missing}; it must come from TokenBatchLoader.state_dict()")
+    if state["version"] != TokenBatchLoader._STATE_VERSION:
+        raise ConfigError(
+            f"data loader state has version {state['version']}; this build reads versions 1 and "
+            f"{TokenBatchLoader._STATE_VERSION}"
+        )
+    return state
+
+
+def merge_states(states: list[dict]) -> dict:
+    """One state holding every shard's position, from the ``state_dict()`` of every data-parallel
+    rank (ranks that read the same shard stand at the same position of it after every batch)."""
+    merged = dict(states[0], positions={})
+    for state in states:
+        for shard, position in state["positions"].items():
+            known = merged["positions"].setdefault(shard, position)
+            if known != position:
+                raise ValueError(f"ranks disagree on shard {shard}'s position: {known} vs {position}")
+    if len(merged["positions"]) != merged["shards"]:
+        raise ValueError(f"the states hold {len(merged['positions'])} of {merged['shards']} shards' positions")
+    merged["positions"] = dict(sorted(merged["positions"].items(), key=lambda kv: int(kv[0])))
+    return merged
+
+
+def _check_sizes(seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int, shards: int) -> None:
+    for name, value, low in (
+        ("training.seq_len", seq_len, 1),
+        ("training.local_batch_size", local_batch_size, 1),
+        ("dp_degree", dp_degree, 1),
+        ("training.dataset_shards", shards, 1),
+    ):
+        if not isinstance(value, int) or value < low:
+            raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_degree:
+        raise ConfigError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank!r}")
+    rows = local_batch_size * dp_degree
+    if rows % shards:
+        raise ConfigError(
+            f"training.dataset_shards = {shards} must divide the sequences of a batch over all data-parallel "
+            f"ranks (training.local_batch_size x data-parallel degree = {local_batch_size} x {dp_degree} = {rows})"
+        )
 
 
 def build_dataloader(
@@ -303,6 +249,9 @@ def build_dataloader(
     vocab_size: int,
     dataset_split: str = "train",
     text_field: str = "text",
+    subset: str = "",
+    streaming: bool = False,
+    shards: int = 1,
     setting: str = "training.dataset",
 ) -> TokenBatchLoader:
     """Build the loader for ``training.dataset`` (or the setting named ``setting``, which errors name).
@@ -310,21 +259,14 @@ def build_dataloader(
     ``dataset`` is ``"synthetic"`` (the built-in corpus, a pure function of ``seed``), a local
     ``.json``/``.jsonl``/``.parquet``/``.txt`` file or folder of such files (read with
     ``datasets.load_dataset``; a ``.txt`` document is a blank-line separated paragraph), or a Hugging
-    Face hub dataset name (needs network or the HF cache). Documents come from column ``text_field``
-    in order; the dataset repeats forever. ``seed`` only affects the synthetic corpus (with
-    ``dataset_split``: ``synthetic.split_seed``). Rank
-    ``dp_rank`` of ``dp_degree`` gets its share of each step by the rule in the module docstring.
-    Token ids are checked to fit the model's ``vocab_size``.
+    Face hub dataset name, with ``subset`` its configuration (needs network or the HF cache); files
+    and hub datasets are read as tables or, with ``streaming``, as streams. Documents come from column
+    ``text_field`` in order; the dataset repeats forever. ``seed`` only affects the synthetic corpus
+    (with ``dataset_split``: ``synthetic.split_seed``). Rank ``dp_rank`` of ``dp_degree`` gets its
+    share of each batch from ``shards`` shards by the rule in the module docstring. Token ids are
+    checked to fit the model's ``vocab_size``.
     """
-    for name, value, low in (
-        ("training.seq_len", seq_len, 1),
-        ("training.local_batch_size", local_batch_size, 1),
-        ("dp_degree", dp_degree, 1),
-    ):
-        if not isinstance(value, int) or value < low:
-            raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-    if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_degree:
-        raise ConfigError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank!r}")
+    _check_sizes(seq_len, local_batch_size, dp_rank, dp_degree, shards)
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(
             f"tokenizer has {tokenizer.vocab_size} ids but model.flavor vocab_size is {vocab_size}; "
@@ -339,16 +281,23 @@ def build_dataloader(
     tok_id = (
         f"{type(tokenizer).__name__}(vocab_size={tokenizer.vocab_size}, bos={tokenizer.bos_id}, eos={tokenizer.eos_id})"
     )
+    per_shard = local_batch_size * dp_degree // shards
+    mine = range(dp_rank * local_batch_size // per_shard, ((dp_rank + 1) * local_batch_size - 1) // per_shard + 1)
     if dataset == "synthetic":
-        documents = SyntheticDocuments(split_seed(seed, dataset_split), tokenizer)
+        if subset or streaming:
+            raise ConfigError(f"{setting} 'synthetic' is generated: it has no subsets and is not streamed")
+        sources = {s: SyntheticDocuments(split_seed(seed, dataset_split), tokenizer, s, shards) for s in mine}
         held_out = "" if dataset_split == "train" else f" split={dataset_split}"
         stream_id = f"synthetic seed={seed}{held_out} tokenizer={tok_id}"
     else:
-        documents = _load_hf_documents(dataset, dataset_split, text_field, tokenizer, setting)
-        stream_id = f"{dataset} split={dataset_split} field={text_field} tokenizer={tok_id}"
+        where = dict(subset=subset, split=dataset_split, streaming=streaming, text_field=text_field)
+        sources = load_documents(dataset, **where, tokenizer=tokenizer, setting=setting, shards=shards, read=mine)
+        named = f" subset={subset}" if subset else ""
+        stream_id = f"{dataset}{named} split={dataset_split} field={text_field} tokenizer={tok_id}"
     return TokenBatchLoader(
-        _PackedStream(documents, dataset),
+        {s: _PackedStream(source, dataset) for s, source in sources.items()},
         stream_id=stream_id,
+        shards=shards,
         seq_len=seq_len,
         local_batch_size=local_batch_size,
         dp_rank=dp_rank,

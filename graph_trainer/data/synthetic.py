@@ -112,16 +112,19 @@ def synthetic_document(seed: int, index: int) -> str:
 
 
 class SyntheticDocuments:
-    """The endless synthetic corpus as token lists (document ``i`` is ``synthetic_document(seed, i)``)."""
+    """Shard ``shard`` of ``shards`` of the endless synthetic corpus as token lists: the shard's
+    document ``k`` is ``synthetic_document(seed, shard + k * shards)``."""
 
     num_docs = None  # infinite: there are no epochs
 
-    def __init__(self, seed: int, tokenizer: Tokenizer):
+    def __init__(self, seed: int, tokenizer: Tokenizer, shard: int = 0, shards: int = 1):
         self._seed = seed
         self._tokenizer = tokenizer
+        self._shard, self._shards = shard, shards
 
-    def tokens(self, index: int) -> list[int]:
-        """Token ids of document ``index`` with bos/eos."""
+    def tokens(self, k: int) -> list[int]:
+        """Token ids of the shard's document ``k`` with bos/eos."""
+        index = self._shard + k * self._shards
         return with_specials(self._tokenizer, self._tokenizer.encode(synthetic_document(self._seed, index)))
 
 

@@ -28,11 +28,16 @@ from tests.launch import FAST_ARGS, read_losses, run_torchrun, run_train
 # ------------------------------------------------------------------ multi-process jobs (graph mode)
 
 
+# Two data shards: each rank tokenizes only its own documents, so a save gathers every shard's
+# position from the ranks, and the resumes below read on at other data-parallel degrees.
+SHARDS = ("--training.dataset_shards", "2")
+
+
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
     """FSDP=2, 10 steps, saving at steps 5 and 10: the reference, and the step-5 checkpoint."""
     folder = tmp_path_factory.mktemp("straight")
-    run_train(2, folder, "--training.steps", "10", "--checkpoint.interval", "5")
+    run_train(2, folder, "--training.steps", "10", "--checkpoint.interval", "5", *SHARDS)
     return folder
 
 
@@ -66,7 +71,7 @@ def test_resume_is_bitwise_identical_and_ignores_half_written_saves(straight, fi
     (root / "step-8").mkdir()
     assert complete_steps(str(root)) == [5]
 
-    result = run_train(2, first_half, "--training.steps", "10", "--checkpoint.interval", "5")
+    result = run_train(2, first_half, "--training.steps", "10", "--checkpoint.interval", "5", *SHARDS)
     assert f"resuming from checkpoint {root / 'step-5'} (step 5)" in result.stderr
     losses = read_losses(first_half)
     assert [s for s, _ in losses] == list(range(1, 11))  # losses.txt was appended to
@@ -91,10 +96,12 @@ def test_manifest_lists_every_ranks_files(straight_run):
         "train_state.json",
     }
     assert manifest.verify_folder(str(step)) is None
+    data = json.loads((step / "train_state.json").read_text())["dataloader"]
+    assert data["shards"] == 2 and sorted(data["positions"]) == ["0", "1"]  # both ranks' shards
 
 
 def test_fsdp2_checkpoint_resumes_at_fsdp4(tmp_path, straight, first_half):
-    # Same global batch: 2 ranks x 2 sequences -> 4 ranks x 1 sequence.
+    # Same global batch: 2 ranks x 2 sequences -> 4 ranks x 1 sequence (ranks 0, 1 read shard 0).
     assert FAST_ARGS[FAST_ARGS.index("--training.local_batch_size") + 1] == "2"
     result = run_train(
         4,
@@ -109,6 +116,7 @@ def test_fsdp2_checkpoint_resumes_at_fsdp4(tmp_path, straight, first_half):
         "5",
         "--checkpoint.interval",
         "0",
+        *SHARDS,
     )
     assert "written by 2 ranks, this run has 4: RNG states not restored" in result.stderr
     losses = read_losses(tmp_path)
@@ -121,11 +129,11 @@ def test_fsdp2_checkpoint_resumes_at_fsdp4(tmp_path, straight, first_half):
 def test_fsdp2_checkpoint_resumes_at_pp2xtp2_and_that_checkpoint_in_one_process(
     tmp_path, straight, first_half, straight_run
 ):
-    """Across pp and tp both ways. FSDP=2's global batch of 4 is 2 microbatches of 2 through PP=2 x
-    TP=2 on 4 ranks (every gradient the same 2-term sum over microbatches; TP's all-reduces sum
-    partial products the one-process matmul sums in one); the gradient norm adds the stages' sums
-    of squares in another grouping, so the bound is ACCUMULATION_RTOL's, not bitwise
-    (docs/numerics.md, Pipeline parallel)."""
+    """Across pp and tp both ways. FSDP=2's global batch of 4 (two rows of each data shard, one
+    rank each) is 2 microbatches of 2 (a row of each shard) through PP=2 x TP=2 on 4 ranks: the
+    same rows, their gradients summed in another grouping; TP's all-reduces sum partial products
+    the one-process matmul sums in one, and the gradient norm adds the stages' sums of squares, so
+    the bound is ACCUMULATION_RTOL's, not bitwise (docs/numerics.md, Pipeline parallel)."""
     from suites.cases import ACCUMULATION_RTOL
 
     # (a copy of step-5 alone: first_half's folder stays as the other tests leave it, step-10 included)
@@ -148,6 +156,7 @@ def test_fsdp2_checkpoint_resumes_at_pp2xtp2_and_that_checkpoint_in_one_process(
         "5",
         "--checkpoint.interval",
         "5",
+        *SHARDS,
     )
     assert "loaded checkpoint" in result.stderr
     losses = read_losses(tmp_path)
@@ -157,7 +166,14 @@ def test_fsdp2_checkpoint_resumes_at_pp2xtp2_and_that_checkpoint_in_one_process(
     # The step-10 checkpoint of PP=2 x TP=2 (each rank saved its tp shards of its stages) loads whole in one process.
     piped, plain = (
         _trainer(
-            tmp_path / name, "--training.steps", "10", "--checkpoint.folder", str(root), "--checkpoint.load_step", "10"
+            tmp_path / name,
+            "--training.steps",
+            "10",
+            *SHARDS,
+            "--checkpoint.folder",
+            str(root),
+            "--checkpoint.load_step",
+            "10",
         )
         for name, root in (("piped", checkpoints), ("plain", straight_run / "checkpoint"))
     )

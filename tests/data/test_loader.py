@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from graph_trainer.data.loader import build_dataloader
+from graph_trainer.data.loader import build_dataloader, merge_states
 from graph_trainer.data.synthetic import synthetic_document
 from graph_trainer.data.tokenizer import ByteTokenizer, build_tokenizer
 from graph_trainer.errors import ConfigError
@@ -151,12 +151,13 @@ def test_synthetic_corpus_has_learnable_structure():
 # ---------------------------------------------------------------- data-parallel sharding
 
 
-def _assert_dp_union(degree, steps, **kwargs):
-    batch = 3
+def _rank_loaders(degree, batch=3, **kwargs):
+    return [make_loader(local_batch_size=batch, dp_rank=r, dp_degree=degree, **kwargs) for r in range(degree)]
+
+
+def _assert_dp_union(degree, steps, batch=3, **kwargs):
     single = take(make_loader(local_batch_size=batch * degree, **kwargs), steps)
-    ranks = [
-        take(make_loader(local_batch_size=batch, dp_rank=r, dp_degree=degree, **kwargs), steps) for r in range(degree)
-    ]
+    ranks = [take(loader, steps) for loader in _rank_loaders(degree, batch, **kwargs)]
     for step in range(steps):
         for part in (0, 1):  # tokens, labels
             union = torch.cat([ranks[r][step][part] for r in range(degree)])
@@ -172,6 +173,72 @@ def test_dp_union_equals_single_process_synthetic(degree):
 
 def test_dp_union_equals_single_process_file_across_epochs(hf_cache):
     _assert_dp_union(2, steps=4, dataset=write_jsonl(hf_cache / "d.jsonl", DOCS), seq_len=10)
+
+
+@pytest.mark.parametrize(("degree", "shards", "batch"), [(2, 2, 3), (4, 4, 1), (2, 3, 3), (2, 4, 2), (4, 2, 1)])
+def test_dp_union_equals_single_process_with_the_same_shards(degree, shards, batch):
+    _assert_dp_union(degree, steps=3, batch=batch, seed=11, shards=shards)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_dp_union_with_shards_file_across_epochs(hf_cache, streaming):
+    data = write_jsonl(hf_cache / "d.jsonl", DOCS)
+    _assert_dp_union(2, steps=6, dataset=data, seq_len=10, shards=2, streaming=streaming)
+    _assert_dp_union(2, steps=6, dataset=data, seq_len=10, shards=3, streaming=streaming)
+
+
+def test_a_shard_is_every_shards_th_document_packed_alone(hf_cache):
+    docs = DOCS + ["fifth", "sixth document"]
+    data = write_jsonl(hf_cache / "d.jsonl", docs)
+    batches = take(make_loader(dataset=data, seq_len=7, local_batch_size=2, shards=2), 9)
+    for row in (0, 1):  # one row per shard and batch
+        got = window_stream([(t[row : row + 1], lab[row : row + 1]) for t, lab in batches])
+        expected = byte_stream(docs[row::2])
+        assert len(got) > len(expected)  # into the shard's second epoch
+        assert got == (expected * 2)[: len(got)]
+
+
+class _Recording(ByteTokenizer):
+    """The byte tokenizer, remembering every text it encoded."""
+
+    def __init__(self):
+        super().__init__()
+        self.texts = []
+
+    def encode(self, text):
+        self.texts.append(text)
+        return super().encode(text)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_each_rank_tokenizes_only_its_shards_documents(hf_cache, streaming):
+    data = write_jsonl(hf_cache / "d.jsonl", DOCS)
+    for shards in (1, 2):
+        for rank in (0, 1):
+            tokenizer = _Recording()
+            loader = make_loader(
+                dataset=data, tokenizer=tokenizer, dp_rank=rank, dp_degree=2, shards=shards, streaming=streaming
+            )
+            take(loader, 3)
+            mine = DOCS if shards == 1 else DOCS[rank::2]
+            assert set(tokenizer.texts) == set(mine), (shards, rank)
+
+
+def test_streaming_gives_the_table_s_batches_and_resumes_without_tokenizing_the_skipped(hf_cache):
+    data = write_jsonl(hf_cache / "d.jsonl", DOCS)
+    args = dict(dataset=data, seq_len=6, local_batch_size=2, tokenizer=_Recording())
+    for shards in (1, 2):
+        table = take(make_loader(**args, shards=shards), 12)
+        stream = make_loader(**args, shards=shards, streaming=True)
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(table, take(stream, 12), strict=True))
+    # Resume deep in the stream: the documents before the saved one are read again, not tokenized.
+    state = stream.state_dict()
+    tokenizer = _Recording()
+    resumed = make_loader(**{**args, "tokenizer": tokenizer}, shards=2, streaming=True)
+    resumed.load_state_dict(state)
+    next(resumed)
+    assert state["positions"]["0"][0] > 2  # in the second epoch of a shard of two documents
+    assert len(tokenizer.texts) <= 2 * 2  # each shard's current document and the next one
 
 
 # ---------------------------------------------------------------- resuming
@@ -203,6 +270,39 @@ def test_resume_file_exactly_across_epoch_boundary(hf_cache):
     _assert_resumes_exactly(
         lambda: make_loader(dataset=data, seq_len=8, local_batch_size=2), stops=range(total), total=total
     )
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_resume_with_shards_exactly_across_epochs(hf_cache, streaming):
+    data = write_jsonl(hf_cache / "d.jsonl", DOCS)
+    make = lambda: make_loader(dataset=data, seq_len=8, local_batch_size=2, shards=2, streaming=streaming)  # noqa: E731
+    _assert_resumes_exactly(make, stops=[0, 3, 7], total=10)
+
+
+def test_ranks_states_merge_and_resume_on_another_dp_degree():
+    ranks = _rank_loaders(2, batch=2, seed=3, shards=2)
+    for loader in ranks:
+        take(loader, 3)
+    with pytest.raises(ValueError, match="1 of 2 shards"):
+        merge_states([ranks[0].state_dict()])
+    state = merge_states([loader.state_dict() for loader in ranks])
+    expected = [torch.cat(parts) for parts in zip(*[[t for t, _ in take(loader, 2)] for loader in ranks], strict=True)]
+    single = make_loader(local_batch_size=4, seed=3, shards=2)  # the same batches on one rank
+    single.load_state_dict(json.loads(json.dumps(state)))  # as train_state.json holds it
+    assert all(torch.equal(e, t) for e, (t, _) in zip(expected, take(single, 2), strict=True))
+
+
+def test_a_version_1_state_loads_as_one_shard():
+    loader = make_loader(seed=4)
+    take(loader, 3)
+    state = loader.state_dict()
+    old = {"version": 1, "stream": state["stream"], "step": 3, "doc": state["positions"]["0"][0]}
+    old["offset"] = state["positions"]["0"][1]
+    resumed = make_loader(seed=4)
+    resumed.load_state_dict(old)
+    assert torch.equal(next(resumed)[0], next(loader)[0])
+    with pytest.raises(ConfigError, match="dataset_shards = 1, this run has 2"):
+        make_loader(seed=4, shards=2).load_state_dict(old)
 
 
 def test_state_of_another_stream_is_rejected():
@@ -283,8 +383,37 @@ def test_vocab_too_small_for_tokenizer():
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(seq_len=0), dict(local_batch_size=0), dict(dp_rank=2, dp_degree=2), dict(dp_degree=0), dict(dataset="")],
+    [
+        dict(seq_len=0),
+        dict(local_batch_size=0),
+        dict(dp_rank=2, dp_degree=2),
+        dict(dp_degree=0),
+        dict(dataset=""),
+        dict(shards=0),
+    ],
 )
 def test_bad_shapes_and_ranks(bad):
     with pytest.raises(ConfigError):
         make_loader(**bad)
+
+
+def test_shards_must_divide_the_batch_of_all_ranks():
+    with pytest.raises(ConfigError, match=r"dataset_shards = 3 must divide.*4 x 2 = 8"):
+        make_loader(local_batch_size=4, dp_degree=2, shards=3)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_too_few_rows_for_the_shards(hf_cache, streaming):
+    data = write_jsonl(hf_cache / "d.jsonl", DOCS)
+    with pytest.raises(ConfigError, match="4 rows: too few for 8 shards.*at most 4"):
+        next(make_loader(dataset=data, local_batch_size=8, shards=8, streaming=streaming))
+
+
+def test_settings_a_dataset_cannot_take(hf_cache):
+    data = write_jsonl(hf_cache / "d.jsonl", DOCS)
+    with pytest.raises(ConfigError, match="local path, which has no subsets"):
+        make_loader(dataset=data, subset="en")
+    with pytest.raises(ConfigError, match="no subsets and is not streamed"):
+        make_loader(streaming=True)
+    with pytest.raises(ConfigError, match="a slice, which a streamed dataset cannot take"):
+        make_loader(dataset=data, streaming=True, dataset_split="train[:50%]")
