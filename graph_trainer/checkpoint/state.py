@@ -281,6 +281,8 @@ def restore_train_state(folder: str, step: int, optimizer, scheduler, dataloader
     # The checkpoint gives the schedule's position; its shape (peak lr, warmup, decay over
     # training.steps) comes from this run's config, so extending a run re-plans the decay.
     sched["base_lrs"] = list(scheduler.base_lrs)
+    if "_step_count" in sched:  # the step() below counts a call: the count stays the checkpoint's
+        sched["_step_count"] -= 1
     scheduler.load_state_dict(sched)
     if scheduler.last_epoch != step:
         raise ConfigError(f"checkpoint {folder} is inconsistent: LR schedule at {scheduler.last_epoch}, not {step}")

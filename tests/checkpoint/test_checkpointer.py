@@ -276,6 +276,7 @@ def test_eager_resume_bitwise_restores_adamw_steps_lr_and_trims_losses(tmp_path)
     assert resumed.scheduler.get_last_lr() == [resumed.optimizer.param_groups[0]["lr"]]
     losses = resumed.train()
     assert [repr(x) for x in losses] == [repr(x) for x in straight_losses[2:]]
+    assert resumed.scheduler.state_dict() == straight.scheduler.state_dict()  # its step count too
     # The step-3/4 lines of the first run were dropped before appending, not duplicated.
     assert (tmp_path / "losses.txt").read_text() == reference
     assert complete_steps(str(tmp_path / "checkpoint")) == [2, 4]  # step-4 saved again by this run
