@@ -17,6 +17,7 @@ clean-up of what an interrupted save left behind.
   in between leaves the ``.removing-`` folder, which ``clean_leftovers`` deletes.
 * ``trim_step_lines``: a resumed run's ``losses.txt`` without the lines after its step, atomically.
 * ``move_aside``: moves checkpoints (and a ``losses.txt``) into ``<root>.aside-<time>/``, never deleting.
+* ``full_disk_note``: what to add to a failed write's error when the disk is nearly full.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import uuid
 _TMP = re.compile(r"^step-(\d+)\.tmp-[0-9a-f]+$")
 _OLD = re.compile(r"^step-(\d+)\.old-[0-9a-f]+$")
 _REMOVING = re.compile(r"^step-(\d+)\.removing-[0-9a-f]+$")
+_NEARLY_FULL = 64 << 20  # bytes free below which a failed write is blamed on the disk
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -173,3 +175,16 @@ def move_aside(root: str, names: list[str], losses: str | None, keep_losses: boo
             shutil.move(losses, target)
     fsync_dir(root)
     return aside
+
+
+def full_disk_note(folder: str, error: str) -> str:
+    """``"; the disk holding <folder> has N MiB free: it is full"`` when a write into ``folder``
+    failed (``error``) on a nearly full disk without saying so: torch's zip writer reports a full
+    disk only as a short file ("unexpected pos"); ``""`` otherwise."""
+    if "No space left" in error:
+        return ""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f"; the disk holding {folder} has {free / (1 << 20):.1f} MiB free: it is full" if free < _NEARLY_FULL else ""

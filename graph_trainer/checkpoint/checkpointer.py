@@ -53,6 +53,7 @@ import torch.distributed as dist
 from graph_trainer.checkpoint import manifest
 from graph_trainer.checkpoint.atomic_files import (
     clean_leftovers,
+    full_disk_note,
     move_aside,
     remove_steps,
     replace_dir,
@@ -468,9 +469,10 @@ class Checkpointer:
             self._keep_latest(step)
 
     def _failed(self, tmp: str, error: JobError) -> JobError:
+        full = full_disk_note(self.root, str(error))  # (before the partial save's space is freed)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # never a checkpoint; the earlier ones are untouched
-        return JobError(f"{error} (earlier checkpoints are intact)")
+        return JobError(f"{error}{full} (earlier checkpoints are intact)")
 
     def finish_pending(self) -> None:
         """Wait until the background save (if one runs) is sealed; raise its failure (a ``JobError``

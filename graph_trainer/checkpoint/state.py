@@ -35,6 +35,7 @@ at the restored step. Resuming is bitwise identical to not stopping when the lay
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import warnings
@@ -51,7 +52,7 @@ from graph_trainer.config import Model
 from graph_trainer.data.loader import merge_states
 from graph_trainer.distributed.comm import agree
 from graph_trainer.distributed.simple_fsdp import clean_fqn
-from graph_trainer.errors import ConfigError, some_names
+from graph_trainer.errors import ConfigError, one_line, some_names
 
 FORMAT_VERSION = 1
 _ADAMW_STATE = ("exp_avg", "exp_avg_sq", "step")
@@ -174,8 +175,12 @@ def save_rng(folder: str, rank: int, device: torch.device) -> None:
     rng = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
-    with open(os.path.join(folder, f"rng-rank{rank}.pt"), "wb") as f:
-        torch.save(rng, f)
+    path = os.path.join(folder, f"rng-rank{rank}.pt")
+    with open(path, "wb") as f:
+        try:
+            torch.save(rng, f)
+        except RuntimeError as e:  # torch's zip writer says a short write (a full disk) this way
+            raise OSError(errno.EIO, f"{one_line(e)} (writing {path})") from None
         f.flush()
         os.fsync(f.fileno())
 

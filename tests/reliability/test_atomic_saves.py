@@ -9,9 +9,11 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from graph_trainer.checkpoint.atomic_files import clean_leftovers, remove_steps, replace_dir, trim_step_lines
 from graph_trainer.checkpoint.checkpointer import complete_steps
+from graph_trainer.errors import JobError
 from tests.reliability.helpers import copy_job, make_trainer
 
 
@@ -129,3 +131,27 @@ def test_an_interrupted_deletion_leaves_no_half_deleted_checkpoint(tmp_path, mon
     assert leftover.startswith("step-1.removing-")
     assert clean_leftovers(str(root)) == [f"removed {leftover} (an old checkpoint whose removal was interrupted)"]
     assert sorted(os.listdir(root)) == ["step-2"]
+
+
+@pytest.mark.parametrize("free_mib", [1, 4096])
+def test_a_save_failing_on_a_full_disk_names_the_disk(tmp_path, monkeypatch, free_mib):
+    """torch's zip writer reports a full disk only as a short file ("unexpected pos"): the error
+    adds the disk's free space when it is nearly full, and only then."""
+    trainer = make_trainer(tmp_path, "--training.steps", "2", "--checkpoint.interval", "1")
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):  # the disk fills while step 2's RNG state is written
+        if "step-2" in getattr(f, "name", "") and "rng-rank" in f.name:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 0, free_mib << 20))
+    with pytest.raises(JobError) as info:
+        trainer.train()
+    root = tmp_path / "checkpoint"
+    full = f"; the disk holding {root} has 1.0 MiB free: it is full" if free_mib == 1 else ""
+    message = str(info.value)
+    assert message.startswith(f"cannot save checkpoint {root / 'step-2'}: ") and "unexpected pos 704 vs 598" in message
+    assert message.endswith(f"rng-rank0.pt){full} (earlier checkpoints are intact)")
+    assert complete_steps(str(root)) == [1]
