@@ -15,7 +15,8 @@ rows: S sources cover every row of an epoch exactly once.
 Map-style tables (``datasets.Dataset``: memory-mapped Arrow) jump straight to any document, so a
 resume costs nothing. Streamed datasets (``datasets.IterableDataset``, ``training.dataset_streaming``)
 read rows in order: going back to a document reads the rows before it again, without tokenizing
-them. For the same data the two give the same documents in the same order.
+them. For the same data the two give the same documents in the same order. Hub datasets
+("org/name") need network access or a copy already in the Hugging Face cache.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 from graph_trainer.data.tokenizer import Tokenizer, with_specials
 from graph_trainer.errors import ConfigError, one_line
 
-__all__ = ["load_documents", "is_local_path"]
+__all__ = ["load_documents"]
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 _CHUNK_DOCS = 256  # a table's documents read at a time: bounded memory, few slow per-row calls
@@ -154,7 +155,7 @@ class StreamedDocuments:
         return tokens
 
 
-def is_local_path(dataset: str) -> bool:
+def _is_local_path(dataset: str) -> bool:
     """Whether ``dataset`` names a local file/folder rather than a hub dataset such as "org/name"."""
     if os.path.exists(os.path.expanduser(dataset)):
         return True
@@ -205,7 +206,7 @@ def _open(dataset: str, subset: str, split: str, streaming: bool, setting: str):
             f"split {split!r} is a slice, which a streamed dataset cannot take; turn "
             "training.dataset_streaming off, or give a whole split"
         )
-    if is_local_path(dataset):
+    if _is_local_path(dataset):
         if subset:
             raise ConfigError(f"{setting} {dataset!r} is a local path, which has no subsets; leave the subset out")
         builder, files = _local_data_files(dataset, setting)
