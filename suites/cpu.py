@@ -8,7 +8,6 @@ from suites.cases import (
     DEEPSEEK_DEBUG,
     EP_OVERLAP,
     HSDP_RTOL,
-    INDUCTOR_FLAGS,
     INDUCTOR_FULL_FLAGS,
     INDUCTOR_RTOL,
     Case,
@@ -215,17 +214,6 @@ CPU_INDUCTOR_CASES = [
         "deepseek_ep2_inductor_full",
         2,
         [*_EP2, *INDUCTOR_FULL_FLAGS],
-        close_to="deepseek_ep2_graph",
-        rtol=INDUCTOR_RTOL,
-        config=DEEPSEEK_DEBUG,
-    ),
-    # DeepSeek-V3 regional, unchunked. (ep_overlap's chunked graph compiled regionally, within the
-    # bound of its op-by-op twin, was this case until it cost 203 s of CI against 70 s: its MoE
-    # chunks make 135 regions; docs/performance.md, "CI costs of cases left out".)
-    Case(
-        "deepseek_ep2_inductor",
-        2,
-        [*_EP2, *INDUCTOR_FLAGS],
         close_to="deepseek_ep2_graph",
         rtol=INDUCTOR_RTOL,
         config=DEEPSEEK_DEBUG,
