@@ -121,9 +121,10 @@ H100_PIPELINE_CASES = _pipeline_cases(
 ) + [Case("llama3_405b_pp16xtp8xfsdp4_1f1b", 512, [], config="configs/llama3_405b.toml", dry_run_only=True)]
 H100_CASES = (
     layout_cases(_8B_LAYOUTS)
-    + pass_cases(_8B_LAYOUTS, ["fsdp8"])
-    # (auto_bucketing is the FSDP layout's case: PyTorch's overlap scheduler takes 1 to 2 minutes
-    # on an 8B graph in the CI dry run, so under TP block bucketing alone, as under HSDP)
+    # (auto_bucketing at 8B composed with block bucketing, as users run it: PyTorch's overlap
+    # scheduler alone takes about 2 minutes on the 8B graph in the CI dry run; under TP and HSDP
+    # block bucketing alone)
+    + pass_cases(_8B_LAYOUTS, ["fsdp8"], passes={k: BUCKETING[k] for k in ("tbb", "tbb_auto")})
     + pass_cases(_8B_LAYOUTS, ["fsdp4xtp2"], passes={"tbb": BUCKETING["tbb"]})
     + pass_cases(_8B_LAYOUTS, ["hsdp2x4"], passes={"tbb": BUCKETING["tbb"]})
     + _DEBUG_DDP_CASES
