@@ -78,7 +78,13 @@ def lr_plan(t: Training) -> dict[str, object]:
 def lr_replan(saved: dict[str, object], t: Training, step: int) -> str | None:
     """What changes when a run saved after ``step`` under the plan ``saved`` resumes with ``t``
     (None: nothing, or nothing trained yet: a step-0 conversion plans no schedule): the fields
-    that differ, the next step's lr, and the last step's under both."""
+    that differ, the next step's lr, and the last step's under both; or, for a checkpoint that
+    records no plan (``saved`` empty), that the schedule from here is this build's."""
+    if not saved and step > 0:  # written before checkpoints recorded their plan
+        return (
+            f"the checkpoint records no LR schedule (it predates them): from step {step + 1} the lr "
+            f"follows this build's schedule of this run's settings, {t.lr * lr_multiplier(step, t):.4e} next"
+        )
     changed = {k: (saved[k], v) for k, v in lr_plan(t).items() if k in saved and saved[k] != v}
     if not changed or step == 0:
         return None

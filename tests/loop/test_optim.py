@@ -80,3 +80,7 @@ def test_a_replan_is_reported_after_a_trained_step_only():
     assert lr_replan(lr_plan(t), t, 12) is None  # the same settings
     line = lr_replan(lr_plan(dataclasses.replace(t, steps=20)), t, 12)
     assert line.startswith("the LR schedule's settings differ from the checkpoint's (training.steps 20 -> 40)")
+    # A checkpoint older than the plan record cannot say what schedule it trained under: said so.
+    older = lr_replan({}, t, 12)
+    assert older.startswith("the checkpoint records no LR schedule (it predates them): from step 13")
+    assert older.endswith(f"{t.lr * (1 - (12 - 4) / 36):.4e} next")  # linear decay from the peak over 36 steps
