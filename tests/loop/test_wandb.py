@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,19 @@ def _items(items) -> dict[str, object]:
     return {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in items}
 
 
+def _settled_records(run_file: Path, seconds: float = 30.0) -> list:
+    """The run file's records once W&B's writer has written the last history row: on a loaded
+    machine its service process may still be writing for a moment after ``finish`` returned (a
+    CI run with other jobs beside it read only step 1's row)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        records = wandb_records(run_file)
+        rows = [r for r in records if r.WhichOneof("record_type") == "history"]
+        if any(r.history.step.num == 4 for r in rows) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
 def test_the_run_holds_every_logged_step_and_the_resolved_config(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -59,7 +73,7 @@ def test_the_run_holds_every_logged_step_and_the_resolved_config(tmp_path, monke
     validate_config(cfg)
     Trainer(cfg).train()
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    records = wandb_records(run_file)
+    records = _settled_records(run_file)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.display_name == "wandb test"
     config = _items(run.config.update)
