@@ -110,16 +110,20 @@ def dry_run_pipelines(suite: Suite, cases: list[Case]) -> list[dict[str, object]
                 traced = trace_pipeline(cfg, case.nproc, gpu_attention=suite.gpus, traces=traces)
                 pipeline = traced.layout.pipeline
                 optimizer = adamw_memory("cuda" if suite.gpus else "cpu")
-                estimate = estimate_pipeline(pipeline.plan, traced.stages, device, case.nproc, 8, optimizer)
+                estimate = estimate_pipeline(
+                    pipeline.plan, traced.stages, device, case.nproc, 8, optimizer, traced.resident
+                )
             problems, checked = [], set()
             for s in range(pipeline.plan.num_stages):
                 gm = traced.stages[s].gm
                 if id(gm) not in checked:  # (a trace shared by stages of one signature: checked once)
                     checked.add(id(gm))
                     ends = (s == 0, s == pipeline.last_stage)
-                    found = check_stage_graph(gm, cfg, degrees, traced.traced_blocks[s], *ends)
+                    resident = traced.resident.get(s)
+                    found = check_stage_graph(gm, cfg, degrees, traced.traced_blocks[s], *ends, resident)
                     problems += [f"stage {s}: {p}" for p in found]
             graphs = [traced.stages[s].gm for s in range(pipeline.plan.num_stages)]
+            graphs += [gm for r in traced.resident.values() for gm in (r.gather, r.reduce)]
             summary, _ = pipeline_rows(case.name, cfg, case.nproc, estimate, pipeline.stage_blocks)
             rank, memory = estimate.worst_memory()
             line = (

@@ -318,9 +318,13 @@ def check_backend(gm, cfg, row: dict[str, object]) -> list[str]:
     return problems
 
 
-def check_stage_graph(gm, cfg, degrees: dict[str, int], blocks: range, first: bool, last: bool) -> list[str]:
+def check_stage_graph(
+    gm, cfg, degrees: dict[str, int], blocks: range, first: bool, last: bool, resident=None
+) -> list[str]:
     """What is wrong with one pipeline stage's graph (after its passes): FSDP all-gathers and
-    reduce-scatters iff ``dp_shard > 1``, gradient all-reduces iff ``dp_replicate > 1``; on LLaMA-3,
+    reduce-scatters iff ``dp_shard > 1``, gradient all-reduces iff ``dp_replicate > 1`` (with weights
+    resident per step, ``resident`` its ``ResidentTrace``: in its gather and reduce graphs, none in
+    the microbatch's graph ``gm``); on LLaMA-3,
     tensor parallel's all-reduces iff ``tp > 1`` (every stage holds blocks);
     all_to_alls iff ``ep > 1`` and the stage holds MoE blocks, each tagged, every MoE block of the
     stage with its dispatch and combine both ways and nothing of another stage's; with
@@ -338,8 +342,13 @@ def check_stage_graph(gm, cfg, degrees: dict[str, int], blocks: range, first: bo
         if not ok:
             problems.append(message)
 
-    problems += _data_parallel_problems(nodes, degrees) + _tensor_parallel_problems(nodes, cfg, degrees)
-    gathers = fsdp_launches(nodes, FSDP_GATHER, "forward")
+    fsdp_nodes = nodes
+    if resident is not None:
+        in_step = [n for n in nodes if tags.has(n, FSDP_ROLE)]
+        need(not in_step, f"{len(in_step)} SimpleFSDP collectives in the microbatch graph of weights resident per step")
+        fsdp_nodes = collective_launches(resident.gather) + collective_launches(resident.reduce)
+    problems += _data_parallel_problems(fsdp_nodes, degrees) + _tensor_parallel_problems(nodes, cfg, degrees)
+    gathers = fsdp_launches(fsdp_nodes, FSDP_GATHER, "forward")
     n_dense = getattr(args, "n_dense_layers", None)  # (None: a model without MoE blocks)
     moe = [] if n_dense is None else [b for b in blocks if b >= n_dense]
     a2a = [n for n in nodes if collective_name(n) in COLLECTIVE_KINDS["A2A"]]

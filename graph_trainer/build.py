@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from graph_trainer.compiler.passes import PassContext, prepare_model_for_passes
-from graph_trainer.config import JobConfig
+from graph_trainer.config import JobConfig, weights_per_step
 from graph_trainer.distributed.parallel_dims import (
     ParallelDims,
     build_mesh,
@@ -111,6 +111,8 @@ class JobLayout:
     microbatches: int = 1
     pipeline: RankPipeline | None = None
     """The pipeline (``parallelism.pp`` > 1): schedule, stages' blocks, this rank's stages."""
+    weights_per_step: bool = False
+    """SimpleFSDP's gathers and reductions run once per step (``config.weights_per_step``)."""
 
     @property
     def loss_scale(self) -> float:
@@ -132,7 +134,8 @@ def build_layout(cfg: JobConfig, world_size: int, device_type: str, args=None) -
     )
     mesh = build_mesh(dims, device_type)
     pipeline = rank_pipeline(cfg, args, dims.pp, microbatches, pp_rank(mesh, dims)) if dims.pp > 1 else None
-    return JobLayout(args, dims, mesh, mp, microbatches, pipeline)
+    per_step = weights_per_step(cfg.parallelism, dims.dp_size)
+    return JobLayout(args, dims, mesh, mp, microbatches, pipeline, per_step)
 
 
 def rank_pipeline(cfg: JobConfig, args, pp: int, microbatches: int, rank: int) -> RankPipeline:

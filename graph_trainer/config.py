@@ -23,6 +23,7 @@ ModelName = Literal["llama3", "deepseek_v3"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 DecayType = Literal["linear", "sqrt", "cosine", "constant"]
 ReshardAfterForward = Literal["always", "never"]
+FsdpCollectives = Literal["default", "per_microbatch", "per_step"]
 AsyncMode = Literal["disabled", "async"]
 ChunkDim = Literal["batch", "seq"]
 CompileMode = Literal["graph", "eager"]
@@ -154,7 +155,15 @@ class Parallelism:
     ep: int = 1
     """Expert-parallel degree (MoE models only)."""
     fsdp_reshard_after_forward: ReshardAfterForward = "always"
-    """'always': backward re-gathers parameters instead of keeping them from forward; 'never': keep them."""
+    """'always': backward re-gathers parameters instead of keeping them from forward; 'never': keep them.
+    Acts on microbatches that gather their weights (fsdp_collectives per_microbatch)."""
+    fsdp_collectives: FsdpCollectives = "default"
+    """When SimpleFSDP gathers weights and reduces gradients. 'per_microbatch': each microbatch
+    gathers the weights it computes with and reduces its gradients; 'per_step': the weights are
+    gathered once, before the step's first microbatch, and kept until the last one's backward,
+    and their gradients are summed over the microbatches in mixed_precision_reduce and reduced
+    once (graph_trainer/distributed/resident.py: more memory, fewer collectives); 'default':
+    per_step under pp > 1 (as torchtitan's and Megatron's pipelines), per_microbatch otherwise."""
     pp: int = 1
     """Pipeline-parallel degree: the transformer blocks are split into stages over this many ranks
     (the outermost mesh dim; data, tensor and expert parallelism run inside each stage)."""
@@ -384,6 +393,13 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
+
+
+def weights_per_step(p: Parallelism, dp_size: int) -> bool:
+    """Whether SimpleFSDP gathers weights and reduces gradients once per step (``fsdp_collectives``)
+    at data-parallel degree ``dp_size`` (without data parallelism nothing is gathered or reduced)."""
+    chosen = p.fsdp_collectives == "per_step" or (p.fsdp_collectives == "default" and p.pp > 1)
+    return chosen and dp_size > 1
 
 
 def in_dump_folder(cfg: JobConfig, folder: str) -> str:

@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from graph_trainer.build import JobLayout, build_job_model, build_layout, pass_context, stage_modules
-from graph_trainer.compiler.chain import transform_graph
+from graph_trainer.compiler.chain import transform_graph, transform_resident
 from graph_trainer.compiler.passes import PassContext
+from graph_trainer.compiler.resident import ResidentTrace, trace_resident
 from graph_trainer.compiler.tracer import TracedStep, trace_train_step
 from graph_trainer.config import JobConfig
 from graph_trainer.errors import ConfigError
@@ -102,6 +103,12 @@ def trace_without_passes(
             f"parallelism.pp = {cfg.parallelism.pp}: a pipeline is traced stage by stage (trace_pipeline)"
         )
     layout = build_layout(cfg, world_size, device_type, model_args)
+    if layout.weights_per_step:
+        raise ConfigError(
+            "parallelism.fsdp_collectives = per_step without pipeline parallel is not traced on the fake process "
+            "group (analyze, dry run): fake traces of weights resident per step are made for pp > 1; "
+            "the trainer runs it"
+        )
     model = build_job_model(cfg, layout, torch.device("meta"), param_dtype)
     batch = _meta_tokens(cfg)
     traced = _fake_trace(model, cfg, layout, batch, batch, device_type, gpu_attention)
@@ -114,9 +121,11 @@ def _meta_tokens(cfg: JobConfig) -> torch.Tensor:
 
 
 def _fake_trace(model, cfg: JobConfig, layout: JobLayout, stage_in, target, device_type: str, gpu_attention: bool):
-    """``trace_train_step`` of ``model`` (the job or one stage) on meta inputs, for ``device_type``."""
+    """``trace_train_step`` of ``model`` (the job or one stage) on meta inputs, for ``device_type``;
+    with weights resident per step, ``compiler.resident.trace_resident`` (a ``ResidentTrace``)."""
+    trace = trace_resident if layout.weights_per_step else trace_train_step
     with _GpuAttention() if gpu_attention else contextlib.nullcontext():
-        return trace_train_step(
+        return trace(
             model,
             stage_in,
             target,
@@ -169,6 +178,9 @@ class TracedPipeline:
     traced_blocks: dict[int, range]
     """Per stage, the blocks its graph was traced with: its own, or those of the stage of equal
     signature it shares the trace with (its parameter and module names are that stage's)."""
+    resident: dict[int, ResidentTrace] = dataclasses.field(default_factory=dict)
+    """Per stage, with weights resident per step: its gather, step and reduce graphs (``stages``
+    holds the step graph)."""
 
 
 def trace_pipeline(
@@ -196,8 +208,9 @@ def trace_pipeline(
     tokens = _meta_tokens(cfg)
     hidden_dtype = param_dtype or layout.mp.param_dtype
     hidden = torch.empty(*tokens.shape, layout.model_args.dim, dtype=hidden_dtype, device="meta")
-    traced_by_signature: dict[tuple, tuple[TracedStep, range]] = traces if traces is not None else {}
+    traced_by_signature: dict[tuple, tuple[TracedStep | ResidentTrace, range]] = traces if traces is not None else {}
     stages: dict[int, TracedStep] = {}
+    resident: dict[int, ResidentTrace] = {}
     traced_blocks: dict[int, range] = {}
     modules_of_rank: dict[int, dict[int, nn.Module]] = {}
     for stage, signature in _stage_signatures(pipeline).items():
@@ -213,11 +226,16 @@ def trace_pipeline(
                 tokens if stage == pipeline.last_stage else hidden.clone(),
             )
             traced = _fake_trace(module, cfg, layout, stage_in, target, device_type, gpu_attention)
-            if passes:
+            if passes and isinstance(traced, ResidentTrace):
+                transform_resident(traced, pass_context(cfg, rank_layout, module))
+            elif passes:
                 traced.gm = transform_graph(traced.gm, pass_context(cfg, rank_layout, module))
             traced_by_signature[signature] = (traced, pipeline.stage_blocks[stage])
-        stages[stage], traced_blocks[stage] = traced_by_signature[signature]
-    return TracedPipeline(layout, stages, traced_blocks)
+        traced, traced_blocks[stage] = traced_by_signature[signature]
+        if isinstance(traced, ResidentTrace):
+            resident[stage], traced = traced, traced.step
+        stages[stage] = traced
+    return TracedPipeline(layout, stages, traced_blocks, resident)
 
 
 __all__ = ["TracedPipeline", "fake_world", "trace_job", "trace_pipeline", "trace_without_passes"]

@@ -20,7 +20,7 @@ import torch
 
 from graph_trainer.build import rank_pipeline
 from graph_trainer.compiler.passes import PASS_REGISTRY, unknown_pass
-from graph_trainer.config import JobConfig
+from graph_trainer.config import JobConfig, Parallelism, weights_per_step
 from graph_trainer.config_loading import choices, field_types, not_allowed
 from graph_trainer.distributed.parallel_dims import job_microbatches, resolve_parallel_degrees
 from graph_trainer.errors import ConfigError, require
@@ -142,6 +142,7 @@ def _check_parallelism(cfg: JobConfig, world_size: int, args) -> dict[str, int]:
     if degrees["pp"] > 1:
         _check_pipeline(cfg, degrees, microbatches, args)
     dp, shards = degrees["dp_replicate"] * degrees["dp_shard"], t.dataset_shards
+    _check_fsdp_collectives(cfg.parallelism, dp)
     require(shards >= 1, f"training.dataset_shards = {shards} must be >= 1")
     require(
         t.local_batch_size * dp % shards == 0,
@@ -149,6 +150,23 @@ def _check_parallelism(cfg: JobConfig, world_size: int, args) -> dict[str, int]:
         f"ranks (training.local_batch_size x data-parallel degree = {t.local_batch_size} x {dp})",
     )
     return degrees
+
+
+def _check_fsdp_collectives(p: Parallelism, dp: int) -> None:
+    """Weights resident per step need data parallelism, and leave reshard_after_forward nothing to do."""
+    require(
+        p.fsdp_collectives != "per_step" or dp > 1,
+        "parallelism.fsdp_collectives = 'per_step' needs data parallelism (dp_shard or dp_replicate > 1): "
+        "without it no weight is gathered and no gradient reduced",
+    )
+    if weights_per_step(p, dp):
+        chosen = "'per_step'" if p.fsdp_collectives == "per_step" else "'default' (per step under pp > 1)"
+        require(
+            p.fsdp_reshard_after_forward == Parallelism.fsdp_reshard_after_forward,
+            f"parallelism.fsdp_reshard_after_forward = {p.fsdp_reshard_after_forward!r} means something only "
+            f"with weights gathered per microbatch: parallelism.fsdp_collectives = {chosen} gathers them once "
+            "per step and keeps them; leave it out or set parallelism.fsdp_collectives per_microbatch",
+        )
 
 
 def _check_compile(cfg: JobConfig, degrees: dict[str, int]) -> None:

@@ -24,6 +24,10 @@ ACCUMULATION_RTOL = 1e-6
 M microbatches per step) from one process on the global batch in one pass: the same per-token
 losses and gradient contributions, summed per microbatch then across microbatches instead of
 in one sum (measured deviations: docs/performance.md; causes: docs/numerics.md)."""
+REDUCE_ONCE_RTOL = 1e-6
+"""Bound on the relative deviation of the losses with weights resident per step (gradients summed over
+the microbatches, then over the ranks) from the same job reducing every microbatch (over the ranks,
+then the microbatches): one sum in two orders (docs/numerics.md)."""
 INDUCTOR_RTOL = 5e-6
 """Bound on the relative deviation of losses compiled by Inductor (``--compile.backend inductor``)
 from the op-by-op graph of the same job, fp32 on CPU: fusion rounds differently, and other CPUs'

@@ -10,6 +10,7 @@ from suites.cases import (
     HSDP_RTOL,
     INDUCTOR_FULL_FLAGS,
     INDUCTOR_RTOL,
+    REDUCE_ONCE_RTOL,
     Case,
     ac_flags,
     batch,
@@ -33,10 +34,12 @@ _CPU_LAYOUTS = {
     # cast here): graph vs eager only, bf16 rounding is no 1e-4 match for one process in fp32.
     "tp2_bf16": (2, ["--parallelism.tp", "2", "--training.mixed_precision_param", "bfloat16"], ""),
 }
-# Keeping the gathered parameters for backward (no re-gather) is bitwise re-gathering them.
-# (Eager mode has no graph to reshard, so this has no eager twin.)
+# Keeping the gathered parameters for backward (no re-gather) is bitwise re-gathering them; so are
+# weights gathered once per step (one microbatch: its gradients reduced once too).
+# (Eager mode has no graph to reshard, so keep_params has no eager twin.)
 _CPU_KEEP_PARAMS = [
-    Case("fsdp2_keep_params", 2, ["--parallelism.fsdp_reshard_after_forward", "never"], same_as="fsdp2_graph")
+    Case("fsdp2_keep_params", 2, ["--parallelism.fsdp_reshard_after_forward", "never"], same_as="fsdp2_graph"),
+    Case("fsdp2_per_step", 2, ["--parallelism.fsdp_collectives", "per_step"], same_as="fsdp2_graph"),
 ]
 # DeepSeek-V3's debug model cut to 3 of its 6 blocks (1 dense + 2 MoE: consecutive MoE blocks, as
 # in 6), at half the CI time of its steps and trace (docs/performance.md, "Run times on the CPU").
@@ -75,18 +78,34 @@ _CPU_DEEPSEEK_ACCUMULATION_LAYOUTS = {
         "deepseek_single_b4",
     ),
 }
-CPU_ACCUMULATION_CASES = layout_cases(
-    _CPU_ACCUMULATION_LAYOUTS, rtols=dict.fromkeys(_CPU_ACCUMULATION_LAYOUTS, ACCUMULATION_RTOL)
-) + layout_cases(
-    _CPU_DEEPSEEK_ACCUMULATION_LAYOUTS,
-    DEEPSEEK_DEBUG,
-    rtols=dict.fromkeys(_CPU_DEEPSEEK_ACCUMULATION_LAYOUTS, ACCUMULATION_RTOL),
+# Weights resident per step under accumulation: gradients summed over the microbatches before the
+# reduce-scatter instead of after (docs/numerics.md), graph == eager bitwise; the two orders against
+# each other: pp2xfsdp2_zbv_per_microbatch below.
+_PER_STEP = ["--parallelism.fsdp_collectives", "per_step"]
+CPU_ACCUMULATION_CASES = (
+    layout_cases(_CPU_ACCUMULATION_LAYOUTS, rtols=dict.fromkeys(_CPU_ACCUMULATION_LAYOUTS, ACCUMULATION_RTOL))
+    + layout_cases(
+        _CPU_DEEPSEEK_ACCUMULATION_LAYOUTS,
+        DEEPSEEK_DEBUG,
+        rtols=dict.fromkeys(_CPU_DEEPSEEK_ACCUMULATION_LAYOUTS, ACCUMULATION_RTOL),
+    )
+    + [
+        Case("fsdp2_accum2_per_step", 2, [*_GLOBAL_8, *_PER_STEP], close_to="single_b8", rtol=ACCUMULATION_RTOL),
+        Case(
+            "fsdp2_accum2_per_step_eager",
+            2,
+            [*_GLOBAL_8, *_PER_STEP, "--compile.mode", "eager"],
+            same_as="fsdp2_accum2_per_step",
+        ),
+    ]
 )
 
 
 # ---- pipeline parallel: the global batch of 8 (DeepSeek-V3: 4) as microbatches through 2 pipeline
 # ranks, every schedule, against one process taking it in one pass; graph == eager bitwise per
-# schedule; GPipe and a bucketing pass per stage graph bitwise their references.
+# schedule; a bucketing pass (on the once-per-step gather and reduce graphs) bitwise its reference.
+# With data parallelism the stages keep their weights for the step (fsdp_collectives default);
+# gathering and reducing per microbatch instead is within REDUCE_ONCE_RTOL of it.
 def _pp(schedule: str) -> list[str]:
     return ["--parallelism.pp", "2", "--parallelism.pp_schedule", schedule, *_GLOBAL_8]
 
@@ -121,6 +140,13 @@ CPU_PIPELINE_CASES = (
     )
     + [
         Case("pp2_gpipe", 2, _pp("GPipe"), same_as="pp2_1f1b_graph"),
+        Case(
+            "pp2xfsdp2_zbv_per_microbatch",
+            4,
+            [*_pp("ZBVZeroBubble"), "--parallelism.fsdp_collectives", "per_microbatch"],
+            close_to="pp2xfsdp2_zbv_graph",
+            rtol=REDUCE_ONCE_RTOL,
+        ),
         Case(
             "pp2xfsdp2_zbv_tbb",
             4,

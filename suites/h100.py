@@ -90,9 +90,10 @@ H100_INDUCTOR_CASES = [
 # schedule and the 671B with 1F1B (its interleaved and V traces, 2 minutes of CI beside pytest,
 # were measured once: docs/performance.md), every stage SimpleFSDP-sharded over the ranks pp
 # leaves (and DeepSeek's experts over ep); then
-# the shipped 405B config, tensor parallel inside its stages (PP=16 x TP=8 x FSDP=4, 1F1B); full
-# checkpointing. 1F1B keeps pp microbatches in flight on its first rank, the interleaved and V
-# schedules more: only 1F1B fits 75 GiB (docs/performance.md). DeepSeek's 1F1B stages give the
+# the shipped 405B config, tensor parallel inside its stages (PP=16 x TP=8 x FSDP=4, 1F1B, weights
+# gathered per microbatch); full checkpointing. The 671B keeps its stages' weights for the step (the
+# default under pp): about twice the tokens/s of gathering them per microbatch, and over an H100's
+# memory (a warning in the dry run's table: docs/performance.md). DeepSeek's 1F1B stages give the
 # first ranks fewer blocks (they hold more microbatches) and stage 0 the three dense blocks.
 _SCHEDULES = (("1f1b", "1F1B"), ("interleaved", "Interleaved1F1B"), ("zbv", "ZBVZeroBubble"))
 

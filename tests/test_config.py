@@ -480,3 +480,17 @@ def test_data_shards_must_divide_the_batch_of_all_data_parallel_ranks():
     with pytest.raises(ConfigError, match=r"dataset_shards = 4 must divide .* = 3 x 2\)"):
         validate_config(load_config(flags), world_size=2)
     validate_config(load_config([*flags[:3], "2"]), world_size=2)
+
+
+def test_weights_resident_per_step_need_data_parallelism_and_leave_resharding_nothing_to_do():
+    per_step = ["--parallelism.fsdp_collectives", "per_step"]
+    with pytest.raises(ConfigError, match=r"'per_step' needs data parallelism \(dp_shard or dp_replicate > 1\)"):
+        validate_config(load_config([*per_step, "--parallelism.tp", "2"]), world_size=2)
+    never = ["--parallelism.fsdp_reshard_after_forward", "never"]
+    with pytest.raises(ConfigError, match=r"= 'never' means something only with weights gathered per microbatch"):
+        validate_config(load_config([*never, "--parallelism.pp", "2"]), world_size=4)  # (default: per step)
+    validate_config(
+        load_config([*never, "--parallelism.pp", "2", "--parallelism.fsdp_collectives", "per_microbatch"]), 4
+    )
+    validate_config(load_config([*never, "--parallelism.pp", "2"]), world_size=2)  # (no data parallelism)
+    validate_config(load_config(per_step), world_size=2)

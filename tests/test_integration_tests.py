@@ -238,12 +238,14 @@ def test_pipeline_dry_run_checks_every_stage_graph_and_estimates_the_step(capsys
         traced = trace_pipeline(cfg, 4)
     degrees = resolve_parallel_degrees(cfg.parallelism, 4)
     last = traced.layout.pipeline.last_stage
-    gm = traced.stages[last].gm
-    assert checks.check_stage_graph(gm, cfg, degrees, traced.traced_blocks[last], False, True) == []
+    gm, resident, blocks = traced.stages[last].gm, traced.resident[last], traced.traced_blocks[last]
+    assert checks.check_stage_graph(gm, cfg, degrees, blocks, False, True, resident) == []
+    # (weights resident per step: the data-parallel collectives are in the gather and reduce graphs)
+    assert "dp_shard=2 but 0 FSDP all-gathers" in checks.check_stage_graph(gm, cfg, degrees, blocks, False, True)[0]
     for n in gm.graph.nodes:
         if collective_name(n) == "all_to_all_single":
             tags.remove(n, "moe_fqn")
-    problems = checks.check_stage_graph(gm, cfg, degrees, traced.traced_blocks[last], False, True)
+    problems = checks.check_stage_graph(gm, cfg, degrees, blocks, False, True, resident)
     assert any("MoE layers" in p for p in problems), problems
 
 

@@ -23,6 +23,10 @@ Reports (``StepMemoryEstimate``): per moment of the step, the bytes of
   collectives' buffers, the loss region) plus the non-parameter inputs (buffers, tokens,
   labels), which ``estimate_peak_memory`` below replays node by node. In the optimizer step:
   the temporaries of clipping and of the update of one parameter;
+- **resident weights** (``parallelism.fsdp_collectives`` per_step): the graph's inputs tagged
+  ``fsdp_role`` gathered, the weights gathered once and kept for the step; the graph's
+  gradients are then their sums (**accumulated grads**, in the reduce dtype), and a
+  "gradient reduction" moment holds those sums, the reduced gradients and the weights together;
 
 and the peak: the moment with the largest sum of its parts.
 
@@ -87,9 +91,11 @@ import torch
 import torch.fx as fx
 
 from graph_trainer.distributed.parallel_dims import local_tensor
+from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import is_wait
 from graph_trainer.graph.ops import aliases_input
 from graph_trainer.graph.sizes import SizeHints
+from graph_trainer.graph.tags import FSDP_ROLE, GATHERED
 
 GIB = float(1 << 30)
 
@@ -118,6 +124,9 @@ class MemoryEstimate:
     """Bytes of the gradient outputs already produced at the peak."""
     total_grad_bytes: int = 0
     """Bytes of all gradient outputs (alive once the graph has run)."""
+    resident_bytes: int = 0
+    """Bytes of the inputs that are gathered weights resident for the step (``fsdp_role``
+    gathered; counted in ``param_bytes`` too, as the graph's parameter inputs)."""
 
     @property
     def peak_activation_bytes(self) -> int:
@@ -242,6 +251,7 @@ def estimate_peak_memory(graph: fx.Graph, sizes: SizeHints | None = None) -> Mem
         param_bytes=sum(size[n] for n in params),
         grad_bytes=peak_grads,
         total_grad_bytes=sum(size[n] for n in grads),
+        resident_bytes=sum(size[n] for n in placeholders if tags.get(n, FSDP_ROLE) == GATHERED),
     )
 
 
@@ -317,11 +327,21 @@ class MemoryParts:
     """The graph node at which the graph's peak is reached."""
     accumulated_grads: int = 0
     """The gradient accumulation buffer resident during a later microbatch's graph (0 without
-    accumulation, and in the optimizer step, where the buffer is ``grads``)."""
+    accumulation, and in the optimizer step, where the buffer is ``grads``); with weights resident
+    per step, the summed gradients of the gathered weights (``parallelism.fsdp_collectives``)."""
+    resident_weights: int = 0
+    """Gathered weights kept for the whole step (``parallelism.fsdp_collectives`` per_step)."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.accumulated_grads
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.accumulated_grads
+            + self.resident_weights
+        )
 
 
 @dataclass(frozen=True)
@@ -350,8 +370,9 @@ class StepMemoryEstimate:
         bound = "" if self.activations_estimated else "at least "
         note = "" if self.activations_estimated else "; activations not estimated (no graph)"
         accumulated = f" + accumulated grads {_gib(p.accumulated_grads)}" if p.accumulated_grads else ""
+        resident = f" + resident weights {_gib(p.resident_weights)}" if p.resident_weights else ""
         return (
-            f"peak {bound}{_gib(p.total)} = params {_gib(p.params)} + grads {_gib(p.grads)}{accumulated} + "
+            f"peak {bound}{_gib(p.total)} = params {_gib(p.params)}{resident} + grads {_gib(p.grads)}{accumulated} + "
             f"optimizer {_gib(p.optimizer)} + {transient} {_gib(p.activations)} ({where}{note})"
         )
 
@@ -389,6 +410,12 @@ def _step_temporary_bytes(params: Sequence[torch.Tensor], opt: OptimizerMemory) 
     return max(clip, update)
 
 
+def reduction_moment(params: int, reduced: int, state: int, sums: int, resident: int) -> MemoryParts:
+    """Weights resident per step, after the last microbatch: the gradient sums, the ``reduced``
+    gradients and the gathered weights alive together."""
+    return MemoryParts("gradient reduction", params, reduced, state, 0, "", sums, resident)
+
+
 def estimate_step_memory(
     graph: fx.Graph | None,
     params: Iterable[torch.Tensor] | None = None,
@@ -418,17 +445,14 @@ def estimate_step_memory(
         g = estimate_peak_memory(graph, sizes)
         other_inputs = g.input_bytes - g.param_bytes
         grad_bytes = g.total_grad_bytes
-        moments.append(
-            MemoryParts(
-                "graph",
-                param_bytes,
-                g.grad_bytes,
-                state_bytes,
-                g.peak_bytes - g.param_bytes - g.grad_bytes,
-                g.peak_node,
-                accumulated_grads=g.total_grad_bytes if microbatches > 1 else 0,
+        transient, accumulated = g.peak_bytes - g.param_bytes - g.grad_bytes, g.total_grad_bytes * (microbatches > 1)
+        parts = (param_bytes, g.grad_bytes, state_bytes, transient, g.peak_node, accumulated, g.resident_bytes)
+        moments.append(MemoryParts("graph", *parts))
+        if g.resident_bytes:  # the graph's gradients are the gathered weights' sums, reduced after it
+            grad_bytes = param_bytes
+            moments.append(
+                reduction_moment(param_bytes, param_bytes, state_bytes, g.total_grad_bytes, g.resident_bytes)
             )
-        )
     moments.append(
         MemoryParts(
             "optimizer step", param_bytes, grad_bytes, state_bytes, other_inputs + _step_temporary_bytes(local, opt)
@@ -462,4 +486,5 @@ __all__ = [
     "estimate_step_memory",
     "memory_warning",
     "optimizer_memory",
+    "reduction_moment",
 ]

@@ -30,8 +30,9 @@ schedule is replayed with point-to-point transfers between stages, and every pip
 counts the microbatches its schedule keeps in flight. ``--pp_schedules a,b`` compares schedules
 (default: ``parallelism.pp_schedule``). Prints one row per pass list and schedule (simulated step,
 bubble fraction, tokens/s and model TFLOP/s per GPU, the highest rank's peak memory and its parts),
-then per stage its blocks, rank and the seconds of its pieces (F, B, I, W) and what one microbatch
-holds, then the memory line of every pipeline rank.
+then per stage its blocks, rank and the seconds of its pieces (F, B, I, W; with weights resident
+per step, ``parallelism.fsdp_collectives``, also its once-per-step gather and reduce) and what one
+microbatch holds, then the memory line of every pipeline rank.
 
 ``--json OUT.json`` also writes the tables for scripts and plots: ``{"job": the first line,
 "summary": [...], "stages": [...], "kinds": [...]}``, one object per printed row keyed by the
@@ -42,8 +43,8 @@ a pipeline job). Its folder is checked writable before anything is traced.
 With ``--training.global_batch_size`` giving M > 1 microbatches per step, the simulated graph is
 one microbatch; the memory estimate counts the gradient accumulation buffer, and one line per pass
 list (``accumulation_line``) gives the step (M graphs), and what the gradient reductions send and
-hold when every microbatch reduces its gradients (the trainer's choice) against accumulating
-them unreduced and reducing once.
+hold when every microbatch reduces its gradients (``fsdp_collectives`` per_microbatch) against
+accumulating them unreduced and reducing once.
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ def analyze_pipeline(cfg, world_size: int, device, ranks_per_node: int = 8, opti
         traced = trace_pipeline(cfg, world_size, gpu_attention=device.fused_attention)
         traced_s = time.perf_counter() - start
         pipeline = traced.layout.pipeline
-        estimate = estimate_pipeline(pipeline.plan, traced.stages, device, world_size, ranks_per_node, optimizer)
+        estimate = estimate_pipeline(
+            pipeline.plan, traced.stages, device, world_size, ranks_per_node, optimizer, traced.resident
+        )
     return estimate, pipeline.stage_blocks, traced_s, time.perf_counter() - start - traced_s
 
 
@@ -142,6 +145,7 @@ def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> t
         "peak GiB": p.total / GIB,
         "at rank": rank,
         "params GiB": p.params / GIB,
+        "resident GiB": p.resident_weights / GIB,
         "grads GiB": (p.grads + p.accumulated_grads) / GIB,
         "optim GiB": p.optimizer / GIB,
         "activ GiB": p.activations / GIB,
@@ -154,6 +158,7 @@ def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> t
             "blocks": f"{blocks.start}..{blocks.stop - 1}",
             "rank": plan.stage_to_rank[s],
             **{f"{k} ms": estimate.costs[s].seconds[k] * 1e3 for k in ("F", "B", "I", "W")},
+            **{f"{k} ms": estimate.costs[s].once_seconds.get(k, 0.0) * 1e3 for k in ("gather", "reduce")},
             "held/mb GiB": estimate.costs[s].saved_bytes / GIB,
         }
         for s, blocks in enumerate(stage_blocks)

@@ -260,7 +260,7 @@ class TracedStep:
         return loss, grads
 
 
-def _fake_like(t: torch.Tensor, mode, device: torch.device | None) -> torch.Tensor:
+def fake_like(t: torch.Tensor, mode, device: torch.device | None) -> torch.Tensor:
     """A fake tensor with ``t``'s metadata; meta tensors become fake tensors on ``device``."""
     if t.device.type == "meta":
         target = device if device is not None else t.device
@@ -281,8 +281,9 @@ def is_last_stage(model: nn.Module) -> bool:
 
 
 @dataclass(frozen=True)
-class _FlatState:
-    """A model's parameters and buffers as the graph's flat inputs (``compiler.flat_tensors``)."""
+class FlatState:
+    """A model's parameters and buffers as the graph's flat inputs (``compiler.flat_tensors``).
+    ``graph_trainer.compiler.resident`` derives the state of a step on gathered weights."""
 
     param_names: list[str]
     buffer_names: list[str]
@@ -291,7 +292,7 @@ class _FlatState:
     flat: list[torch.Tensor]
 
     @classmethod
-    def of(cls, model: nn.Module) -> _FlatState:
+    def of(cls, model: nn.Module) -> FlatState:
         params, buffers = list(model.named_parameters()), list(model.named_buffers())
         specs, flat = [], []
         for _, t in (*params, *buffers):
@@ -316,13 +317,21 @@ class _FlatState:
         names = [*self.param_names, *self.buffer_names]
         return params, dict(zip(names, [*params, *buffers], strict=True))
 
+    def computing(self, params: list[torch.Tensor]) -> contextlib.AbstractContextManager:
+        """Active while the model computes with ``params`` (``rebuild``'s)."""
+        return contextlib.nullcontext()
+
+    def finish_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The graph's gradient outputs from ``autograd.grad``'s (one per parameter)."""
+        return list(grads)
+
 
 class _JointStep:
     """What ``make_fx`` traces: the flat state, the stage input and the target in; the loss (or a
     stage's hidden state) and the flat gradients out. ``grad_specs`` holds how the gradients
     were flattened once a call has run."""
 
-    def __init__(self, model: nn.Module, state: _FlatState, loss_chunks: int, grad_scale: float):
+    def __init__(self, model: nn.Module, state: FlatState, loss_chunks: int, grad_scale: float):
         self.model, self.state, self.loss_chunks, self.grad_scale = model, state, loss_chunks, grad_scale
         self.first, self.last = is_first_stage(model), is_last_stage(model)
         self.grad_specs: list[FlatTensorSpec] = []
@@ -331,7 +340,7 @@ class _JointStep:
         *flat_state, stage_in, target = flat_args
         params, tensors = self.state.rebuild(list(flat_state))
         wrt = params if self.first else [*params, stage_in.detach().requires_grad_(True)]
-        with tags.annotate({PHASE: FORWARD}):  # the loss head tags its own nodes "loss"
+        with tags.annotate({PHASE: FORWARD}), self.state.computing(params):  # (the loss head tags "loss")
             head = {"head": loss_head(target, self.loss_chunks)} if self.last else {}
             result = torch.func.functional_call(self.model, tensors, (stage_in if self.first else wrt[-1],), head)
         if self.last:
@@ -343,6 +352,7 @@ class _JointStep:
         torch_compat.tag_backward_with_forward_seq_nr(seed)
         with tags.annotate({PHASE: BACKWARD}), torch_compat.unpaired_seq_nr():
             grads = torch.autograd.grad(seed, wrt, grad_outputs=seed_grad)
+            grads = [*self.state.finish_grads(list(grads[: len(params)])), *grads[len(params) :]]
         flattened = [flatten_tensor(g) for g in grads]
         self.grad_specs = [spec for _, spec in flattened]
         return [result, *(inner for inners, _ in flattened for inner in inners)]
@@ -357,7 +367,7 @@ def _make_fx(joint: _JointStep, inputs: list[torch.Tensor], fake_device: torch.d
     *state, tokens, labels = inputs
     # (one tensor passed as both batch inputs would become one fake tensor, one graph input)
     second = labels.clone() if labels is tokens and labels.device.type != "meta" else labels
-    fake_inputs = [_fake_like(t, fake_mode, fake_device) for t in (*state, tokens, second)]
+    fake_inputs = [fake_like(t, fake_mode, fake_device) for t in (*state, tokens, second)]
     with (
         torch.fx.traceback.preserve_node_meta(),
         annotate_module_fqns(joint.model),
@@ -375,6 +385,7 @@ def trace_train_step(
     *,
     grad_scale: float = 1.0,
     fake_device: torch.device | None = None,
+    state: FlatState | None = None,
 ) -> TracedStep:
     """Trace forward + loss + backward of ``model`` on a batch of this shape into one graph.
 
@@ -389,9 +400,12 @@ def trace_train_step(
     and takes that hidden state's gradient in place of ``labels`` (input ``"output_grad"``, the
     only input of the backward). ``graph_trainer.pipelining.split`` cuts such a joint graph into
     the callables a pipeline schedule runs.
+
+    ``state`` (default ``FlatState.of(model)``) says which tensors are the graph's inputs and
+    which of them are differentiated (``graph_trainer.compiler.resident``: gathered weights).
     """
     start = time.perf_counter()
-    state = _FlatState.of(model)
+    state = state if state is not None else FlatState.of(model)
     joint = _JointStep(model, state, loss_chunks, grad_scale)
     gm = _make_fx(joint, [*state.flat, tokens, labels], fake_device)
     ends = [STAGE_INPUT_NAMES[joint.first], STAGE_TARGET_NAMES[joint.last]]
@@ -437,7 +451,7 @@ class GraphStep:
             if self.graphs:
                 logger.info("batch shape %s is new: retracing", sig)
             logger.info("tracing the training step (forward + loss + backward) ...")
-            traced = trace_train_step(self.model, tokens, labels, self.loss_chunks, grad_scale=self.grad_scale)
+            traced = self._trace(tokens, labels)
             counts = collective_counts(traced.gm.graph)
             logger.info(
                 "traced in %.2fs: %d nodes, collectives: %s",
@@ -450,6 +464,9 @@ class GraphStep:
             self.graphs[sig] = traced
         return self.graphs[sig]
 
+    def _trace(self, tokens: torch.Tensor, labels: torch.Tensor) -> TracedStep:
+        return trace_train_step(self.model, tokens, labels, self.loss_chunks, grad_scale=self.grad_scale)
+
     def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         traced = self.get(tokens, labels)
         params = [p for _, p in self.model.named_parameters()]
@@ -458,10 +475,16 @@ class GraphStep:
 
 
 def eager_step(
-    model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, loss_chunks: int = 1, grad_scale: float = 1.0
+    model: nn.Module,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    loss_chunks: int = 1,
+    grad_scale: float = 1.0,
+    wrt: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The same step without tracing: the numerics baseline for ``GraphStep``."""
-    params = [p for _, p in model.named_parameters()]
+    """The same step without tracing: the numerics baseline for ``GraphStep``. The gradients are
+    of ``wrt`` (default: the parameters, ``named_parameters`` order)."""
+    params = wrt if wrt is not None else [p for _, p in model.named_parameters()]
     loss = model(tokens, head=loss_head(labels, loss_chunks))
     scaled = loss * grad_scale if grad_scale != 1.0 else loss
     grads = torch.autograd.grad(scaled, params)

@@ -93,21 +93,60 @@ class ReplicateComputation(nn.Module):
         self.mp = mp
         self.hand_local = hand_local
 
+    resident: torch.Tensor | None = None
+    """Set (``use_gathered``): the gathered tensor to hand the module, instead of gathering
+    ``param`` here (weights gathered once per step, ``graph_trainer.distributed.resident``)."""
+
     def forward(self, param: DTensor) -> torch.Tensor:
+        full = self.gather(param) if self.resident is None else self.resident
+        return self.compute_view(full)
+
+    def gather(self, param: DTensor) -> torch.Tensor:
+        """The local tensor the module computes with: ``param`` cast to ``param_dtype`` and gathered
+        over the data-parallel dims (still split by the inner dim); its gradient is reduced back."""
         # The tag lets graph passes find this parameter's gather chain (and, through the
         # tracer, the gradient reduction that differentiates it) without pattern matching.
         with tags.annotate({FSDP_ROLE: UNSHARD, FSDP_PARAM: self.param_fqn}):
             if self.replicate_mesh is not None:
                 param = self._sum_gradient_over_replicas(param)
-            full = param.redistribute(
+            return param.redistribute(
                 placements=[Replicate()] * self.dp_dims + list(self.inner_placements),
                 forward_dtype=self.mp.param_dtype,
                 backward_dtype=self.mp.reduce_dtype,
             ).to_local(grad_placements=self._gathered_grad_placements())
+
+    def compute_view(self, full: torch.Tensor) -> torch.Tensor:
+        """What the module gets for the gathered local tensor ``full``: tensor-parallel modules the
+        tp-sharded DTensor they were written for, others (and ``hand_local``) ``full`` itself."""
         if self.inner_mesh is None or self.hand_local:
             return full
-        # Hand tensor-parallel modules the tp-sharded DTensor they were written for.
         return DTensor.from_local(full, self.inner_mesh, self.inner_placements, run_check=False)
+
+    def reduce(self, param: DTensor, gathered_grad: torch.Tensor) -> DTensor:
+        """``param``'s gradient from ``gathered_grad``, a gradient of the gathered local tensor in
+        ``reduce_dtype`` (summed over microbatches): the same collectives as the backward of
+        ``gather`` (reduce-scatter over the sharded dim, then the sum over ``dp_replicate``), run
+        outside autograd, in ``reduce_dtype``, cast to the parameter's dtype at the end."""
+        with tags.annotate({FSDP_ROLE: REDUCE_GRAD, FSDP_PARAM: self.param_fqn}):
+            partial = DTensor.from_local(
+                gathered_grad,
+                param.device_mesh,
+                self._gathered_grad_placements(),
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+            reduced = partial.redistribute(param.device_mesh, param.placements).to_local()
+            if self.replicate_mesh is not None:  # then over replicas, on the shard (as in backward)
+                reduced = sum_over_mesh(reduced, self.replicate_mesh)
+            return DTensor.from_local(
+                reduced.to(param.dtype),
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
 
     def _gathered_grad_placements(self) -> list[Placement]:
         """The gradient of the gathered parameter as the redistribute's backward sees it: a partial
@@ -150,9 +189,17 @@ class SumGradientOverReplicas(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         with tags.annotate({FSDP_ROLE: REDUCE_GRAD, FSDP_PARAM: ctx.param_fqn}):
-            partial = DTensor.from_local(grad.to(ctx.reduce_dtype), ctx.mesh, [Partial("sum")], run_check=False)
-            summed = partial.redistribute(placements=[Replicate()]).to_local().to(grad.dtype)
+            summed = sum_over_mesh(grad.to(ctx.reduce_dtype), ctx.mesh).to(grad.dtype)
         return summed, None, None, None
+
+
+def sum_over_mesh(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``local`` summed over the ranks of the 1-D ``mesh`` (an all_reduce, in ``local``'s dtype)."""
+    return (
+        DTensor.from_local(local, mesh, [Partial("sum")], run_check=False)
+        .redistribute(placements=[Replicate()])
+        .to_local()
+    )
 
 
 class CastForCompute(nn.Module):

@@ -73,9 +73,9 @@ KEYS = (
     KeyDoc(
         (FSDP_ROLE,),
         "SimpleFSDP: UNSHARD on a parameter's cast + gather chain; tracer: REDUCE_GRAD on its backward "
-        "(the gradient reduction)",
+        "(the gradient reduction); compiler.resident: GATHERED on a step graph's gathered-weight inputs",
         "reshard_after_forward, memory policy (never recomputed), transformer_block_bucketing, ep_overlap "
-        "(not chunked-module nodes)",
+        "(not chunked-module nodes), memory estimate and pipeline timeline (GATHERED: resident weights)",
     ),
     KeyDoc(
         (FSDP_PARAM,),
@@ -121,6 +121,9 @@ UNSHARD = "unshard"
 """FSDP_ROLE of the forward nodes that cast and gather a parameter (and of their re-gathers)."""
 REDUCE_GRAD = "reduce_grad"
 """FSDP_ROLE of the backward nodes that reduce (and cast) that parameter's gradient."""
+GATHERED = "gathered"
+"""FSDP_ROLE of a step graph's inputs that are gathered weights, resident for the step
+(``graph_trainer.compiler.resident``)."""
 COUNT_EXCHANGE, DISPATCH, COMBINE, EXPERT_COMPUTE = "count_exchange", "dispatch", "combine", "expert_compute"
 """Values of EP_ROLE: the token-count all_to_all, the token all_to_all there, the one back, the local experts."""
 SAVE, RECOMPUTE = "save", "recompute"

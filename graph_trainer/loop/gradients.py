@@ -46,13 +46,15 @@ from graph_trainer.analysis.memory import StepMemoryEstimate, estimate_step_memo
 from graph_trainer.analysis.simulator import simulate
 from graph_trainer.build import JobLayout, pass_context, stage_modules
 from graph_trainer.compiler.backend import compile_key
-from graph_trainer.compiler.chain import apply_memory_policy, apply_passes, compile_graph
+from graph_trainer.compiler.chain import apply_memory_policy, apply_passes, compile_graph, transform_resident
 from graph_trainer.compiler.passes.runner import PassRunner
 from graph_trainer.compiler.profiler_ranges import add_profiler_ranges
+from graph_trainer.compiler.resident import ResidentGraphStep, ResidentTrace, resident_collectives
 from graph_trainer.compiler.tracer import GraphStep, TracedStep, eager_step
 from graph_trainer.config import JobConfig
 from graph_trainer.distributed.comm import first_per_node
 from graph_trainer.distributed.parallel_dims import pp_group
+from graph_trainer.distributed.resident import EagerResidentStep
 from graph_trainer.loop.metrics import ForwardBackwardTimer, MetricsLogger
 from graph_trainer.loop.preflight import check_step_fits
 from graph_trainer.pipelining.step import PipelineStep
@@ -83,10 +85,17 @@ def _memory_record(estimate: StepMemoryEstimate) -> dict:
 class AccumulatedGradients:
     """Forward and backward of each microbatch in turn through ``step_fn``. The first microbatch's
     gradients are the accumulation buffer: each later one is added into it in place and dropped,
-    so at most one more set is alive at a time. ``timer`` times each forward and backward."""
+    so at most one more set is alive at a time. ``timer`` times each forward and backward.
+    ``finish`` (weights resident per step) makes the step's gradients from the sums."""
 
-    def __init__(self, step_fn: Callable, device: torch.device, timer: ForwardBackwardTimer):
-        self.step_fn, self.device, self.timer = step_fn, device, timer
+    def __init__(
+        self,
+        step_fn: Callable,
+        device: torch.device,
+        timer: ForwardBackwardTimer,
+        finish: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+    ):
+        self.step_fn, self.device, self.timer, self.finish = step_fn, device, timer, finish
 
     def __call__(self, microbatches: Microbatches) -> tuple[torch.Tensor, list[torch.Tensor]]:
         loss_sum, accumulated = None, None
@@ -102,7 +111,7 @@ class AccumulatedGradients:
             for acc, g in zip(accumulated, grads, strict=True):
                 acc.add_(g)
             del grads
-        return loss_sum, accumulated
+        return loss_sum, self.finish(accumulated) if self.finish is not None else accumulated
 
 
 class PipelineGradients:
@@ -155,21 +164,29 @@ class StepPreparation:
         check_step_fits(self.cfg, estimate, int(peak.item()), self.device.type)
 
     def compile(
-        self, traced: TracedStep, context=None, dumps: str | None = None, pipeline_stage: bool = False
-    ) -> TracedStep:
+        self, traced: TracedStep | ResidentTrace, context=None, dumps: str | None = None, pipeline_stage: bool = False
+    ) -> TracedStep | ResidentTrace:
         """The compile chain after tracing: memory policy, passes (then the memory check, which for a
-        ``pipeline_stage`` waits for every local stage), backend."""
-        self.metrics.log_event("trace", trace_seconds=traced.trace_seconds, graph_nodes=len(traced.gm.graph.nodes))
+        ``pipeline_stage`` waits for every local stage), backend. A ``ResidentTrace`` (weights
+        resident per step) goes through ``chain.transform_resident``; its step graph to the backend."""
+        step = traced.step if isinstance(traced, ResidentTrace) else traced
+        self.metrics.log_event("trace", trace_seconds=step.trace_seconds, graph_nodes=len(step.gm.graph.nodes))
         dumps = self.cfg.compile.dump_graphs if dumps is None else dumps
-        runner = PassRunner(context or pass_context(self.cfg, self.layout, self.model), dumps)
-        gm = apply_passes(apply_memory_policy(traced.gm, runner), runner)
+        context = context or pass_context(self.cfg, self.layout, self.model)
+        if isinstance(traced, ResidentTrace):
+            transform_resident(traced, context, dumps)
+            gm = step.gm
+            logger.info("once per step: %s", resident_collectives(traced))
+        else:
+            runner = PassRunner(context, dumps)
+            gm = apply_passes(apply_memory_policy(step.gm, runner), runner)
         if not pipeline_stage:
             self.check_memory(gm.graph)
             self.simulate(gm.graph)
         deterministic = self.device.type == "cpu" or self.cfg.debug.deterministic
-        traced.gm, report = self._compile_once_per_node(gm, deterministic, pipeline_stage)
+        step.gm, report = self._compile_once_per_node(gm, deterministic, pipeline_stage)
         if self.cfg.profiling.enable_profiling and not pipeline_stage:  # (a stage's pieces get theirs)
-            traced.gm = add_profiler_ranges(traced.gm)
+            step.gm = add_profiler_ranges(step.gm)
         if report.backend != "none":
             self.metrics.log_event(
                 "compile",
@@ -232,7 +249,10 @@ class StepPreparation:
         """The memory check of a pipeline rank once its stages are traced: parameters, gradient
         buffer, optimizer state and the activations its schedule keeps in flight
         (``pipelining.timeline.rank_memory``), before the first microbatch allocates them."""
-        costs = {s: stage_cost(runner.graphs, step.traced[s]) for s, runner in step.runners.items()}
+        costs = {
+            s: stage_cost(runner.graphs, step.traced[s], resident=step.resident.get(s))
+            for s, runner in step.runners.items()
+        }
         pipeline = self.layout.pipeline
         self.check_memory(None, rank_memory(pipeline.plan, pipeline.rank, costs, self.optimizer))
 
@@ -281,13 +301,27 @@ def build_gradients(prep: StepPreparation, hidden_dim: int, timer: ForwardBackwa
             post_trace=lambda traced, stage: prep.compile_stage(traced, stage, modules[stage]),
             on_traced=prep.check_pipeline_memory,
             profiler_ranges=cfg.profiling.enable_profiling,
+            weights_per_step=layout.weights_per_step,
         )
         return PipelineGradients(pipeline_step, group, prep.device)
+    if cfg.compile.mode == "graph" and layout.weights_per_step:
+        graph_step = ResidentGraphStep(model, loss_chunks, grad_scale, post_trace=prep.compile)
+        return AccumulatedGradients(graph_step, prep.device, timer, finish=graph_step.grads)
     if cfg.compile.mode == "graph":
         return AccumulatedGradients(
             GraphStep(model, loss_chunks, grad_scale, post_trace=prep.compile), prep.device, timer
         )
     prep.check_memory(None)
+    if layout.weights_per_step:
+        resident = EagerResidentStep(model)
+
+        def resident_step_fn(tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            wrt, computing = resident.differentiated()
+            with computing:
+                loss, grads = eager_step(model, tokens, labels, loss_chunks, grad_scale, wrt=wrt)
+            return loss, resident.accumulands(grads)
+
+        return AccumulatedGradients(resident_step_fn, prep.device, timer, finish=resident.grads)
 
     def step_fn(tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         return eager_step(model, tokens, labels, loss_chunks, grad_scale)

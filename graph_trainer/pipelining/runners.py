@@ -19,12 +19,16 @@ gradient with the same ops on the same values as one call.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
 from graph_trainer.compiler.flat_tensors import split_flat, unflatten_tensor
 from graph_trainer.compiler.profiler_ranges import add_profiler_ranges
+from graph_trainer.compiler.resident import GraphResidentStep
 from graph_trainer.compiler.tracer import TracedStep, loss_head
+from graph_trainer.distributed.resident import EagerResidentStep
 from graph_trainer.pipelining.split import StageGraphs, split_stage
 
 
@@ -51,8 +55,14 @@ class GraphStageRunner:
     ``profiler_ranges``: each piece's nodes as named profiler ranges (``compiler.profiler_ranges``;
     added to the pieces, since a range node has no phase to split it by)."""
 
-    def __init__(self, traced: TracedStep, module: nn.Module, profiler_ranges: bool = False):
-        self.traced, self.module = traced, module
+    def __init__(
+        self,
+        traced: TracedStep,
+        module: nn.Module,
+        profiler_ranges: bool = False,
+        resident: GraphResidentStep | None = None,
+    ):
+        self.traced, self.module, self.resident = traced, module, resident
         self.num_flat_grads = traced.num_flat_param_grads
         self.graphs: StageGraphs = split_stage(traced.gm, self.num_flat_grads)
         if profiler_ranges:
@@ -64,7 +74,10 @@ class GraphStageRunner:
         self.grads = _Accumulator()
 
     def _inputs(self, stage_input: torch.Tensor, labels: torch.Tensor | None) -> list[torch.Tensor]:
-        params = [p for _, p in self.module.named_parameters()]
+        if self.resident is not None:
+            params = self.resident.step_params()
+        else:
+            params = [p for _, p in self.module.named_parameters()]
         buffers = [b for _, b in self.module.named_buffers()]
         flat = self.traced.flat_inputs(params, buffers, stage_input, labels)
         return flat[:-1] if self.graphs.takes_output_grad else flat  # (output_grad is the backward's)
@@ -101,43 +114,59 @@ class GraphStageRunner:
         specs = self.traced.grad_specs[: len(self.traced.param_names)]
         flat = self.grads.take()
         groups = split_flat(flat, specs)
-        return [unflatten_tensor(inner, spec) for inner, spec in zip(groups, specs, strict=True)]
+        grads = [unflatten_tensor(inner, spec) for inner, spec in zip(groups, specs, strict=True)]
+        return self.resident.grads(grads) if self.resident is not None else grads
 
 
 class EagerStageRunner:
-    """Runs a stage module op by op with autograd (``compile.mode eager``)."""
+    """Runs a stage module op by op with autograd (``compile.mode eager``); with ``resident``, on the
+    step's gathered weights (``distributed.resident``)."""
 
-    def __init__(self, module: nn.Module, first: bool, last: bool, loss_chunks: int, grad_scale: float):
+    def __init__(
+        self,
+        module: nn.Module,
+        first: bool,
+        last: bool,
+        loss_chunks: int,
+        grad_scale: float,
+        resident: EagerResidentStep | None = None,
+    ):
         self.module, self.first, self.last = module, first, last
-        self.loss_chunks, self.grad_scale = loss_chunks, grad_scale
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.loss_chunks, self.grad_scale, self.resident = loss_chunks, grad_scale, resident
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]] = {}
         self.output_grads: dict[int, torch.Tensor | None] = {}
         self.grads = _Accumulator()
 
-    def _params(self) -> list[torch.Tensor]:
-        return [p for _, p in self.module.named_parameters()]
+    def _differentiated(self) -> tuple[list[torch.Tensor], contextlib.AbstractContextManager]:
+        if self.resident is None:
+            return [p for _, p in self.module.named_parameters()], contextlib.nullcontext()
+        return self.resident.differentiated()
+
+    def _add_grads(self, grads: list[torch.Tensor]) -> None:
+        self.grads.add(self.resident.accumulands(grads) if self.resident is not None else list(grads))
 
     def forward(self, microbatch: int, stage_input: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         x = stage_input if self.first else stage_input.detach().requires_grad_(True)
-        if self.last:
-            loss = self.module(x, head=loss_head(labels, self.loss_chunks))
-            seed = loss * self.grad_scale if self.grad_scale != 1.0 else loss
-            self.pending[microbatch] = (seed, None if self.first else x)
-            return loss.detach()
-        out = self.module(x)
-        self.pending[microbatch] = (out, None if self.first else x)
+        wrt, computing = self._differentiated()
+        with computing:
+            if self.last:
+                loss = self.module(x, head=loss_head(labels, self.loss_chunks))
+                seed = loss * self.grad_scale if self.grad_scale != 1.0 else loss
+                self.pending[microbatch] = (seed, None if self.first else x, wrt)
+                return loss.detach()
+            out = self.module(x)
+        self.pending[microbatch] = (out, None if self.first else x, wrt)
         return out.detach()
 
     def backward(self, microbatch: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
-        seed, x = self.pending.pop(microbatch)
-        wrt = self._params() + ([x] if x is not None else [])
+        seed, x, params = self.pending.pop(microbatch)
+        wrt = params + ([x] if x is not None else [])
         grads = torch.autograd.grad(seed, wrt, grad_outputs=output_grad)
-        params = len(wrt) - (1 if x is not None else 0)
-        self.grads.add(list(grads[:params]))
-        return grads[params] if x is not None else None
+        self._add_grads(list(grads[: len(params)]))
+        return grads[len(params)] if x is not None else None
 
     def backward_input(self, microbatch: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
-        seed, x = self.pending[microbatch]
+        seed, x, _ = self.pending[microbatch]
         self.output_grads[microbatch] = output_grad
         if x is None:
             return None
@@ -145,12 +174,13 @@ class EagerStageRunner:
         return input_grad
 
     def backward_weight(self, microbatch: int) -> None:
-        seed, _ = self.pending.pop(microbatch)
-        grads = torch.autograd.grad(seed, self._params(), grad_outputs=self.output_grads.pop(microbatch))
-        self.grads.add(list(grads))
+        seed, _, params = self.pending.pop(microbatch)
+        grads = torch.autograd.grad(seed, params, grad_outputs=self.output_grads.pop(microbatch))
+        self._add_grads(list(grads))
 
     def take_grads(self) -> list[torch.Tensor]:
-        return self.grads.take()
+        sums = self.grads.take()
+        return self.resident.grads(sums) if self.resident is not None else sums
 
 
 __all__ = ["EagerStageRunner", "GraphStageRunner"]

@@ -26,7 +26,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from graph_trainer.compiler.resident import GraphResidentStep, ResidentTrace, trace_resident
 from graph_trainer.compiler.tracer import TracedStep, trace_train_step
+from graph_trainer.distributed.resident import EagerResidentStep
 from graph_trainer.graph.collectives import collective_counts, format_counts
 from graph_trainer.pipelining.executor import run_pipeline
 from graph_trainer.pipelining.runners import EagerStageRunner, GraphStageRunner
@@ -48,20 +50,27 @@ class PipelineStep:
         hidden_dtype: torch.dtype,
         loss_chunks: int,
         grad_scale: float,
-        post_trace: Callable[[TracedStep, int], TracedStep] | None = None,
+        post_trace: Callable[[TracedStep | ResidentTrace, int], TracedStep | ResidentTrace] | None = None,
         on_traced: Callable[[PipelineStep], None] | None = None,
         profiler_ranges: bool = False,
+        weights_per_step: bool = False,
     ):
         self.pipeline, self.model, self.modules, self.group = pipeline, model, modules, group
         self.graph, self.hidden_dim, self.hidden_dtype = graph, hidden_dim, hidden_dtype
         self.loss_chunks, self.grad_scale, self.post_trace = loss_chunks, grad_scale, post_trace
         self.on_traced, self.profiler_ranges = on_traced, profiler_ranges
+        self.weights_per_step = weights_per_step
         self.runners: dict[int, GraphStageRunner | EagerStageRunner] = {}
         self.traced: dict[int, TracedStep] = {}
+        self.resident: dict[int, ResidentTrace] = {}
+        """Per local stage with ``weights_per_step``: its gather, microbatch and reduce graphs."""
         if not graph:
             last = pipeline.last_stage
             self.runners = {
-                s: EagerStageRunner(m, s == 0, s == last, loss_chunks, grad_scale) for s, m in modules.items()
+                s: EagerStageRunner(
+                    m, s == 0, s == last, loss_chunks, grad_scale, EagerResidentStep(m) if weights_per_step else None
+                )
+                for s, m in modules.items()
             }
 
     def _hidden(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -72,24 +81,29 @@ class PipelineStep:
         last = self.pipeline.last_stage
         for stage, module in self.modules.items():
             logger.info("tracing pipeline stage %d (blocks %s) ...", stage, _blocks(self.pipeline.stage_blocks[stage]))
-            traced = trace_train_step(
+            trace = trace_resident if self.weights_per_step else trace_train_step
+            traced = trace(
                 module,
                 tokens if stage == 0 else self._hidden(tokens),
                 labels if stage == last else self._hidden(tokens),  # (another tensor: see trace_train_step)
                 self.loss_chunks,
                 grad_scale=self.grad_scale,
             )
+            step = traced.step if isinstance(traced, ResidentTrace) else traced
             logger.info(
                 "stage %d traced in %.2fs: %d nodes, collectives: %s",
                 stage,
-                traced.trace_seconds,
-                len(traced.gm.graph.nodes),
-                format_counts(collective_counts(traced.gm.graph)),
+                step.trace_seconds,
+                len(step.gm.graph.nodes),
+                format_counts(collective_counts(step.gm.graph)),
             )
             if self.post_trace is not None:
                 traced = self.post_trace(traced, stage)
+            if isinstance(traced, ResidentTrace):
+                self.resident[stage], traced = traced, traced.step
             self.traced[stage] = traced
-            self.runners[stage] = GraphStageRunner(traced, module, self.profiler_ranges)
+            resident = GraphResidentStep(self.resident[stage]) if stage in self.resident else None
+            self.runners[stage] = GraphStageRunner(traced, module, self.profiler_ranges, resident)
         if self.on_traced is not None:
             self.on_traced(self)
 

@@ -41,11 +41,13 @@ from graph_trainer.analysis.memory import (
     estimate_peak_memory,
     estimate_step_memory,
     optimizer_memory,
+    reduction_moment,
 )
 from graph_trainer.analysis.simulator import simulate
+from graph_trainer.compiler.resident import ResidentTrace
 from graph_trainer.compiler.tracer import BATCH_INPUTS, TracedStep
 from graph_trainer.graph import tags
-from graph_trainer.graph.tags import INPUT_FQN
+from graph_trainer.graph.tags import FSDP_ROLE, GATHERED, INPUT_FQN
 from graph_trainer.pipelining.schedule import Action, PipelinePlan
 from graph_trainer.pipelining.split import StageGraphs, split_stage
 
@@ -69,6 +71,14 @@ class StageCost:
     """Bytes of the stage's parameter gradients (the accumulation buffer)."""
     output_bytes: int = 0
     """Bytes of the tensor the stage sends on (0 for the last stage: its loss)."""
+    resident_bytes: int = 0
+    """Weights resident per step (``compiler.resident``): the gathered weights, held all step."""
+    reduced_grad_bytes: int = 0
+    """Bytes of the gradients the optimizer steps with (``grad_bytes`` unless weights are resident:
+    then those are the gathered weights' sums, reduced once per step into these)."""
+    once_seconds: dict[str, float] = field(default_factory=dict)
+    """Weights resident per step: the simulated seconds of the stage's ``gather`` (at its first
+    action of the step) and ``reduce`` (after the rank's last action)."""
 
 
 _PIECES = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
@@ -88,19 +98,28 @@ def _held_output_bytes(gm: fx.GraphModule, skip: int) -> int:
     return sum(size[a] for a in held if a.op != "placeholder" or _is_per_microbatch_input(a))
 
 
+def _seconds(graph: fx.Graph, device: DeviceModel | None, ranks_per_node: int) -> float:
+    return 0.0 if device is None else simulate(graph, device, ranks_per_node, record_events=False).step_time
+
+
+def _bytes(vals: list[torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in vals)
+
+
 def stage_cost(
-    graphs: StageGraphs, traced: TracedStep, device: DeviceModel | None = None, ranks_per_node: int = 8
+    graphs: StageGraphs,
+    traced: TracedStep,
+    device: DeviceModel | None = None,
+    ranks_per_node: int = 8,
+    resident: ResidentTrace | None = None,
 ) -> StageCost:
     """The costs of one stage (module docstring) from its pieces and its traced joint graph;
-    without a ``device`` only the bytes (the seconds are 0: the trainer's memory check)."""
-    seconds, peaks = {}, {}
-    for kind, attr in _PIECES.items():
-        graph = getattr(graphs, attr).graph
-        if device is not None:
-            seconds[kind] = simulate(graph, device, ranks_per_node, record_events=False).step_time
-        else:
-            seconds[kind] = 0.0
-        peaks[kind] = estimate_peak_memory(graph).peak_activation_bytes
+    without a ``device`` only the bytes (the seconds are 0: the trainer's memory check).
+    ``resident``: the stage's step on weights resident per step (``traced`` is its step graph)."""
+    seconds = {kind: _seconds(getattr(graphs, attr).graph, device, ranks_per_node) for kind, attr in _PIECES.items()}
+    peaks = {
+        kind: estimate_peak_memory(getattr(graphs, attr).graph).peak_activation_bytes for kind, attr in _PIECES.items()
+    }
     saved = _held_output_bytes(graphs.forward, 1)
     kept = _held_output_bytes(graphs.backward_input, 1 if graphs.has_input_grad else 0)
     joint = list(traced.gm.graph.nodes)
@@ -108,14 +127,26 @@ def stage_cost(
     stage_out = joint[-1].args[0][0].meta["val"]
     boundary = stage_out.numel() * stage_out.element_size() if graphs.takes_output_grad else 0
     grads = [g.meta["val"] for g in joint[-1].args[0][1 : 1 + traced.num_flat_param_grads]]
+    gathered = [n for n in placeholders if tags.get(n, FSDP_ROLE) == GATHERED]
+    params = [n.meta["val"] for n in placeholders if not _is_per_microbatch_input(n) and n not in gathered]
+    once, reduced = {}, _bytes(grads)
+    if resident is not None:
+        shards = [n.meta["val"] for n in resident.gather.graph.nodes if n.op == "placeholder"]
+        params = shards + params
+        once = {"gather": _seconds(resident.gather.graph, device, ranks_per_node)}
+        once["reduce"] = _seconds(resident.reduce.graph, device, ranks_per_node)
+        reduced = _bytes(grads[len(gathered) :]) + _bytes(shards)  # (the sums come first)
     return StageCost(
         seconds=seconds,
         peak_bytes=peaks,
         saved_bytes=saved,
         kept_bytes=kept + boundary,  # (the runner keeps the output gradient for dW)
-        params=[n.meta["val"] for n in placeholders if not _is_per_microbatch_input(n)],
-        grad_bytes=sum(g.numel() * g.element_size() for g in grads),
+        params=params,
+        grad_bytes=_bytes(grads),
         output_bytes=boundary,
+        resident_bytes=_bytes([n.meta["val"] for n in gathered]),
+        reduced_grad_bytes=reduced,
+        once_seconds=once,
     )
 
 
@@ -165,6 +196,7 @@ def replay_pipeline(
     busy = {r: 0.0 for r in plan.actions}
     position = {r: 0 for r in plan.actions}
     events = []
+    gathered: set[tuple[int, int]] = set()
     remaining = sum(len(a) for a in plan.actions.values())
     while remaining:
         progressed = False
@@ -182,6 +214,9 @@ def replay_pipeline(
                     arrival = end + (transfer[boundary] if source_rank != rank else 0.0)
                 start = max(clock[rank], arrival)
                 seconds = costs[stage].seconds[kind]
+                if (rank, stage) not in gathered:  # the stage's gather runs with its first action
+                    gathered.add((rank, stage))
+                    seconds += costs[stage].once_seconds.get("gather", 0.0)
                 clock[rank] = start + seconds
                 busy[rank] += seconds
                 events.append((rank, action, start, clock[rank]))
@@ -192,6 +227,10 @@ def replay_pipeline(
         if not progressed:
             stuck = {r: a[position[r]] for r, a in plan.actions.items() if position[r] < len(a)}
             raise ValueError(f"the {plan.schedule} plan cannot proceed: every rank waits ({stuck})")
+    for rank in clock:  # reductions once per step, after the rank's last action
+        seconds = sum(costs[s].once_seconds.get("reduce", 0.0) for s in plan.local_stages(rank))
+        clock[rank] += seconds
+        busy[rank] += seconds
     return PipelineTimeline(max(clock.values()), busy, events)
 
 
@@ -223,19 +262,19 @@ def rank_memory(plan: PipelinePlan, rank: int, costs: dict[int, StageCost], opti
     opt = optimizer_memory(optimizer)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grads = sum(costs[s].grad_bytes for s in stages)
+    resident = sum(costs[s].resident_bytes for s in stages)
+    reduced = sum(costs[s].reduced_grad_bytes for s in stages)
     activations, where = _activation_peak(plan.actions[rank], costs)
+    state = opt.state_tensors * param_bytes
     pipeline = MemoryParts(
-        "pipeline",
-        param_bytes,
-        0,
-        opt.state_tensors * param_bytes,
-        activations,
-        where,
-        accumulated_grads=grads,
+        "pipeline", param_bytes, 0, state, activations, where, accumulated_grads=grads, resident_weights=resident
     )
     (step,) = estimate_step_memory(None, params, optimizer).moments
-    step = MemoryParts(step.moment, step.params, grads, step.optimizer, step.activations)
-    return StepMemoryEstimate((pipeline, step), activations_estimated=True)
+    step = MemoryParts(step.moment, step.params, reduced, step.optimizer, step.activations)
+    moments = (pipeline, step)
+    if resident:
+        moments += (reduction_moment(param_bytes, reduced, state, grads, resident),)
+    return StepMemoryEstimate(moments, activations_estimated=True)
 
 
 def _boundary_crosses_nodes(rank_a: int, rank_b: int, stage_size: int, ranks_per_node: int) -> bool:
@@ -269,17 +308,20 @@ def estimate_pipeline(
     world_size: int,
     ranks_per_node: int = 8,
     optimizer=None,
+    resident: dict[int, ResidentTrace] | None = None,
 ) -> PipelineEstimate:
     """Cut every stage's graph (``split.split_stage``; stages sharing one trace are costed once),
     cost it, replay ``plan`` and estimate every rank's memory (module docstring). ``world_size``
     and ``ranks_per_node`` place the pipeline ranks on nodes (pipeline outermost), which decides
-    whether a point-to-point transfer crosses nodes."""
+    whether a point-to-point transfer crosses nodes. ``resident``: per stage, its step on weights
+    resident per step (``stages`` holds its step graph)."""
     by_trace: dict[int, StageCost] = {}
     costs = {}
     for stage, traced in stages.items():
         if id(traced) not in by_trace:
             graphs = split_stage(traced.gm, traced.num_flat_param_grads)
-            by_trace[id(traced)] = stage_cost(graphs, traced, device, ranks_per_node)
+            once = (resident or {}).get(stage)
+            by_trace[id(traced)] = stage_cost(graphs, traced, device, ranks_per_node, once)
         costs[stage] = by_trace[id(traced)]
     stage_size = world_size // plan.pp
     p2p = {}

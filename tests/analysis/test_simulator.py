@@ -256,8 +256,9 @@ def test_analyze_cli_compares_pipeline_schedules(capsys, tmp_path):
     flags += ["--training.local_batch_size", "2", "--training.global_batch_size", "16"]
     assert main([*flags, "--pp_schedules", "1F1B,GPipe,ZBVZeroBubble", "--json", str(tmp_path / "a.json")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    rows = {r.split()[1]: r.split() for r in lines if r.startswith("none ") and len(r.split()) > 10}
-    # columns: passes, schedule, stages, microbatches, step ms, bubble %, tokens/s/GPU, TFLOP/s/GPU, peak GiB, ...
+    # summary rows (not the stage rows): columns passes, schedule, stages, microbatches, step ms,
+    # bubble %, tokens/s/GPU, TFLOP/s/GPU, peak GiB, ...
+    rows = {r.split()[1]: r.split() for r in lines if r.startswith("none ") and len(r.split()) == 17}
     assert set(rows) == {"1F1B", "GPipe", "ZBVZeroBubble"}
     bubble = {s: float(r[5]) for s, r in rows.items()}
     assert all(0 < b < 100 for b in bubble.values())

@@ -3,6 +3,8 @@ stages, the in-flight activations each schedule holds, and a real estimate on th
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -108,3 +110,17 @@ def test_estimate_of_a_traced_pipeline_splits_the_model_over_its_ranks():
     assert 0 < estimate.timeline.bubble_fraction < 1
     # the first stage holds no stage input to differentiate; its dI is empty
     assert estimate.costs[0].seconds["I"] == 0 and estimate.costs[1].seconds["I"] > 0
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_weights_resident_per_step_gather_with_the_first_action_and_reduce_after_the_last(schedule):
+    # one stage per rank: stage s's gather delays its first forward (and so every later stage's),
+    # each rank's reductions come after its last action; closed form with uniform stages
+    pp, m, gather, reduce = 2, 4, 0.25, 0.5
+    plan = plan_pipeline(schedule, pp, m)
+    base = _uniform(plan)[0]
+    resident = dataclasses.replace(base, once_seconds={"gather": gather, "reduce": reduce})
+    timeline = replay_pipeline(plan, dict.fromkeys(range(pp), resident))
+    # the last rank starts after every stage's gather and its predecessors' first forwards
+    assert timeline.step_seconds == pytest.approx((m + pp - 1) * (F + B) + pp * gather + reduce)
+    assert all(busy == pytest.approx(m * (F + B) + gather + reduce) for busy in timeline.busy_seconds.values())

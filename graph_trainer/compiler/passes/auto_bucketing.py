@@ -226,6 +226,7 @@ AUTO_BUCKETING = PassSpec(
     auto_bucketing,
     "PyTorch's overlap scheduler + overlap-preserving bucketing, on our (H100) cost model; must run last",
     check_config,
+    on_fsdp_collectives=True,
 )
 
 __all__ = ["AUTO_BUCKETING", "CostModelEstimator", "auto_bucketing", "gradient_reduction_counts"]

@@ -36,6 +36,10 @@ class PassSpec:
     prepare_model: Callable[[Any, Any], None] | None = None
     """Called with (model, config) after the model is parallelized and before tracing, for
     passes that need the model to run differently (``ep_overlap`` installs chunking)."""
+    on_fsdp_collectives: bool = False
+    """The pass acts on SimpleFSDP's collectives: with weights resident per step
+    (``parallelism.fsdp_collectives``) it runs on the once-per-step gather and reduce graphs,
+    where they are, not on the microbatch's graph (``compiler.chain.transform_resident``)."""
 
 
 PASS_REGISTRY: dict[str, PassSpec] = {}

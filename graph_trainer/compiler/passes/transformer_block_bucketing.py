@@ -291,6 +291,7 @@ TRANSFORMER_BLOCK_BUCKETING = PassSpec(
     transformer_block_bucketing,
     "one FSDP all-gather / gradient reduction per transformer block, prefetched and deferred for overlap",
     check_config,
+    on_fsdp_collectives=True,
 )
 
 __all__ = [
