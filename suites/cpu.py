@@ -34,13 +34,11 @@ _CPU_LAYOUTS = {
     # cast here): graph vs eager only, bf16 rounding is no 1e-4 match for one process in fp32.
     "tp2_bf16": (2, ["--parallelism.tp", "2", "--training.mixed_precision_param", "bfloat16"], ""),
 }
-# Keeping the gathered parameters for backward (no re-gather) is bitwise re-gathering them; so are
-# weights gathered once per step (one microbatch: its gradients reduced once too).
-# (Eager mode has no graph to reshard, so keep_params has no eager twin.)
-_CPU_KEEP_PARAMS = [
-    Case("fsdp2_keep_params", 2, ["--parallelism.fsdp_reshard_after_forward", "never"], same_as="fsdp2_graph"),
-    Case("fsdp2_per_step", 2, ["--parallelism.fsdp_collectives", "per_step"], same_as="fsdp2_graph"),
-]
+# Weights gathered once and kept for backward (no re-gather; one microbatch: its gradients reduced
+# once too) are bitwise the weights each microbatch gathers and re-gathers for backward. (This
+# also stands for fsdp_reshard_after_forward never, which keeps them from forward to backward in
+# the microbatch's graph.)
+_CPU_KEEP_PARAMS = [Case("fsdp2_per_step", 2, ["--parallelism.fsdp_collectives", "per_step"], same_as="fsdp2_graph")]
 # DeepSeek-V3's debug model cut to 3 of its 6 blocks (1 dense + 2 MoE: consecutive MoE blocks, as
 # in 6), at half the CI time of its steps and trace (docs/performance.md, "Run times on the CPU").
 _DEEPSEEK_3_LAYERS = ["--model.n_layers", "3"]

@@ -9,6 +9,11 @@
 - pipeline (``parallelism.pp`` > 1): the schedule over this rank's stages
   (``pipelining.step.PipelineStep``), each stage traced and sent through the same chain.
 
+With weights resident per step (``JobLayout.weights_per_step``) graph jobs trace the step as three
+graphs (``compiler.resident.ResidentGraphStep``), eager ones run the same parts
+(``distributed.resident.EagerResidentStep``): the microbatches' sums are reduced once, by
+``AccumulatedGradients``' ``finish``.
+
 Each is a callable ``gradients(microbatches) -> (loss_sum, grads)``: the sum of the microbatches'
 losses (each the mean over its tokens) and, in the parameters' order, their gradients of the
 scaled losses summed over the microbatches, in microbatch order (graph and eager alike, so graph

@@ -5,7 +5,10 @@ graph runner: the forward graph's saved values; the eager runner: the autograd g
 accumulate the stage's parameter gradients over the step's microbatches in the order the
 schedule runs their backwards (the first one's gradients are the buffer, later ones are added
 in place, as ``loop.gradients.AccumulatedGradients`` does without a pipeline). ``take_grads()`` hands
-the sums over and starts the next step.
+the sums over and starts the next step. With weights resident per step (``resident``: a
+``compiler.resident.GraphResidentStep`` or ``distributed.resident.EagerResidentStep``) a stage's
+first forward of the step gathers its weights, every microbatch differentiates them, the sums are
+of their gradients in the reduce dtype, and ``take_grads()`` reduces them once.
 
 The last stage's loss is scaled by ``grad_scale`` (``JobLayout.loss_scale``: 1 / (dp x
 microbatches)) before its backward; earlier stages differentiate with the gradient they receive,

@@ -10,7 +10,10 @@ Graph mode traces each local stage on the first step (``tracer.trace_train_step`
 module: a joint forward + backward graph with the stage's own ends), hands it to ``post_trace``
 (the trainer's memory policy, passes and backend, so the user's passes run per stage graph),
 then cuts it into the pieces the schedule runs (``split.split_stage``); ``on_traced`` then sees
-every local stage's runner before the first microbatch runs (the trainer's memory check). Eager mode runs the same
+every local stage's runner before the first microbatch runs (the trainer's memory check). With
+``weights_per_step`` (``parallelism.fsdp_collectives``) a stage is traced as a gather, microbatch
+and reduce graph (``compiler.resident.trace_resident``: ``post_trace`` gets that ``ResidentTrace``,
+``resident`` keeps it) and its runner keeps the gathered weights for the step. Eager mode runs the same
 schedule with ``EagerStageRunner``: the numerics baseline.
 
 The tensor passed between stages is the hidden state [local batch, seq, dim] in the compute

@@ -7,22 +7,30 @@ stage's own collectives, e.g. FSDP's per-microbatch all-gathers and reduce-scatt
 microbatch holds between its pieces, and what each piece allocates above its inputs
 (``analysis.memory.estimate_peak_memory``).
 
+With weights resident per step (``compiler.resident``) a stage's cost also holds its gather and
+reduce graphs' seconds (``once_seconds``), the gathered weights (``resident_bytes``, held all
+step) and its parameters' shards from the gather graph's inputs.
+
 ``replay_pipeline(plan, costs, p2p_seconds)`` runs the plan's actions on a clock per rank: each
 rank runs its actions in the plan's order, an action starts when its rank is free and its input
 has arrived (a forward: the previous stage's forward of that microbatch plus one point-to-point
 transfer, none between two stages of one rank; a backward or dI: the next stage's; dW: its own
-dI). The step ends when the last action does; a rank's bubble is the time it is not computing.
+dI). A stage's once-per-step gather runs with its first action on its rank, the reductions after
+the rank's last action. The step ends when the last rank does; a rank's bubble is the time it is
+not computing.
 
 ``rank_memory(plan, rank, costs, optimizer)`` walks one rank's actions in order (memory depends on
 the order, not on the clock) as the runners hold tensors (``graph_trainer.pipelining.runners``):
 a forward's saved values from it until the microbatch's backward (or dW), and from dI until dW
 what dI keeps for dW and the output gradient. The peak is the largest (held + the running piece's
-own allocations) on top of the rank's parameters, gradient accumulation buffer and AdamW state;
-the optimizer step is the other moment, as ``analysis.memory.estimate_step_memory`` has it.
+own allocations) on top of the rank's parameters, gradient accumulation buffer and AdamW state (and
+resident weights); the optimizer step is the other moment, as ``analysis.memory.estimate_step_memory``
+has it, and with resident weights the gradient reduction a third.
 
 Reads: ``input_fqn`` on the stage graphs' placeholders (``tracer.BATCH_INPUTS``: what is held per
-microbatch rather than once). Nothing is written. Fails: a plan whose actions can never all run
-(a dependency no rank produces) raises ``ValueError``.
+microbatch rather than once), ``fsdp_role`` gathered (resident weights, not parameters). Nothing
+is written. Fails: a plan whose actions can never all run (a dependency no rank produces) raises
+``ValueError``.
 """
 
 from __future__ import annotations

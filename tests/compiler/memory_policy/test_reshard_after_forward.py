@@ -1,6 +1,7 @@
 """reshard_after_forward: backward re-gathers every parameter it reads.
 
-That values do not change is the cpu suite's case `fsdp2_keep_params` (bitwise `fsdp2_graph`, on gloo)."""
+That values do not change is the cpu suite's case `fsdp2_per_step` (weights gathered once and kept
+for backward, bitwise `fsdp2_graph`, which re-gathers them, on gloo)."""
 
 import pytest
 
