@@ -227,7 +227,7 @@ class Trainer:
             cfg,
             self.layout,
             device,
-            check=lambda m: check_model_state_fits(cfg, m.parameters(), device.type),
+            check=lambda m: check_model_state_fits(cfg, m, device.type, self.layout.weights_per_step),
             init=init,
         )
         n_params = sum(p.numel() for p in model.parameters())

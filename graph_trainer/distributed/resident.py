@@ -24,10 +24,12 @@ per-microbatch reduction.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Shard
 from torch.nn.utils import parametrize
 
 from graph_trainer.distributed.simple_fsdp import ReplicateComputation, clean_fqn, owner_fqn
@@ -100,6 +102,23 @@ class ResidentWeights:
         return [rc.reduce(p, s) for rc, p, s in zip(self.parametrizations, params, sums, strict=True)]
 
 
+def resident_bytes(module: nn.Module) -> int:
+    """Bytes the rank with the largest pieces holds for the step with weights resident per step:
+    every gathered weight in ``param_dtype`` and its gradient sum in ``reduce_dtype`` (the weight
+    split only by its inner dim, tp or ep, as ``parallel_dims.largest_local_numel`` splits). Works
+    on the meta device."""
+    weights = ResidentWeights(module)
+    total = 0
+    for rc, param in zip(weights.parametrizations, weights.split(list(module.parameters()))[0], strict=True):
+        shape = list(param.shape)
+        for mesh_dim, placement in enumerate(param.placements):
+            if mesh_dim >= rc.dp_dims and isinstance(placement, Shard):
+                shape[placement.dim] = -(-shape[placement.dim] // param.device_mesh.size(mesh_dim))
+        itemsize = sum(torch.empty((), dtype=d).element_size() for d in (rc.mp.param_dtype, rc.mp.reduce_dtype))
+        total += math.prod(shape) * itemsize
+    return total
+
+
 class EagerResidentStep:
     """A step's gathered weights for eager runs: ``differentiated()`` gathers at the step's first
     microbatch and keeps them; ``accumulands`` casts a microbatch's gradients for the sum;
@@ -136,4 +155,4 @@ class EagerResidentStep:
         return self.resident.merge(reduced, sums[n:])
 
 
-__all__ = ["EagerResidentStep", "ResidentWeights"]
+__all__ = ["EagerResidentStep", "ResidentWeights", "resident_bytes"]

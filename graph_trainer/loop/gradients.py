@@ -30,7 +30,8 @@ Memory: before a step allocates what would not fit, the job's estimated peak per
 largest over the ranks, so every rank decides alike) is checked against the device
 (``loop.preflight.check_step_fits``): eager and pipeline jobs at once (parameters, gradients and
 optimizer state), a pipeline again once its stages are traced (with the activations its schedule
-keeps in flight), a graph job after the memory policy and the passes.
+keeps in flight; an eager pipeline traces its stages on fake tensors for it, before its first
+step), a graph job after the memory policy and the passes.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from graph_trainer.distributed.parallel_dims import pp_group
 from graph_trainer.distributed.resident import EagerResidentStep
 from graph_trainer.loop.metrics import ForwardBackwardTimer, MetricsLogger
 from graph_trainer.loop.preflight import check_step_fits
+from graph_trainer.pipelining.split import split_stage
 from graph_trainer.pipelining.step import PipelineStep
 from graph_trainer.pipelining.timeline import rank_memory, stage_cost
 
@@ -250,6 +252,22 @@ class StepPreparation:
         dumps = self.cfg.compile.dump_graphs and os.path.join(self.cfg.compile.dump_graphs, f"stage{stage}")
         return self.compile(traced, pass_context(self.cfg, self.layout, module), dumps, pipeline_stage=True)
 
+    def check_eager_pipeline_memory(self, step: PipelineStep) -> None:
+        """``check_pipeline_memory`` for an eager pipeline rank, whose stages are not traced to run:
+        each traced on fake tensors of a microbatch's shape (nothing runs or allocates) and costed
+        as a graph job's, so the activations its schedule keeps in flight are counted too."""
+        t = self.cfg.training
+        tokens = torch.empty(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
+        costs = {}
+        for stage in step.modules:
+            traced = step.trace_stage(stage, tokens, tokens.clone(), fake_device=self.device)
+            resident = traced if isinstance(traced, ResidentTrace) else None
+            joint = resident.step if resident is not None else traced
+            graphs = split_stage(joint.gm, joint.num_flat_param_grads)
+            costs[stage] = stage_cost(graphs, joint, resident=resident)
+        pipeline = self.layout.pipeline
+        self.check_memory(None, rank_memory(pipeline.plan, pipeline.rank, costs, self.optimizer))
+
     def check_pipeline_memory(self, step: PipelineStep) -> None:
         """The memory check of a pipeline rank once its stages are traced: parameters, gradient
         buffer, optimizer state and the activations its schedule keeps in flight
@@ -308,6 +326,8 @@ def build_gradients(prep: StepPreparation, hidden_dim: int, timer: ForwardBackwa
             profiler_ranges=cfg.profiling.enable_profiling,
             weights_per_step=layout.weights_per_step,
         )
+        if cfg.compile.mode == "eager":
+            prep.check_eager_pipeline_memory(pipeline_step)
         return PipelineGradients(pipeline_step, group, prep.device)
     if cfg.compile.mode == "graph" and layout.weights_per_step:
         graph_step = ResidentGraphStep(model, loss_chunks, grad_scale, post_trace=prep.compile)

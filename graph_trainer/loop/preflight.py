@@ -25,11 +25,13 @@ total less ``GPU_RESERVE_BYTES``, or this machine's RAM shared by its local proc
 
 * ``check_model_state_fits``, called by the build once the model is parallelised on the meta
   device and before it is materialised: parameters, gradients and optimizer state of the rank
-  holding the largest shards (``parallel.largest_local_numel``), exact from the shapes. It
-  names how many times more sharding the state needs.
+  holding the largest shards (``parallel.largest_local_numel``), exact from the shapes, and with
+  weights resident per step the gathered weights and their gradient sums. It names how many
+  times more sharding the state needs.
 * ``check_step_fits``, called by the trainer before the first step (graph mode: after tracing,
   the memory policy and the passes; eager: at start, where activations are unknown and the
-  estimate is a lower bound): the peak of ``analysis.memory.estimate_step_memory``, the largest
+  estimate is a lower bound, and an eager pipeline again once its stages are traced on fake
+  tensors for the estimate): the peak of ``analysis.memory.estimate_step_memory``, the largest
   over all ranks, so every rank takes the same decision. It names the settings that shrink
   what dominates. The estimate ignores what ``GPU_RESERVE_BYTES`` stands for, so a step it
   passes can still run out of memory; one it refuses needs more than the device has.
@@ -47,6 +49,7 @@ from graph_trainer.analysis.memory import StepMemoryEstimate, optimizer_memory
 from graph_trainer.config import JobConfig, checkpoint_root, in_dump_folder
 from graph_trainer.config_loading import load_config
 from graph_trainer.distributed.parallel_dims import largest_local_numel
+from graph_trainer.distributed.resident import resident_bytes
 from graph_trainer.errors import ConfigError
 from graph_trainer.validation import check_device, resolve_device, validate_config
 from models.registry import model_args
@@ -150,19 +153,28 @@ def _refuse_or_warn(cfg: JobConfig, message: str) -> None:
     logger.warning("%s (going on: debug.skip_memory_check)", message)
 
 
-def check_model_state_fits(cfg: JobConfig, params, device: str) -> None:
+def check_model_state_fits(cfg: JobConfig, model, device: str, weights_per_step: bool = False) -> None:
     """Parameters (as stored), gradients and optimizer state of the rank with the largest shards,
-    against ``usable_memory_bytes``. ``params``: the parallelised model's parameters (meta is fine)."""
+    and with ``weights_per_step`` the gathered weights and their gradient sums held for the step
+    (``distributed.resident.resident_bytes``), against ``usable_memory_bytes``. ``model``: the
+    parallelised model (meta is fine)."""
     opt = optimizer_memory(cfg.training)
-    param_bytes = sum(largest_local_numel(p) * p.element_size() for p in params)
-    need = param_bytes * (2 + opt.state_tensors)  # parameters, gradients, the optimizer's states
+    param_bytes = sum(largest_local_numel(p) * p.element_size() for p in model.parameters())
+    resident = resident_bytes(model) if weights_per_step else 0
+    need = param_bytes * (2 + opt.state_tensors) + resident  # parameters, gradients, optimizer states
     available, what = usable_memory_bytes(device)
     if need <= available:
         return
+    held = (
+        f" + {resident / GIB:,.1f} GiB of weights gathered for the step and their gradient sums "
+        "(parallelism.fsdp_collectives per_microbatch holds none)"
+        if resident
+        else ""
+    )
     _refuse_or_warn(
         cfg,
         f"the model state needs {need / GIB:,.1f} GiB per rank (parameters {param_bytes / GIB:,.1f} GiB, "
-        f"gradients as much, {opt.name} state {opt.state_tensors}x) but {what}; it needs at least "
+        f"gradients as much, {opt.name} state {opt.state_tensors}x{held}) but {what}; it needs at least "
         f"{math.ceil(need / available)}x more sharding (parallelism.dp_shard, parallelism.tp)",
     )
 
@@ -171,6 +183,10 @@ def _ways_to_shrink(cfg: JobConfig, estimate: StepMemoryEstimate) -> list[str]:
     """Settings that shrink the largest parts of ``estimate``'s peak, most effective first."""
     t, ac = cfg.training, cfg.activation_checkpoint.mode
     ways = []
+    if estimate.peak.resident_weights:
+        ways.append(
+            "parallelism.fsdp_collectives per_microbatch (weights gathered per microbatch, not kept for the step)"
+        )
     if estimate.peak.activations > estimate.peak.params and estimate.peak.moment in ("graph", "pipeline"):
         if estimate.peak.moment == "pipeline" and cfg.parallelism.pp_schedule != "1F1B":
             ways.append("parallelism.pp_schedule 1F1B (the fewest microbatches in flight)")

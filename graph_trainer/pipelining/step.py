@@ -79,19 +79,26 @@ class PipelineStep:
     def _hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         return torch.empty(*tokens.shape, self.hidden_dim, dtype=self.hidden_dtype, device=tokens.device)
 
+    def trace_stage(
+        self, stage: int, tokens: torch.Tensor, labels: torch.Tensor, fake_device: torch.device | None = None
+    ) -> TracedStep | ResidentTrace:
+        """Local stage ``stage`` traced for a microbatch of ``tokens``' shape (``trace_train_step``, or
+        ``trace_resident`` with ``weights_per_step``); meta ``tokens`` need ``fake_device``."""
+        trace = trace_resident if self.weights_per_step else trace_train_step
+        return trace(
+            self.modules[stage],
+            tokens if stage == 0 else self._hidden(tokens),
+            labels if stage == self.pipeline.last_stage else self._hidden(tokens),  # (another tensor)
+            self.loss_chunks,
+            grad_scale=self.grad_scale,
+            fake_device=fake_device,
+        )
+
     def _trace(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         """Trace, transform and cut every local stage (the first step)."""
-        last = self.pipeline.last_stage
         for stage, module in self.modules.items():
             logger.info("tracing pipeline stage %d (blocks %s) ...", stage, _blocks(self.pipeline.stage_blocks[stage]))
-            trace = trace_resident if self.weights_per_step else trace_train_step
-            traced = trace(
-                module,
-                tokens if stage == 0 else self._hidden(tokens),
-                labels if stage == last else self._hidden(tokens),  # (another tensor: see trace_train_step)
-                self.loss_chunks,
-                grad_scale=self.grad_scale,
-            )
+            traced = self.trace_stage(stage, tokens, labels)
             step = traced.step if isinstance(traced, ResidentTrace) else traced
             logger.info(
                 "stage %d traced in %.2fs: %d nodes, collectives: %s",

@@ -70,11 +70,14 @@ def test_a_step_that_cannot_fit_is_refused_after_tracing_before_it_runs(tmp_path
     assert any("(going on: debug.skip_memory_check)" in r.getMessage() for r in caplog.records)
 
 
-def test_a_pipeline_whose_in_flight_microbatches_cannot_fit_is_refused_before_they_run(tmp_path):
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_a_pipeline_whose_in_flight_microbatches_cannot_fit_is_refused_before_they_run(tmp_path, mode):
     """PP=2 with GPipe keeps all 32 microbatches of 64 x 2048 tokens in flight on each stage: far
-    more than any CI machine holds. Every rank estimates its stages once traced
-    (``pipelining.timeline.rank_memory``) and the job ends in one line naming the schedule."""
+    more than any CI machine holds. Every rank estimates its stages once traced (eager: traced on
+    fake tensors for the estimate; ``pipelining.timeline.rank_memory``) and the job ends in one
+    line naming the schedule."""
     flags = ["--parallelism.pp", "2", "--parallelism.pp_schedule", "GPipe", "--training.seq_len", "2048"]
+    flags += ["--compile.mode", mode]
     flags += ["--training.local_batch_size", "64", "--training.global_batch_size", "2048", "--training.steps", "1"]
     result = run_train(2, tmp_path, *flags, check=False)
     assert result.returncode != 0
@@ -101,3 +104,38 @@ def test_largest_local_numel_is_the_first_ranks_piece_of_an_uneven_split():
             assert largest_local_numel(p) == local_tensor(p).numel(), p.shape
             assert 3 * largest_local_numel(p) >= p.numel()
     assert largest_local_numel(torch.empty(4, 5, device="meta")) == 20
+
+
+def test_weights_resident_per_step_are_part_of_the_model_state(monkeypatch):
+    """Llama3-8B at FSDP=8: 3.7 GiB of fp32 shards per rank, 15 GiB of model state; kept for the
+    step, every weight gathered in bf16 and its fp32 gradient sum add 6 bytes per parameter."""
+    from graph_trainer.build import build_job_model, build_layout
+    from graph_trainer.fake_trace import fake_world
+    from graph_trainer.loop.preflight import check_model_state_fits
+
+    monkeypatch.setattr("graph_trainer.loop.preflight.host_memory_bytes", lambda: 24 * GIB)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    flags = ["--model.flavor", "8B", "--training.mixed_precision_param", "bfloat16"]
+    cfg = load_config([*flags, "--parallelism.fsdp_collectives", "per_step"])
+    with fake_world(8):
+        model = build_job_model(cfg, build_layout(cfg, 8, "cpu"), torch.device("meta"))
+        check_model_state_fits(cfg, model, "cpu", weights_per_step=False)
+        with pytest.raises(ConfigError) as info:
+            check_model_state_fits(cfg, model, "cpu", weights_per_step=True)
+    held = 6 * LLAMA3_8B_PARAMETERS / GIB
+    assert f"+ {held:,.1f} GiB of weights gathered for the step and their gradient sums" in str(info.value)
+
+
+def test_a_step_over_memory_with_resident_weights_names_gathering_per_microbatch(monkeypatch):
+    from graph_trainer.analysis.memory import MemoryParts, StepMemoryEstimate
+    from graph_trainer.loop.preflight import check_step_fits
+
+    monkeypatch.setattr("graph_trainer.loop.preflight.host_memory_bytes", lambda: GIB)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = load_config(FAST_ARGS)
+    for resident in (0, GIB):
+        peak = MemoryParts("pipeline", GIB, 0, GIB, GIB, "B of stage 0", GIB, resident)
+        estimate = StepMemoryEstimate((peak,), activations_estimated=True)
+        with pytest.raises(ConfigError) as info:
+            check_step_fits(cfg, estimate, peak.total, "cpu")
+        assert ("to fit: parallelism.fsdp_collectives per_microbatch" in str(info.value)) == bool(resident)
