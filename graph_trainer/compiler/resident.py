@@ -255,7 +255,9 @@ class ResidentGraphStep(GraphStep):
     def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         traced = self.get(tokens, labels)
         sig = batch_signature(tokens, labels)
-        self.current = self.runs.setdefault(sig, GraphResidentStep(self.traces[sig]))
+        if sig not in self.runs:
+            self.runs[sig] = GraphResidentStep(self.traces[sig])
+        self.current = self.runs[sig]
         buffers = [b for _, b in self.model.named_buffers()]
         return traced(self.current.step_params(), buffers, tokens, labels)
 

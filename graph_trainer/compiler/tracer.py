@@ -451,7 +451,7 @@ class GraphStep:
             if self.graphs:
                 logger.info("batch shape %s is new: retracing", sig)
             logger.info("tracing the training step (forward + loss + backward) ...")
-            traced = self._trace(tokens, labels)
+            traced = trace_train_step(self.model, tokens, labels, self.loss_chunks, grad_scale=self.grad_scale)
             counts = collective_counts(traced.gm.graph)
             logger.info(
                 "traced in %.2fs: %d nodes, collectives: %s",
@@ -463,9 +463,6 @@ class GraphStep:
                 traced = self.post_trace(traced)
             self.graphs[sig] = traced
         return self.graphs[sig]
-
-    def _trace(self, tokens: torch.Tensor, labels: torch.Tensor) -> TracedStep:
-        return trace_train_step(self.model, tokens, labels, self.loss_chunks, grad_scale=self.grad_scale)
 
     def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         traced = self.get(tokens, labels)
