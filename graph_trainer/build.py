@@ -124,7 +124,8 @@ def build_layout(cfg: JobConfig, world_size: int, device_type: str, args=None) -
     """The job's layout at ``world_size`` (the process group, real or fake, must exist when > 1).
     ``args`` overrides the model's arguments (e.g. analyses of smaller shapes)."""
     args = args if args is not None else model_args(cfg.model)
-    dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
+    p = cfg.parallelism
+    dims = ParallelDims.from_degrees(resolve_parallel_degrees(p, world_size), p.sequence_parallel)
     t = cfg.training
     mp = MixedPrecision(
         param_dtype=getattr(torch, t.mixed_precision_param), reduce_dtype=getattr(torch, t.mixed_precision_reduce)

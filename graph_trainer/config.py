@@ -152,6 +152,12 @@ class Parallelism:
     """Data-parallel shards (FSDP); -1 takes whatever the world size leaves after the other degrees."""
     tp: int = 1
     """Tensor-parallel degree."""
+    sequence_parallel: bool = True
+    """With tp > 1: the residual stream between the tensor-parallel regions (norms, residual adds,
+    the hidden state a pipeline stage sends) is split over the tp ranks along the sequence, each
+    region gathers its input and reduce-scatters its output (Megatron's sequence parallel; what
+    torchtitan always does with tp). training.seq_len must then be a multiple of tp. False: every
+    tp rank holds the whole sequence and the regions all-reduce their outputs."""
     ep: int = 1
     """Expert-parallel degree (MoE models only)."""
     fsdp_reshard_after_forward: ReshardAfterForward = "always"

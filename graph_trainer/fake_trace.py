@@ -207,7 +207,9 @@ def trace_pipeline(
         raise ConfigError("trace_pipeline needs parallelism.pp > 1")
     tokens = _meta_tokens(cfg)
     hidden_dtype = param_dtype or layout.mp.param_dtype
-    hidden = torch.empty(*tokens.shape, layout.model_args.dim, dtype=hidden_dtype, device="meta")
+    batch, seq = tokens.shape  # (a piece of the sequence under sequence parallel: run_stack)
+    hidden_shape = (batch, seq // layout.dims.sequence_shards, layout.model_args.dim)
+    hidden = torch.empty(hidden_shape, dtype=hidden_dtype, device="meta")
     traced_by_signature: dict[tuple, tuple[TracedStep | ResidentTrace, range]] = traces if traces is not None else {}
     stages: dict[int, TracedStep] = {}
     resident: dict[int, ResidentTrace] = {}

@@ -143,6 +143,13 @@ def _check_parallelism(cfg: JobConfig, world_size: int, args) -> dict[str, int]:
         _check_pipeline(cfg, degrees, microbatches, args)
     dp, shards = degrees["dp_replicate"] * degrees["dp_shard"], t.dataset_shards
     _check_fsdp_collectives(cfg.parallelism, dp)
+    tp = degrees["tp"]
+    require(
+        not cfg.parallelism.sequence_parallel or t.seq_len % tp == 0,
+        f"training.seq_len = {t.seq_len} must be a multiple of parallelism.tp = {tp} under sequence parallel "
+        "(each tp rank holds an equal piece of the sequence); change one, or set "
+        "parallelism.sequence_parallel false",
+    )
     require(shards >= 1, f"training.dataset_shards = {shards} must be >= 1")
     require(
         t.local_batch_size * dp % shards == 0,
@@ -270,6 +277,13 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
             default.checkpoint.async_mode,
             cfg.checkpoint.interval > 0,
             f"checkpoint.interval > 0 (it is {cfg.checkpoint.interval})",
+        ),
+        (
+            "parallelism.sequence_parallel",
+            p.sequence_parallel,
+            default.parallelism.sequence_parallel,
+            p.tp > 1,
+            f"parallelism.tp > 1 (it is {p.tp})",
         ),
         ("parallelism.pp_stage_blocks", p.pp_stage_blocks, default.parallelism.pp_stage_blocks, p.pp > 1, pipeline),
         ("parallelism.pp_schedule", p.pp_schedule, default.parallelism.pp_schedule, p.pp > 1, pipeline),

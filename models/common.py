@@ -23,8 +23,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+from graph_trainer.graph.tags import SEQUENCE_GATHER, TP_ROLE, annotate
 
 # --------------------------------------------------------------------------------------
 # Layers
@@ -128,8 +130,9 @@ def run_stack(model: nn.Module, tokens: torch.Tensor, head=None) -> torch.Tensor
     """Both families' forward after their own checks: embedding, blocks, final norm, then the
     output projection or ``head(normed hidden state, output module)`` (the loss, which computes the
     logits itself, e.g. in chunks: ``graph_trainer.loss``). A pipeline stage without the embedding
-    takes the previous stage's hidden state [B, S, dim]; one without the norm returns its own."""
-    seq = tokens.shape[1]
+    takes the previous stage's hidden state [B, S / model.sequence_shards, dim] (its piece of the
+    sequence under sequence parallel); one without the norm returns its own."""
+    seq = tokens.shape[1] * (1 if model.tok_embeddings is not None else model.sequence_shards)
     if seq > model.args.max_seq_len:
         raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {model.args.max_seq_len}")
     rope = model.rope_cache[:seq]
@@ -274,23 +277,81 @@ def init_plain_parameters(model: nn.Module, rules: dict[str, InitRule], seed: in
         param.copy_(draw_parameter(rules[fqn], fqn, param.shape, seed, param.device))
 
 
-def split_vocabulary(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def split_vocabulary(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     """Tensor parallel on the vocabulary, as both models use it: ``tok_embeddings`` row-parallel
-    (each rank looks up its rows, the sum is all-reduced), ``output`` column-parallel with the
-    logits gathered (Replicate) for the loss."""
+    (each rank looks up its rows; the sum is all-reduced, or under ``sequence_parallel``
+    reduce-scattered along the sequence), ``output`` column-parallel with the logits gathered
+    (Replicate) for the loss. Under ``sequence_parallel`` the final norm's input is gathered along
+    the sequence first (``gather_sequence``, as a plain tensor): the norm and the loss head see
+    every token, the norm computed whole on each tp rank, its weight's gradient the same on all."""
     plan = {}
     if model.tok_embeddings is not None:  # (a pipeline stage may hold neither: keep_stage)
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        stream = Shard(1) if sequence_parallel else Replicate()
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
     if model.output is not None:
         plan["output"] = ColwiseParallel(output_layouts=Replicate())
+        if sequence_parallel:
+            gather_sequence(model.norm, tp_mesh, local=True)
     if plan:
         parallelize_module(model, tp_mesh, plan)
 
 
-def feed_forward_plan(fqn: str) -> dict:
+def region_output(sequence_parallel: bool, sequence_dim: int = 1) -> RowwiseParallel:
+    """The row-parallel projection that ends a tensor-parallel region (attention's ``wo``, a
+    feed-forward's ``w2``): its partial outputs all-reduced, or under ``sequence_parallel``
+    reduce-scattered along ``sequence_dim`` (each rank keeps its piece of the residual stream)."""
+    return RowwiseParallel(output_layouts=Shard(sequence_dim)) if sequence_parallel else RowwiseParallel()
+
+
+def gather_sequence(module: nn.Module, tp_mesh: DeviceMesh, sequence_dim: int = 1, local: bool = False) -> None:
+    """Sequence parallel's entry into a tensor-parallel region: ``module``'s first input, this rank's
+    piece of the sequence (a ``Shard(sequence_dim)`` DTensor or its local tensor), is all-gathered
+    (tagged ``tp_role`` sequence_gather: the memory policy may recompute it for backward, from the
+    piece); the other inputs pass as they are. The module gets a ``Replicate`` DTensor, whose
+    gradient (partial over tp, from the column-parallel projections reading it) is reduce-scattered
+    back; with ``local`` a plain tensor, for modules that also compute on it with replicated
+    weights: its gradient must then be whole and the same on every tp rank, and goes back as this
+    rank's slice."""
+
+    def gather(_module: nn.Module, args: tuple) -> tuple:
+        piece, *rest = args
+        with annotate({TP_ROLE: SEQUENCE_GATHER}):
+            if not isinstance(piece, DTensor):
+                piece = DTensor.from_local(piece, tp_mesh, [Shard(sequence_dim)], run_check=False)
+            whole = piece.redistribute(tp_mesh, [Replicate()])
+        return (whole.to_local() if local else whole, *rest)
+
+    module.register_forward_pre_hook(gather)
+
+
+def keep_sequence_piece(module: nn.Module, tp_mesh: DeviceMesh, sequence_dim: int = 1) -> None:
+    """The exit of a region that computes on the whole sequence the same on every tp rank (a
+    ``gather_sequence(..., local=True)`` module): its output is cut to this rank's piece along
+    ``sequence_dim``; backward, the pieces' gradients are all-gathered into the whole one."""
+
+    def keep_piece(_module: nn.Module, _args: tuple, whole: torch.Tensor) -> torch.Tensor:
+        replicated = DTensor.from_local(whole, tp_mesh, [Replicate()], run_check=False)
+        return replicated.redistribute(tp_mesh, [Shard(sequence_dim)]).to_local()
+
+    module.register_forward_hook(keep_piece)
+
+
+def sequence_parallel_norms(names: list[str]) -> dict:
+    """Norms computed on this rank's piece of the sequence (their weights replicated over tp as
+    DTensors, so the weight's gradient, partial over tp, is summed there), each returning its piece
+    as a ``Shard(1)`` DTensor for the region it feeds (``gather_sequence``)."""
+    return {name: SequenceParallel() for name in names}
+
+
+def feed_forward_plan(fqn: str, sequence_parallel: bool = False, sequence_dim: int = 1) -> dict:
     """The tensor-parallel plan of a ``FeedForward`` at ``fqn``: ``w1``, ``w3`` column-parallel,
-    ``w2`` row-parallel (one all_reduce of the output)."""
-    return {f"{fqn}.w1": ColwiseParallel(), f"{fqn}.w3": ColwiseParallel(), f"{fqn}.w2": RowwiseParallel()}
+    ``w2`` row-parallel (``region_output``). Under ``sequence_parallel`` the caller gathers its input
+    along ``sequence_dim`` (``gather_sequence``)."""
+    return {
+        f"{fqn}.w1": ColwiseParallel(),
+        f"{fqn}.w3": ColwiseParallel(),
+        f"{fqn}.w2": region_output(sequence_parallel, sequence_dim),
+    }
 
 
 __all__ = [
@@ -302,11 +363,15 @@ __all__ = [
     "block_costs",
     "draw_parameter",
     "feed_forward_plan",
+    "gather_sequence",
     "init_plain_parameters",
+    "keep_sequence_piece",
     "keep_stage",
     "materialize_init",
+    "region_output",
     "rotary_table",
     "run_stack",
+    "sequence_parallel_norms",
     "split_vocabulary",
     "stage_view",
     "stable_seed",

@@ -447,6 +447,10 @@ _IGNORED = "it would be ignored; leave it out or set that too"
             "profiling.save_memory_snapshot_folder = 'm' means something only with ",
         ),
         (["--validation.freq", "5"], "validation.freq = 5 means something only with "),
+        (
+            ["--parallelism.sequence_parallel", "False"],
+            "parallelism.sequence_parallel = False means something only with ",
+        ),
         (["--checkpoint.async_mode", "async"], "checkpoint.async_mode = 'async' means something only with "),
         (["--validation.split", "test"], "validation.split = 'test' means something only with "),
         (["--validation.dataset_subset", "en"], "validation.dataset_subset = 'en' means something only with "),
@@ -459,6 +463,7 @@ def test_a_setting_that_would_be_ignored_is_refused(flags, message):
         validate_config(load_config(flags))
     needs = {
         "parallelism": "parallelism.pp > 1 (it is 1)",
+        "parallelism.sequence_parallel": "parallelism.tp > 1 (it is 1)",
         "compile.cache_dir": "compile.backend 'inductor' (it is 'none')",
         "compile.once_per_node": "compile.backend 'inductor' (it is 'none')",
         "activation_checkpoint": "activation_checkpoint.mode 'selective' (it is 'none')",
@@ -480,6 +485,18 @@ def test_data_shards_must_divide_the_batch_of_all_data_parallel_ranks():
     with pytest.raises(ConfigError, match=r"dataset_shards = 4 must divide .* = 3 x 2\)"):
         validate_config(load_config(flags), world_size=2)
     validate_config(load_config([*flags[:3], "2"]), world_size=2)
+
+
+def test_sequence_parallel_needs_a_sequence_length_tp_divides(monkeypatch):
+    tp2 = ["--parallelism.tp", "2", "--training.seq_len", "63"]
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (what torchrun sets: the check runs before any process group)
+    result = _run_train(*tp2)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and lines == [
+        "error: training.seq_len = 63 must be a multiple of parallelism.tp = 2 under sequence parallel (each tp "
+        "rank holds an equal piece of the sequence); change one, or set parallelism.sequence_parallel false"
+    ], lines
+    validate_config(load_config([*tp2, "--parallelism.no_sequence_parallel"]), world_size=2)
 
 
 def test_weights_resident_per_step_need_data_parallelism_and_leave_resharding_nothing_to_do():

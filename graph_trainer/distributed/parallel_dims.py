@@ -60,10 +60,20 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     pp: int = 1
+    sequence_parallel: bool = False
+    """The residual stream is split over ``tp`` along the sequence (``parallelism.sequence_parallel``
+    with tp > 1; ``from_degrees`` drops it where tp is 1)."""
 
     @classmethod
-    def from_degrees(cls, degrees: dict[str, int]) -> ParallelDims:
-        return cls(**{k: degrees.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "ep", "pp")})
+    def from_degrees(cls, degrees: dict[str, int], sequence_parallel: bool = False) -> ParallelDims:
+        named = {k: degrees.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "ep", "pp")}
+        return cls(**named, sequence_parallel=sequence_parallel and named["tp"] > 1)
+
+    @property
+    def sequence_shards(self) -> int:
+        """Pieces the sequence of the residual stream is split into on each rank (tp under sequence
+        parallel, else 1): a stage's hidden state is [batch, seq / sequence_shards, dim]."""
+        return self.tp if self.sequence_parallel else 1
 
     @property
     def world_size(self) -> int:

@@ -206,25 +206,40 @@ class CastForCompute(nn.Module):
     """The parametrization for mixed precision where nothing is gathered (one process, or tensor
     parallel alone): the module computes with the parameter cast to ``param_dtype``; autograd casts
     the gradient back to the parameter's own dtype, so the optimizer updates the fp32 master
-    weights, as under SimpleFSDP. The same module runs in graph and eager mode."""
+    weights, as under SimpleFSDP. The same module runs in graph and eager mode.
+
+    A parameter replicated over tp (a sequence-parallel norm's weight) is handed to the module as a
+    fresh DTensor of the same placement: the module's gradient for it is partial over tp (each rank
+    saw its piece of the sequence), and that DTensor's backward sums it there (an all_reduce), as
+    SimpleFSDP's ``compute_view`` does, so the parameter's gradient is whole."""
 
     def __init__(self, param_dtype: torch.dtype):
         super().__init__()
         self.param_dtype = param_dtype
 
     def forward(self, param: torch.Tensor) -> torch.Tensor:
-        return param.to(self.param_dtype)
+        cast = param.to(self.param_dtype)
+        if not _replicated(param):
+            return cast
+        return DTensor.from_local(cast.to_local(), cast.device_mesh, cast.placements, run_check=False)
+
+
+def _replicated(param: torch.Tensor) -> bool:
+    return isinstance(param, DTensor) and any(isinstance(p, Replicate) for p in param.placements)
 
 
 def cast_for_compute(model: nn.Module, mp: MixedPrecision) -> nn.Module:
     """Mixed precision without data parallelism: every parameter not already behind a
-    parametrization (SimpleFSDP's casts itself), and not already in ``mp.param_dtype``, gets
-    ``CastForCompute``. ``mp.reduce_dtype`` has nothing to act on (no gradient is reduced)."""
+    parametrization (SimpleFSDP's casts itself), and not already in ``mp.param_dtype`` or
+    replicated over tp (``CastForCompute``), gets ``CastForCompute``. ``mp.reduce_dtype`` has
+    nothing to act on (no data-parallel gradient is reduced)."""
     for module_fqn, module in list(model.named_modules()):
         if is_parametrization(module_fqn):
             continue
         for name, param in list(module.named_parameters(recurse=False)):
-            if param.dtype != mp.param_dtype and not parametrize.is_parametrized(module, name):
+            if parametrize.is_parametrized(module, name):
+                continue
+            if param.dtype != mp.param_dtype or _replicated(param):
                 parametrize.register_parametrization(module, name, CastForCompute(mp.param_dtype), unsafe=True)
     return model
 

@@ -38,6 +38,7 @@ FSDP_PARAM = "fsdp_param"
 FSDP_BUCKET = "fsdp_bucket"
 FSDP_PARAMS = "fsdp_params"
 EP_ROLE = "ep_role"
+TP_ROLE = "tp_role"
 MOE_FQN = "moe_fqn"
 CHUNKED_MODULE = "chunked_module"
 CHUNK_ID = "chunk_id"
@@ -94,6 +95,11 @@ KEYS = (
     ),
     KeyDoc((MOE_FQN,), "expert_parallel: the MoE module's FQN", "dry run, tests"),
     KeyDoc(
+        (TP_ROLE,),
+        "models' sequence-parallel plans: SEQUENCE_GATHER on the all-gather of a region's input",
+        "memory policy (may recompute it for backward)",
+    ),
+    KeyDoc(
         (CHUNKED_MODULE, CHUNK_ID),
         "chunking (ep_overlap's model preparation): the chunked module, chunk 0 or 1",
         "ep_overlap",
@@ -126,6 +132,9 @@ GATHERED = "gathered"
 (``graph_trainer.compiler.resident``)."""
 COUNT_EXCHANGE, DISPATCH, COMBINE, EXPERT_COMPUTE = "count_exchange", "dispatch", "combine", "expert_compute"
 """Values of EP_ROLE: the token-count all_to_all, the token all_to_all there, the one back, the local experts."""
+SEQUENCE_GATHER = "sequence_gather"
+"""TP_ROLE of the forward nodes that all-gather a tensor-parallel region's input along the sequence
+(sequence parallel: ``models.common.gather_sequence``)."""
 SAVE, RECOMPUTE = "save", "recompute"
 """Values of ACTIVATION."""
 

@@ -16,8 +16,9 @@ and reduce graph (``compiler.resident.trace_resident``: ``post_trace`` gets that
 ``resident`` keeps it) and its runner keeps the gathered weights for the step. Eager mode runs the same
 schedule with ``EagerStageRunner``: the numerics baseline.
 
-The tensor passed between stages is the hidden state [local batch, seq, dim] in the compute
-dtype; a stage output of another shape or dtype raises ``RuntimeError`` naming both
+The tensor passed between stages is the hidden state [local batch, seq / sequence shards, dim]
+in the compute dtype (under sequence parallel each tp rank sends and receives its piece of the
+sequence: ``models.common.run_stack``); a stage output of another shape or dtype raises ``RuntimeError`` naming both
 (``executor``).
 """
 
@@ -77,7 +78,9 @@ class PipelineStep:
             }
 
     def _hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.empty(*tokens.shape, self.hidden_dim, dtype=self.hidden_dtype, device=tokens.device)
+        batch, seq = tokens.shape  # (a piece of the sequence under sequence parallel: run_stack)
+        shape = (batch, seq // self.model.sequence_shards, self.hidden_dim)
+        return torch.empty(shape, dtype=self.hidden_dtype, device=tokens.device)
 
     def trace_stage(
         self, stage: int, tokens: torch.Tensor, labels: torch.Tensor, fake_device: torch.device | None = None

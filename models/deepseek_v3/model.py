@@ -372,6 +372,10 @@ class DeepSeekV3(nn.Module):
     def __init__(self, args: DeepSeekV3Args):
         super().__init__()
         self.args = args
+        self.sequence_shards = 1
+        """Pieces each rank's hidden state splits the sequence into (tensor parallel's degree under
+        sequence parallel, set by the parallelize function): a pipeline stage without the embedding
+        takes [B, S / sequence_shards, dim]."""
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)

@@ -1,6 +1,6 @@
 """How DeepSeek-V3 is laid out over the mesh: tensor parallel, expert parallel, then SimpleFSDP.
 
-Tensor parallel (``tp > 1``, the ``tp`` mesh dim), Megatron style, no sequence parallel:
+Tensor parallel (``tp > 1``, the ``tp`` mesh dim), Megatron style:
 
 - attention (MLA), split over heads: ``wq`` (or, with ``q_lora_rank > 0``, ``wq_b``) and
   ``wkv_b`` column-parallel (each rank computes n_heads/tp heads; the model reads head counts
@@ -22,6 +22,15 @@ Tensor parallel (``tp > 1``, the ``tp`` mesh dim), Megatron style, no sequence p
   Splitting the experts' hidden dim over tp (expert tensor parallel) is future work;
 - ``tok_embeddings`` row-parallel over the vocabulary, ``output`` column-parallel over the
   vocabulary with the logits gathered (Replicate) for the loss, as llama3.
+
+Sequence parallel (``ParallelDims.sequence_parallel``), as llama3's: the residual stream between
+the regions is split over tp along the sequence, the block norms compute on the rank's piece, and
+``wo`` and the dense feed-forward's ``w2`` reduce-scatter their outputs. Attention gathers its
+normed input as a plain tensor (the replicated down-projections compute on it too; its gradient
+comes back whole from the column-parallel up-projections' all-reduces and the rotary key's sum, and
+each rank keeps its slice). A MoE layer gathers its input the same way and runs as without sequence
+parallel (every tp rank routes every token), then keeps its piece of the output (backward: the
+output gradient all-gathered): the routed experts' work is still repeated on each tp rank.
 
 Expert parallel (``ep > 1``, see ``graph_trainer.distributed.parallel_dims`` for the mesh): the stacked expert
 weights ``moe.experts.w1/w2/w3`` [E, ...] are split on the expert dim over ``ep`` (rank r holds
@@ -46,13 +55,20 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from graph_trainer.distributed.expert_parallel import ExpertParallelDispatcher
 from graph_trainer.distributed.parallel_dims import ParallelDims, dp_mesh_dims, expert_dp_mesh_dims
 from graph_trainer.distributed.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
 from graph_trainer.errors import ConfigError
-from models.common import feed_forward_plan, split_vocabulary
+from models.common import (
+    feed_forward_plan,
+    gather_sequence,
+    keep_sequence_piece,
+    region_output,
+    sequence_parallel_norms,
+    split_vocabulary,
+)
 from models.deepseek_v3.flavors import DeepSeekV3Args
 
 
@@ -101,19 +117,35 @@ class SumGradOverTP(nn.Module):
         return shared.to_local(grad_placements=[Partial("sum")])
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     """Split attention heads, dense and shared-expert feed-forwards, the embedding and the
-    output over ``tp_mesh`` (module docstring); routed experts and router stay whole."""
-    split_vocabulary(model, tp_mesh)
+    output over ``tp_mesh`` (module docstring); routed experts and router stay whole. Under
+    ``sequence_parallel`` the residual stream is split along the sequence between the regions."""
+    split_vocabulary(model, tp_mesh, sequence_parallel)
     for block in model.layers.values():
         attention = block.attention
         q_up = "attention.wq" if attention.q_lora_rank == 0 else "attention.wq_b"
-        plan = {q_up: ColwiseParallel(), "attention.wkv_b": ColwiseParallel(), "attention.wo": RowwiseParallel()}
-        ffn = "moe.shared_experts" if block.is_moe else "feed_forward"
-        if not block.is_moe or block.moe.shared_experts is not None:
-            plan.update(feed_forward_plan(ffn))
+        plan = {
+            q_up: ColwiseParallel(),
+            "attention.wkv_b": ColwiseParallel(),
+            "attention.wo": region_output(sequence_parallel),
+        }
+        if block.is_moe and block.moe.shared_experts is not None:
+            plan.update(feed_forward_plan("moe.shared_experts"))
+        if not block.is_moe:
+            plan.update(feed_forward_plan("feed_forward", sequence_parallel))
+        if sequence_parallel:
+            plan.update(sequence_parallel_norms(["attention_norm", "ffn_norm"]))
+            gather_sequence(attention, tp_mesh, local=True)
+            if block.is_moe:  # (the whole sequence in, this rank's piece out)
+                gather_sequence(block.moe, tp_mesh, local=True)
+                keep_sequence_piece(block.moe, tp_mesh)
+            else:
+                gather_sequence(block.feed_forward, tp_mesh)
         parallelize_module(block, tp_mesh, plan)
         attention.k_rope_grad_reduce = SumGradOverTP(tp_mesh)
+    if sequence_parallel:
+        model.sequence_shards = tp_mesh.size()
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, mp: MixedPrecision) -> None:
@@ -152,7 +184,7 @@ def parallelize_deepseek_v3(
     if mesh is None:
         return cast_for_compute(model, mp)
     if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
     if dims.ep > 1:  # the experts get their own data-parallel layout here, on (expert dp dims, "ep")
         apply_expert_parallel(model, mesh, dims, mp)
     dp_dims = dp_mesh_dims(dims)

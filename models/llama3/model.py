@@ -154,6 +154,10 @@ class Transformer(nn.Module):
     def __init__(self, args: Llama3Args):
         super().__init__()
         self.args = args
+        self.sequence_shards = 1
+        """Pieces each rank's hidden state splits the sequence into (tensor parallel's degree under
+        sequence parallel, set by the parallelize function): a pipeline stage without the embedding
+        takes [B, S / sequence_shards, dim]."""
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed "0".."N-1" keeps FQNs "layers.3...." and lets pipeline
         # stages delete blocks without renumbering the rest.

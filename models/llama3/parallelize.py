@@ -7,7 +7,19 @@ Tensor parallel (``tp`` mesh dim), Megatron style:
 - feed-forward: ``w1``, ``w3`` column-parallel, ``w2`` row-parallel;
 - ``tok_embeddings`` row-parallel over the vocabulary, ``output`` column-parallel over the
   vocabulary with the logits gathered (Replicate) for the loss;
-- norms stay replicated (no sequence parallel in this version).
+- without sequence parallel the norms are replicated: every tp rank holds the whole residual
+  stream and computes them on every token.
+
+Sequence parallel (``ParallelDims.sequence_parallel``, Megatron's): between the regions above, the
+residual stream is split over tp along the sequence ([B, S/tp, dim] per rank). The block norms
+compute on the rank's piece (``SequenceParallel``: their weights are replicated DTensors, whose
+gradients are summed over tp); attention and the feed-forward all-gather their normed input along
+the sequence (backward: a reduce-scatter of its gradient), and ``wo`` and ``w2`` reduce-scatter
+their outputs along the sequence instead of all-reducing them; the embedding reduce-scatters its
+lookup; the final norm gathers the sequence and runs whole, before the loss. A pipeline stage sends
+and receives its piece of the hidden state. Same values as without it (row-wise norms on the same
+rows; the sums over tp are the all-reduce's, split), the norm weights' gradients summed in another
+order (per piece, then over tp).
 
 Then every parameter goes to SimpleFSDP over the data-parallel dims
 (``graph_trainer.distributed.simple_fsdp``). The tracer tags every node with its module FQN, which is
@@ -19,12 +31,18 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from graph_trainer.distributed.parallel_dims import ParallelDims, dp_mesh_dims
 from graph_trainer.distributed.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
 from graph_trainer.errors import ConfigError
-from models.common import feed_forward_plan, split_vocabulary
+from models.common import (
+    feed_forward_plan,
+    gather_sequence,
+    region_output,
+    sequence_parallel_norms,
+    split_vocabulary,
+)
 from models.llama3.flavors import Llama3Args
 
 
@@ -44,20 +62,25 @@ def validate_parallelism(args: Llama3Args, degrees: dict[str, int]) -> None:
             raise ConfigError(f"parallelism.tp = {tp} does not divide the model's {what} ({size})")
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    split_vocabulary(model, tp_mesh)
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Split attention heads, feed-forwards, embedding and output over ``tp_mesh`` (module
+    docstring), with the residual stream split along the sequence under ``sequence_parallel``."""
+    split_vocabulary(model, tp_mesh, sequence_parallel)
     for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(),
-                **feed_forward_plan("feed_forward"),
-            },
-        )
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": region_output(sequence_parallel),
+            **feed_forward_plan("feed_forward", sequence_parallel),
+        }
+        if sequence_parallel:
+            plan.update(sequence_parallel_norms(["attention_norm", "ffn_norm"]))
+            gather_sequence(block.attention, tp_mesh)  # (x, rope): the rope table passes as it is
+            gather_sequence(block.feed_forward, tp_mesh)
+        parallelize_module(block, tp_mesh, plan)
+    if sequence_parallel:
+        model.sequence_shards = tp_mesh.size()
 
 
 def parallelize_llama3(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims, mp: MixedPrecision) -> nn.Module:
@@ -66,7 +89,7 @@ def parallelize_llama3(model: nn.Module, mesh: DeviceMesh | None, dims: Parallel
     if mesh is None:
         return cast_for_compute(model, mp)
     if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
     dp_dims = dp_mesh_dims(dims)
     if dp_dims:
         full = mesh[(*dp_dims, "tp")] if dims.tp > 1 else None

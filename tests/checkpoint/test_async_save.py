@@ -80,8 +80,20 @@ def test_a_failed_background_save_is_one_job_error_and_earlier_checkpoints_stay(
 def test_a_kill_during_a_background_save_resumes_from_the_previous_step_and_loses_nothing(tmp_path, blocking):
     _, losses = blocking
     script = os.path.join(ROOT, "tests", "faults", "killed_in_background_save.py")
-    # a save every step: step 4 trains while step 3's save is being sealed, and is killed then
-    flags = [*EAGER, "--job.dump_folder", str(tmp_path), "--training.steps", "4", "--checkpoint.interval", "1"]
+    # a save every step: step 4 trains while step 3's save is being sealed, and is killed then;
+    # the forked runs use this process's intra-op threads, as the in-process reference did (the
+    # matmuls' sums, and so the losses, depend on the thread count)
+    threads = ["--debug.num_threads", str(torch.get_num_threads())]
+    flags = [
+        *EAGER,
+        *threads,
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "4",
+        "--checkpoint.interval",
+        "1",
+    ]
     killed = run_forked(1, script, *flags, *ASYNC, check=False, env={"KILL_AT_STEP": "3"})
     assert killed.returncode != 0
     root = tmp_path / "checkpoint"

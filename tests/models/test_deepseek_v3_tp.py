@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graph_trainer.build import build_job_model, build_layout
 from graph_trainer.config_loading import load_config
@@ -106,7 +106,10 @@ def _on_tp(layout, fqn) -> object:
 
 COLWISE = ["attention.wq", "attention.wkv_b", "{ffn}.w1", "{ffn}.w3"]
 ROWWISE = ["attention.wo", "{ffn}.w2"]
-WHOLE = ["attention.wkv_a", "attention.kv_norm", "attention_norm", "ffn_norm"]
+WHOLE = ["attention.wkv_a", "attention.kv_norm"]
+SEQUENCE_NORMS = ["attention_norm", "ffn_norm"]
+"""Under sequence parallel: computed on the rank's piece of the sequence, their weights replicated
+over tp (their gradients summed there); without it, whole like ``WHOLE``."""
 
 
 @pytest.mark.parametrize(
@@ -114,6 +117,7 @@ WHOLE = ["attention.wkv_a", "attention.kv_norm", "attention_norm", "ffn_norm"]
     [
         (2, ["--parallelism.tp", "2"], (), ()),
         (4, ["--parallelism.tp", "2"], ("dp_shard",), ("dp_shard",)),
+        (4, ["--parallelism.tp", "2", "--parallelism.no_sequence_parallel"], ("dp_shard",), ("dp_shard",)),
         (4, ["--parallelism.tp", "2", "--parallelism.ep", "2"], ("dp_shard",), ("ep",)),
         (
             8,
@@ -122,10 +126,12 @@ WHOLE = ["attention.wkv_a", "attention.kv_norm", "attention_norm", "ffn_norm"]
             ("dp_replicate", "ep"),
         ),
     ],
-    ids=["tp2", "fsdp2xtp2", "tp2xep2", "hsdp2x2xtp2xep2"],
+    ids=["tp2", "fsdp2xtp2", "fsdp2xtp2_no_sp", "tp2xep2", "hsdp2x2xtp2xep2"],
 )
 def test_the_plan_places_each_parameter(world_size, flags, dp_dims, expert_dims):
     layout, model = _built(world_size, *flags)
+    sequence_parallel = "--parallelism.no_sequence_parallel" not in flags
+    assert model.sequence_shards == (2 if sequence_parallel else 1)
     for block, ffn in (("0", "feed_forward"), ("1", "moe.shared_experts")):  # debugmodel: 1 dense, then MoE
         for names, on_tp in ((COLWISE, Shard(0)), (ROWWISE, Shard(1))):
             for name in names:
@@ -133,6 +139,12 @@ def test_the_plan_places_each_parameter(world_size, flags, dp_dims, expert_dims)
                 assert layout[fqn][0] == (*dp_dims, "tp") and _on_tp(layout, fqn) == on_tp, fqn
         for name in WHOLE:
             assert layout[f"layers.{block}.{name}.weight"][0] == dp_dims, name
+        for name in SEQUENCE_NORMS:
+            fqn = f"layers.{block}.{name}.weight"
+            if sequence_parallel:
+                assert layout[fqn][0] == (*dp_dims, "tp") and _on_tp(layout, fqn) == Replicate(), fqn
+            else:
+                assert layout[fqn][0] == dp_dims, fqn
         assert isinstance(model.layers[block].attention.k_rope_grad_reduce, SumGradOverTP)
     # Routed experts and the router are whole on every tp rank: never on tp.
     assert layout["layers.1.moe.router.gate.weight"][0] == dp_dims

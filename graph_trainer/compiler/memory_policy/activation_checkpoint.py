@@ -5,7 +5,8 @@ Contract
 Reads: the tracer's tags on every node (``graph_trainer.graph.tags``): ``phase`` (forward /
 backward / ...), ``module_fqn`` (transformer blocks are the modules ``layers.<i>``, ``block_of``;
 a backward node carries the FQN of the forward op it differentiates), ``loss_chunk`` (``unit_of``),
-``fsdp_role`` (SimpleFSDP's gather chains); and ``--activation_checkpoint.mode`` / ``selective_ops``.
+``fsdp_role`` (SimpleFSDP's gather chains), ``tp_role`` (sequence parallel's gathers); and
+``--activation_checkpoint.mode`` / ``selective_ops``.
 
 ``tag_activations`` (decides, changes no edge): within each transformer block (and each row
 block of a chunked loss, ``graph_trainer.loss``, which is always recomputed in full), every
@@ -25,6 +26,10 @@ forward value the region's backward reads is tagged ``custom["activation"] = "sa
   gather chains (``reshard_after_forward``, which runs after this, re-gathers parameters for
   every backward reader, recomputations included: one gather per block for backward), and
   values read outside their region (a block's output is the next block's saved input).
+  One exception to the collectives: sequence parallel's all-gather of a region's input
+  (``tp_role`` sequence_gather, with its wait) is recomputed like any op: its input is this
+  rank's piece of the sequence, 1/tp of what it gathers, so a block keeps the piece and gathers
+  it again for backward, as Megatron's recomputation does (one more all-gather per region).
 - A view (or ``getitem``) of a saved value is saved too: it shares the saved storage.
 
 ``recompute_activations`` (acts only on the tags, never re-decides): each value tagged
@@ -67,6 +72,8 @@ from graph_trainer.graph.tags import (
     RECOMPUTE_OF,
     RECOMPUTED,
     SAVE,
+    SEQUENCE_GATHER,
+    TP_ROLE,
     unit_of,
 )
 from graph_trainer.torch_compat import has_side_effects, is_op_overload, op_schema
@@ -83,6 +90,8 @@ def _may_run_twice(node: fx.Node) -> bool:
     """Whether copying ``node`` is safe: a pure, deterministic tensor op that is not a collective."""
     if node.op != "call_function" or not _is_tensor(node):
         return False
+    if tags.get(node, TP_ROLE) == SEQUENCE_GATHER:
+        return True  # (the gather, its wait and the reshuffle into the sequence dim: deterministic)
     if collective_name(node) is not None or node.target is SCALAR_READ or has_side_effects(node):
         return False
     if tags.get(node, FSDP_ROLE):

@@ -23,7 +23,7 @@ from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts, is_collective
 from graph_trainer.graph.ops import is_attention
-from graph_trainer.graph.tags import ACTIVATION, LOSS_CHUNK, RECOMPUTE, RECOMPUTED
+from graph_trainer.graph.tags import ACTIVATION, FSDP_ROLE, LOSS_CHUNK, RECOMPUTE, RECOMPUTED, SEQUENCE_GATHER, TP_ROLE
 from graph_trainer.validation import validate_config
 from models.registry import MODEL_SPECS
 from tests.conftest import ROOT
@@ -64,26 +64,39 @@ def _launches(gm) -> Counter:
 
 @pytest.mark.parametrize(
     "layout, world_size",
-    [((*SMALL,), 2), ((*SMALL, "--parallelism.tp", "2"), 4), ((*DEEPSEEK, "--parallelism.ep", "2"), 2)],
-    ids=["fsdp2", "fsdp2xtp2", "deepseek_ep2"],
+    [
+        ((*SMALL,), 2),
+        ((*SMALL, "--parallelism.tp", "2"), 4),
+        ((*SMALL, "--parallelism.tp", "2", "--parallelism.no_sequence_parallel"), 4),
+        ((*DEEPSEEK, "--parallelism.ep", "2"), 2),
+    ],
+    ids=["fsdp2", "fsdp2xtp2", "fsdp2xtp2_no_sp", "deepseek_ep2"],
 )
 def test_recomputation_per_block_and_no_collective_issued_twice(layout, world_size):
     none = _graph(layout, world_size)
+    sequence_parallel = "--parallelism.tp" in layout and "--parallelism.no_sequence_parallel" not in layout
     for mode in ("selective", "full"):
         gm = _graph((*layout, *_ac(mode)), world_size)
         counts = recompute_counts(gm.graph)
         blocks = sorted(b for b in counts if b.startswith("layers."))
         assert len(blocks) == (LLAMA_BLOCKS if "deepseek" not in str(layout) else 3), counts
+        # Sequence parallel's gathers of a region's input (attention's, the feed-forward's: a
+        # launch and its wait each) run again for backward; no other collective does.
+        gathers = 4 if sequence_parallel else 0
         for block in blocks:
-            assert counts[block]["nodes"] > 0 and counts[block]["collectives"] == 0, (mode, block, counts[block])
+            assert counts[block]["nodes"] > 0 and counts[block]["collectives"] == gathers, (mode, block, counts[block])
             if mode == "selective":
                 assert counts[block]["matmuls"] == 0, (block, counts[block])  # matmul outputs are saved
             else:
                 assert counts[block]["matmuls"] >= 3, (block, counts[block])  # q/k/v projections at least
-        # Every collective (FSDP gathers and reductions, TP all-reduces, EP all_to_alls) as many
-        # times as without the policy: recomputations read the backward re-gathers of
+        # Every other collective (FSDP gathers and reductions, TP reductions, EP all_to_alls) as
+        # many times as without the policy: recomputations read the backward re-gathers of
         # reshard_after_forward and the saved outputs of TP/EP exchanges.
-        assert _launches(gm) == _launches(none), mode
+        recomputed = [n for n in gm.graph.nodes if is_collective(n) and tags.get(n, RECOMPUTED)]
+        policy_copies = [n for n in recomputed if not tags.get(n, FSDP_ROLE)]  # (not reshard's re-gathers)
+        assert all(tags.get(n, TP_ROLE) == SEQUENCE_GATHER for n in policy_copies), policy_copies
+        again = Counter(str(n.target) for n in policy_copies)
+        assert _launches(gm) - again == _launches(none), mode
         # Each copy says what it recomputes; each original is recomputed at most once.
         copies = [n for n in gm.graph.nodes if tags.get(n, RECOMPUTED) and tags.has(n, "recompute_of")]
         of = Counter(tags.get(n, "recompute_of") for n in copies)
