@@ -39,6 +39,18 @@ _CPU_LAYOUTS = {
 # also stands for fsdp_reshard_after_forward never, which keeps them from forward to backward in
 # the microbatch's graph.)
 _CPU_KEEP_PARAMS = [Case("fsdp2_per_step", 2, ["--parallelism.fsdp_collectives", "per_step"], same_as="fsdp2_graph")]
+# Tensor parallel without sequence parallel (every tp rank holding the whole residual stream, the
+# regions all-reducing their outputs): the tp layouts above run with it, both families.
+_CPU_NO_SEQUENCE_PARALLEL = [
+    Case("fsdp2xtp2_no_sp", 4, ["--parallelism.tp", "2", "--parallelism.no_sequence_parallel"], close_to="single_b4"),
+    Case(
+        "deepseek_2l_tp2_no_sp",
+        2,
+        ["--model.n_layers", "2", "--parallelism.tp", "2", "--parallelism.no_sequence_parallel", *batch(4)],
+        close_to="deepseek_2l_single_b4",
+        config=DEEPSEEK_DEBUG,
+    ),
+]
 # DeepSeek-V3's debug model cut to 3 of its 6 blocks (1 dense + 2 MoE: consecutive MoE blocks, as
 # in 6), at half the CI time of its steps and trace (docs/performance.md, "Run times on the CPU").
 _DEEPSEEK_3_LAYERS = ["--model.n_layers", "3"]
@@ -257,6 +269,7 @@ CPU_CASES = (
     + pass_cases(_CPU_DEEPSEEK_LAYOUTS, ["deepseek_fsdp2xep2"], DEEPSEEK_DEBUG, SINGLE_PASSES)
     + _CPU_DEEPSEEK_TP_REFERENCES
     + layout_cases(_CPU_DEEPSEEK_TP_LAYOUTS, DEEPSEEK_DEBUG)
+    + _CPU_NO_SEQUENCE_PARALLEL
     + CPU_ACCUMULATION_CASES
     + CPU_PIPELINE_CASES
     + CPU_EP_OVERLAP_CASES

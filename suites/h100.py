@@ -119,7 +119,7 @@ H100_PIPELINE_CASES = _pipeline_cases(
     "configs/deepseek_v3_671b.toml",
     "6,7,7,8,8,8,9,8",
     schedules=_SCHEDULES[:1],
-) + [Case("llama3_405b_pp16xtp8xfsdp4_1f1b", 512, [], config="configs/llama3_405b.toml", dry_run_only=True)]
+) + [Case("llama3_405b_pp16xtp8xfsdp4_interleaved", 512, [], config="configs/llama3_405b.toml", dry_run_only=True)]
 H100_CASES = (
     layout_cases(_8B_LAYOUTS)
     # (auto_bucketing at 8B composed with block bucketing, as users run it: PyTorch's overlap
