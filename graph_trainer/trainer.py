@@ -60,7 +60,13 @@ from graph_trainer.config_loading import changed_fields, config_to_toml
 from graph_trainer.data.loader import build_dataloader
 from graph_trainer.data.tokenizer import build_tokenizer
 from graph_trainer.distributed import comm
-from graph_trainer.distributed.parallel_dims import ParallelDims, average_over_dp, dp_rank, pp_group, sum_over_dp
+from graph_trainer.distributed.parallel_dims import (
+    ParallelDims,
+    average_over_dp,
+    dp_rank,
+    pp_group,
+    sum_of_routing_counts,
+)
 from graph_trainer.errors import JobError
 from graph_trainer.loop.gc_schedule import scheduled_collection
 from graph_trainer.loop.grad_record import gather_record, merge_over, record_path, save_record
@@ -312,7 +318,7 @@ class Trainer:
         if hasattr(self.model, "update_expert_bias"):
             # MoE load balancing (outside the gradient): every rank sees the global counts,
             # so every rank applies the same bias update.
-            self.model.update_expert_bias(lambda counts: sum_over_dp(counts, self.dims, self.mesh))
+            self.model.update_expert_bias(lambda counts: sum_of_routing_counts(counts, self.dims, self.mesh))
         return loss, grad_norm
 
     def train(self) -> list[float]:

@@ -40,13 +40,29 @@ _CPU_LAYOUTS = {
 # the microbatch's graph.)
 _CPU_KEEP_PARAMS = [Case("fsdp2_per_step", 2, ["--parallelism.fsdp_collectives", "per_step"], same_as="fsdp2_graph")]
 # Tensor parallel without sequence parallel (every tp rank holding the whole residual stream, the
-# regions all-reducing their outputs): the tp layouts above run with it, both families.
+# regions all-reducing their outputs): the tp layouts below run with it, both families.
 _CPU_NO_SEQUENCE_PARALLEL = [
     Case("fsdp2xtp2_no_sp", 4, ["--parallelism.tp", "2", "--parallelism.no_sequence_parallel"], close_to="single_b4"),
     Case(
         "deepseek_2l_tp2_no_sp",
         2,
         ["--model.n_layers", "2", "--parallelism.tp", "2", "--parallelism.no_sequence_parallel", *batch(4)],
+        close_to="deepseek_2l_single_b4",
+        config=DEEPSEEK_DEBUG,
+    ),
+    # (with ep: the experts split over data-parallel shard ranks only, each tp rank routing every token)
+    Case(
+        "deepseek_2l_tp2xep2_no_sp",
+        4,
+        [
+            "--model.n_layers",
+            "2",
+            "--parallelism.tp",
+            "2",
+            "--parallelism.ep",
+            "2",
+            "--parallelism.no_sequence_parallel",
+        ],
         close_to="deepseek_2l_single_b4",
         config=DEEPSEEK_DEBUG,
     ),
@@ -121,7 +137,8 @@ def _pp(schedule: str) -> list[str]:
 
 
 # Tensor parallel inside the stages: the interleaved schedule (two stages per rank) on Llama,
-# 1F1B on DeepSeek-V3's 2 blocks (a dense stage, then a MoE stage). ZBV runs beside FSDP only
+# 1F1B on DeepSeek-V3's 2 blocks (a dense stage, then a MoE stage whose tp ranks route their own
+# tokens over an ep group of the two tp ranks). ZBV runs beside FSDP only
 # (alone on 2 ranks it adds nothing the 4-rank case does not check).
 _CPU_PIPELINE_LAYOUTS = {
     "pp2_1f1b": (2, _pp("1F1B"), "single_b8"),
@@ -135,9 +152,9 @@ _CPU_DEEPSEEK_PIPELINE_LAYOUTS = {
         + ["--training.global_batch_size", "4"],
         "deepseek_single_b4",
     ),
-    "deepseek_2l_pp2xtp2": (
+    "deepseek_2l_pp2xtp2xep2": (
         4,
-        [*_TP2, "--parallelism.pp", "2", *batch(1), "--training.global_batch_size", "4"],
+        [*_TP2, "--parallelism.ep", "2", "--parallelism.pp", "2", *batch(1), "--training.global_batch_size", "4"],
         "deepseek_2l_single_b4",
     ),
 }

@@ -11,6 +11,11 @@ With expert parallelism (``ep > 1``) the data-parallel shard dim is split in two
 ``("efsdp", "ep")`` is flattened back into ``"dp_shard"``. Dense parameters are sharded over
 ``dp_shard`` as without EP; routed experts are split over ``ep`` and sharded by SimpleFSDP
 over what is left of the data-parallel ranks (``dp_replicate`` x ``efsdp``).
+
+Under sequence parallel with ``tp > 1`` each tp rank routes its own piece of the sequence, so the
+tp ranks are expert-parallel ranks too: ``ep = ep_dp x tp`` (``ep`` a multiple of ``tp``), the
+world mesh is ``("dp_replicate", "efsdp", "ep_dp", "tp")``, ``("efsdp", "ep_dp")`` is flattened
+into ``"dp_shard"`` and ``("ep_dp", "tp")`` into ``"ep"`` (``ParallelDims.experts_span_tp``).
 """
 
 from __future__ import annotations
@@ -76,6 +81,12 @@ class ParallelDims:
         return self.tp if self.sequence_parallel else 1
 
     @property
+    def experts_span_tp(self) -> bool:
+        """The expert-parallel ranks include the tp ranks (sequence parallel with ep > 1: every tp
+        rank routes its own tokens, and ``ep = ep_dp x tp``)."""
+        return self.sequence_parallel and self.ep > 1
+
+    @property
     def world_size(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
@@ -86,8 +97,9 @@ class ParallelDims:
 
     @property
     def efsdp(self) -> int:
-        """Shards of each expert over the data-parallel shard ranks not used by ep."""
-        return self.dp_shard // self.ep
+        """Shards of each expert over the data-parallel shard ranks not used by ep (with
+        ``experts_span_tp``: the ranks of dp_shard x tp that ep leaves)."""
+        return self.dp_shard * self.tp // self.ep if self.experts_span_tp else self.dp_shard // self.ep
 
     @property
     def fsdp_mode(self) -> str | None:
@@ -163,12 +175,21 @@ def resolve_parallel_degrees(p: Parallelism, world_size: int) -> dict[str, int]:
         f"parallelism degrees {pp}dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x tp={p.tp} = {product} "
         f"do not match the world size {world_size}",
     )
-    # Experts are split over a sub-group of the data-parallel shard ranks (see graph_trainer.distributed.parallel_dims).
-    require(
-        dp_shard % p.ep == 0,
-        f"parallelism.ep = {p.ep} must divide parallelism.dp_shard = {dp_shard} (experts are split over "
-        f"data-parallel shard ranks)",
-    )
+    # Experts are split over a sub-group of the data-parallel shard ranks, with the tp ranks under
+    # sequence parallel (see the module docstring).
+    if p.sequence_parallel and p.tp > 1 and p.ep > 1:
+        require(
+            p.ep % p.tp == 0 and dp_shard % (p.ep // p.tp) == 0,
+            f"parallelism.ep = {p.ep} must be parallelism.tp = {p.tp} times a divisor of parallelism.dp_shard = "
+            f"{dp_shard} under sequence parallel (each tp rank routes its own tokens, so the experts are split "
+            "over the tp ranks too); change one, or set parallelism.sequence_parallel false",
+        )
+    else:
+        require(
+            dp_shard % p.ep == 0,
+            f"parallelism.ep = {p.ep} must divide parallelism.dp_shard = {dp_shard} (experts are split over "
+            f"data-parallel shard ranks)",
+        )
     return {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "ep": p.ep, "pp": p.pp}
 
 
@@ -189,15 +210,21 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
     if not dist.is_initialized() or dist.get_world_size() != dims.world_size:
         raise RuntimeError(f"the process group must be initialised with {dims.world_size} ranks")
     outer = (("pp", dims.pp),) if dims.pp > 1 else ()
+    replicate, tp = ("dp_replicate", dims.dp_replicate), ("tp", dims.tp)
     if dims.ep == 1:
-        inner = (("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard), ("tp", dims.tp))
+        inner = (replicate, ("dp_shard", dims.dp_shard), tp)
+    elif dims.experts_span_tp:
+        inner = (replicate, ("efsdp", dims.efsdp), ("ep_dp", dims.ep // dims.tp), tp)
     else:
-        inner = (("dp_replicate", dims.dp_replicate), ("efsdp", dims.efsdp), ("ep", dims.ep), ("tp", dims.tp))
+        inner = (replicate, ("efsdp", dims.efsdp), ("ep", dims.ep), tp)
     named = (*outer, *inner)
     mesh = init_device_mesh(
         device_type, tuple(size for _, size in named), mesh_dim_names=tuple(name for name, _ in named)
     )
-    if dims.ep > 1:
+    if dims.experts_span_tp:
+        flatten_mesh_dims(mesh, ("efsdp", "ep_dp"), "dp_shard")
+        flatten_mesh_dims(mesh, ("ep_dp", "tp"), "ep")
+    elif dims.ep > 1:
         flatten_mesh_dims(mesh, ("efsdp", "ep"), "dp_shard")
     if dims.pp > 1:  # the ranks of one pipeline stage: what sums over "every rank but the pipeline" use
         flatten_mesh_dims(mesh, tuple(name for name, _ in inner), STAGE_RANKS)
@@ -259,12 +286,14 @@ def average_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     return out / dims.world_size
 
 
-def sum_over_dp(value: torch.Tensor, dims: ParallelDims, mesh: DeviceMesh | None = None) -> torch.Tensor:
-    """Sum of a tensor over the data-parallel ranks (ranks that differ only in tp hold the same
-    value, so it is the sum over the ranks of this pipeline stage divided by tp; exact for
-    integer-valued counts). ``mesh`` is needed when pp > 1: each stage sums its own tensors."""
+def sum_of_routing_counts(value: torch.Tensor, dims: ParallelDims, mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """Sum of MoE routing counts over the ranks that routed different tokens: the data-parallel
+    ranks, and the tp ranks when each routes its own piece of the sequence (``experts_span_tp``);
+    otherwise ranks that differ only in tp routed the same tokens, so the sum over the ranks of this
+    pipeline stage is divided by tp (exact for integer-valued counts). ``mesh`` is needed when
+    pp > 1: each stage sums its own tensors."""
     if dims.world_size == 1 or dims.world_size == dims.pp:
         return value
     out = value.detach().clone()
     dist.all_reduce(out, group=mesh[STAGE_RANKS].get_group() if dims.pp > 1 else None)
-    return out / dims.tp if dims.tp > 1 else out
+    return out / dims.tp if dims.tp > 1 and not dims.experts_span_tp else out

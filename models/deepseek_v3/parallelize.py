@@ -14,12 +14,14 @@ Tensor parallel (``tp > 1``, the ``tp`` mesh dim), Megatron style:
   sums the gradient over tp (an all_reduce; Megatron's "copy to tensor-parallel region");
 - dense feed-forward layers (the first ``n_dense_layers``) and each MoE layer's shared
   experts: ``w1``, ``w3`` column-parallel, ``w2`` row-parallel, as llama3's feed-forward;
-- routed experts and the router gate are NOT split over tp: every tp rank of a data-parallel
+- routed experts and the router gate are NOT split over tp (no expert tensor parallel: skinny
+  expert matmuls). Without sequence parallel, or with ep = 1, every tp rank of a data-parallel
   rank routes the same tokens and runs its experts (all of them, or its ``ep`` slice) on them,
-  so their gradients are identical on every tp rank and need no tp reduction. The cost: the
-  routed-expert compute (and, with ep, the all_to_all traffic) is repeated on each tp rank,
-  and each tp rank holds the expert weights whole (only ep and SimpleFSDP divide them).
-  Splitting the experts' hidden dim over tp (expert tensor parallel) is future work;
+  so their gradients are identical on every tp rank and need no tp reduction; the cost is that
+  this work (and, with ep, the all_to_all traffic) is repeated on each tp rank. Under sequence
+  parallel with ep > 1 each tp rank routes only its own piece of the sequence, and the tp ranks
+  are expert-parallel ranks too (``ep = ep_dp x tp``, ``ParallelDims.experts_span_tp``): no work
+  is repeated and every expert lives on one rank of its ep group;
 - ``tok_embeddings`` row-parallel over the vocabulary, ``output`` column-parallel over the
   vocabulary with the logits gathered (Replicate) for the loss, as llama3.
 
@@ -28,9 +30,13 @@ the regions is split over tp along the sequence, the block norms compute on the 
 ``wo`` and the dense feed-forward's ``w2`` reduce-scatter their outputs. Attention gathers its
 normed input as a plain tensor (the replicated down-projections compute on it too; its gradient
 comes back whole from the column-parallel up-projections' all-reduces and the rotary key's sum, and
-each rank keeps its slice). A MoE layer gathers its input the same way and runs as without sequence
-parallel (every tp rank routes every token), then keeps its piece of the output (backward: the
-output gradient all-gathered): the routed experts' work is still repeated on each tp rank.
+each rank keeps its slice). A MoE layer with ep > 1 computes on the rank's piece: its router on
+those rows (the gate's weight replicated over tp, its gradient summed there), its shared experts
+on the rows of every tp rank (gathered along the row dim, the output reduce-scattered back), its
+routed experts through the all_to_all over the ep group that includes the tp ranks. With ep = 1
+it gathers its input as attention does and runs as without sequence parallel (every tp rank
+routes every token), then keeps its piece of the output (backward: the output gradient
+all-gathered).
 
 Expert parallel (``ep > 1``, see ``graph_trainer.distributed.parallel_dims`` for the mesh): the stacked expert
 weights ``moe.experts.w1/w2/w3`` [E, ...] are split on the expert dim over ``ep`` (rank r holds
@@ -39,14 +45,14 @@ experts r*E/ep ... (r+1)*E/ep - 1), and each MoE layer's ``token_dispatcher`` be
 tagged ``ep_role`` / ``moe_fqn`` for the passes). SimpleFSDP then shards each rank's experts
 over the data-parallel ranks ep does not use (``dp_replicate`` x ``efsdp``) and hands the
 module its local experts as plain tensors: expert weights live on the mesh dims
-(expert data-parallel dims..., ``ep``), never on ``tp``.
+(expert data-parallel dims..., ``ep``), where ``ep`` includes the tp ranks under sequence parallel.
 
 Data parallel for everything else (FSDP / HSDP / DDP over ``dp_replicate`` x ``dp_shard``) is
 exactly llama3's: a parameter tensor parallel split lives on (data-parallel dims..., ``tp``),
 a replicated one on the data-parallel dims. Buffers (``rope_cache``, ``expert_bias``,
 ``tokens_per_expert``) stay plain tensors on every rank; the trainer keeps ``expert_bias``
-identical on all ranks by summing the token counts over data-parallel ranks before each bias
-update (tp ranks count the same tokens: ``graph_trainer.distributed.parallel_dims.sum_over_dp``).
+identical on all ranks by summing the token counts over the ranks that routed different tokens
+before each bias update (``graph_trainer.distributed.parallel_dims.sum_of_routing_counts``).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
 
 from graph_trainer.distributed.expert_parallel import ExpertParallelDispatcher
 from graph_trainer.distributed.parallel_dims import ParallelDims, dp_mesh_dims, expert_dp_mesh_dims
@@ -117,10 +123,14 @@ class SumGradOverTP(nn.Module):
         return shared.to_local(grad_placements=[Partial("sum")])
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, local_routing: bool = False
+) -> None:
     """Split attention heads, dense and shared-expert feed-forwards, the embedding and the
     output over ``tp_mesh`` (module docstring); routed experts and router stay whole. Under
-    ``sequence_parallel`` the residual stream is split along the sequence between the regions."""
+    ``sequence_parallel`` the residual stream is split along the sequence between the regions;
+    with ``local_routing`` too (the experts split over ep ranks that include the tp ranks), each tp
+    rank's MoE layers route only its own tokens."""
     split_vocabulary(model, tp_mesh, sequence_parallel)
     for block in model.layers.values():
         attention = block.attention
@@ -130,22 +140,39 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             "attention.wkv_b": ColwiseParallel(),
             "attention.wo": region_output(sequence_parallel),
         }
-        if block.is_moe and block.moe.shared_experts is not None:
-            plan.update(feed_forward_plan("moe.shared_experts"))
         if not block.is_moe:
             plan.update(feed_forward_plan("feed_forward", sequence_parallel))
+        elif block.moe.shared_experts is not None:
+            plan.update(feed_forward_plan("moe.shared_experts", local_routing, sequence_dim=0))
         if sequence_parallel:
             plan.update(sequence_parallel_norms(["attention_norm", "ffn_norm"]))
             gather_sequence(attention, tp_mesh, local=True)
-            if block.is_moe:  # (the whole sequence in, this rank's piece out)
+            if not block.is_moe:
+                gather_sequence(block.feed_forward, tp_mesh)
+            elif local_routing:
+                plan.update(_local_routing_plan(block.moe, tp_mesh))
+            else:  # (the whole sequence in, this rank's piece out)
                 gather_sequence(block.moe, tp_mesh, local=True)
                 keep_sequence_piece(block.moe, tp_mesh)
-            else:
-                gather_sequence(block.feed_forward, tp_mesh)
         parallelize_module(block, tp_mesh, plan)
         attention.k_rope_grad_reduce = SumGradOverTP(tp_mesh)
     if sequence_parallel:
         model.sequence_shards = tp_mesh.size()
+
+
+def _local_routing_plan(moe: nn.Module, tp_mesh: DeviceMesh) -> dict:
+    """A MoE layer on this tp rank's piece of the sequence: it gets the piece as a plain tensor
+    (its tokens flattened to rows [T / tp, dim]), the router gate computes on those rows with its
+    weight replicated over tp (the weight's gradient, partial over tp, summed there), the shared
+    experts gather the rows of every tp rank (dim 0) and reduce-scatter their output back, and the
+    routed experts get the rows through the expert-parallel dispatcher, whose ranks include the
+    tp ranks."""
+    if moe.shared_experts is not None:
+        gather_sequence(moe.shared_experts, tp_mesh, sequence_dim=0)
+    return {
+        "ffn_norm": SequenceParallel(use_local_output=True),
+        "moe.router.gate": SequenceParallel(sequence_dim=0, use_local_output=True),
+    }
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, mp: MixedPrecision) -> None:
@@ -184,7 +211,7 @@ def parallelize_deepseek_v3(
     if mesh is None:
         return cast_for_compute(model, mp)
     if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
+        apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel, dims.experts_span_tp)
     if dims.ep > 1:  # the experts get their own data-parallel layout here, on (expert dp dims, "ep")
         apply_expert_parallel(model, mesh, dims, mp)
     dp_dims = dp_mesh_dims(dims)

@@ -63,6 +63,14 @@ def test_every_all_to_all_is_tagged_per_moe_layer():
             2,
             "parallelism.ep = 2 must divide parallelism.dp_shard = 1",
         ),
+        (  # under sequence parallel each tp rank routes its own tokens: ep spans the tp ranks
+            ["--parallelism.ep", "2", "--parallelism.tp", "4"],
+            8,
+            "parallelism.ep = 2 must be parallelism.tp = 4 times a divisor of parallelism.dp_shard = 2 under "
+            "sequence parallel (each tp rank routes its own tokens, so the experts are split over the tp ranks "
+            "too); change one, or set parallelism.sequence_parallel false",
+        ),
+        (["--parallelism.ep", "8", "--parallelism.tp", "2"], 4, "parallelism.ep = 8 must be parallelism.tp = 2 times"),
     ],
 )
 def test_bad_expert_parallel_degrees(args, world_size, message):
@@ -70,6 +78,19 @@ def test_bad_expert_parallel_degrees(args, world_size, message):
     with pytest.raises(ConfigError) as info:
         validate_config(cfg, world_size=world_size)
     assert message in str(info.value)
+
+
+def test_ep_over_the_tp_ranks_needs_no_data_parallel_shards_of_its_own():
+    # ep = tp = 2 on 2 ranks: under sequence parallel the experts split over the tp ranks alone
+    validate_config(load_config([*DEEPSEEK, "--parallelism.ep", "2", "--parallelism.tp", "2"]), world_size=2)
+    # without it ep borrows from dp_shard, which is 1 here
+    with pytest.raises(ConfigError, match="parallelism.ep = 2 must divide parallelism.dp_shard = 1"):
+        validate_config(
+            load_config(
+                [*DEEPSEEK, "--parallelism.ep", "2", "--parallelism.tp", "2", "--parallelism.no_sequence_parallel"]
+            ),
+            world_size=2,
+        )
 
 
 def test_ep_on_a_dense_model_is_rejected():

@@ -118,15 +118,22 @@ over tp (their gradients summed there); without it, whole like ``WHOLE``."""
         (2, ["--parallelism.tp", "2"], (), ()),
         (4, ["--parallelism.tp", "2"], ("dp_shard",), ("dp_shard",)),
         (4, ["--parallelism.tp", "2", "--parallelism.no_sequence_parallel"], ("dp_shard",), ("dp_shard",)),
-        (4, ["--parallelism.tp", "2", "--parallelism.ep", "2"], ("dp_shard",), ("ep",)),
+        # ep = 2 over the tp ranks under sequence parallel: the experts shard over the 2 dp_shard ranks
+        (4, ["--parallelism.tp", "2", "--parallelism.ep", "2"], ("dp_shard",), ("efsdp", "ep")),
+        (
+            4,
+            ["--parallelism.tp", "2", "--parallelism.ep", "2", "--parallelism.no_sequence_parallel"],
+            ("dp_shard",),
+            ("ep",),
+        ),
         (
             8,
             ["--parallelism.tp", "2", "--parallelism.ep", "2", "--parallelism.dp_replicate", "2"],
             ("dp_replicate", "dp_shard"),
-            ("dp_replicate", "ep"),
+            ("dp_replicate", "efsdp", "ep"),
         ),
     ],
-    ids=["tp2", "fsdp2xtp2", "fsdp2xtp2_no_sp", "tp2xep2", "hsdp2x2xtp2xep2"],
+    ids=["tp2", "fsdp2xtp2", "fsdp2xtp2_no_sp", "tp2xep2", "tp2xep2_no_sp", "hsdp2x2xtp2xep2"],
 )
 def test_the_plan_places_each_parameter(world_size, flags, dp_dims, expert_dims):
     layout, model = _built(world_size, *flags)
@@ -146,8 +153,14 @@ def test_the_plan_places_each_parameter(world_size, flags, dp_dims, expert_dims)
             else:
                 assert layout[fqn][0] == dp_dims, fqn
         assert isinstance(model.layers[block].attention.k_rope_grad_reduce, SumGradOverTP)
-    # Routed experts and the router are whole on every tp rank: never on tp.
-    assert layout["layers.1.moe.router.gate.weight"][0] == dp_dims
+    # Routed experts and the router are whole (not split over tp). Where each tp rank routes its own
+    # tokens (sequence parallel with ep) the gate's weight is replicated over tp (its gradient summed
+    # there) and the experts' ep ranks include the tp ranks; otherwise neither lives on tp.
+    gate = "layers.1.moe.router.gate.weight"
+    if sequence_parallel and "--parallelism.ep" in flags:
+        assert layout[gate][0] == (*dp_dims, "tp") and _on_tp(layout, gate) == Replicate()
+    else:
+        assert layout[gate][0] == dp_dims
     for w in ("w1", "w2", "w3"):
         assert layout[f"layers.1.moe.experts.{w}"][0] == expert_dims
     assert _on_tp(layout, "tok_embeddings.weight") == Shard(0)  # rows: the vocabulary
