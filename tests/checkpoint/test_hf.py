@@ -106,6 +106,8 @@ LAYOUTS = {
     "llama_fsdp2": ("llama", ["--parallelism.dp_shard", "2"]),
     "llama_tp2": ("llama", ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
     "deepseek_ep2": ("deepseek", ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
+    # sequence parallel, the experts split over the two tp ranks, each routing its own tokens
+    "deepseek_tp2xep2": ("deepseek", ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"]),
 }
 
 
