@@ -86,40 +86,15 @@ H100_INDUCTOR_CASES = [
 
 
 # Cluster layouts, checked by the dry run only (traced stage by stage at 512 and 256 ranks, the
-# step simulated): the shipped 405B and 671B flavors with pipeline parallel, the 405B once per
-# schedule and the 671B with 1F1B (its interleaved and V traces, 2 minutes of CI beside pytest,
-# were measured once: docs/performance.md), every stage SimpleFSDP-sharded over the ranks pp
-# leaves (and DeepSeek's experts over ep); then
-# the shipped 405B config, tensor parallel inside its stages (PP=16 x TP=8 x FSDP=4, 1F1B, weights
-# gathered per microbatch); full checkpointing. The 671B keeps its stages' weights for the step (the
-# default under pp): about twice the tokens/s of gathering them per microbatch, and over an H100's
-# memory (a warning in the dry run's table: docs/performance.md). DeepSeek's 1F1B stages give the
-# first ranks fewer blocks (they hold more microbatches) and stage 0 the three dense blocks.
-_SCHEDULES = (("1f1b", "1F1B"), ("interleaved", "Interleaved1F1B"), ("zbv", "ZBVZeroBubble"))
-
-
-def _pipeline_cases(
-    name: str, nproc: int, args: list[str], config: str, first_blocks: str, schedules=_SCHEDULES
-) -> list[Case]:
-    cases = []
-    for short, schedule in schedules:
-        staging = ["--parallelism.pp_stage_blocks", first_blocks] if schedule == "1F1B" and first_blocks else []
-        flags = [*args, "--parallelism.pp_schedule", schedule, *staging]
-        cases.append(Case(f"{name}_{short}", nproc, flags, config=config, dry_run_only=True))
-    return cases
-
-
-_PIPELINE_COMMON = ["--activation_checkpoint.mode", "full", "--compile.passes", BUCKETING["tbb"]]
-# (The 405B at PP16 x FSDP32 left the dry run for configs/llama3_405b.toml's PP16 x TP8 x FSDP4:
-# `graph_trainer.cli.analyze` gives its rows, docs/performance.md.)
-H100_PIPELINE_CASES = _pipeline_cases(
-    "deepseek671b_pp8xfsdp32xep32",
-    256,
-    ["--parallelism.pp", "8", "--parallelism.ep", "32", "--training.global_batch_size", "1024", *_PIPELINE_COMMON],
-    "configs/deepseek_v3_671b.toml",
-    "6,7,7,8,8,8,9,8",
-    schedules=_SCHEDULES[:1],
-) + [Case("llama3_405b_pp16xtp8xfsdp4_interleaved", 512, [], config="configs/llama3_405b.toml", dry_run_only=True)]
+# step simulated): the shipped 405B and 671B configs, pipeline parallel with tensor and sequence
+# parallel inside the stages (the 405B interleaved, weights resident for the step; the 671B 1F1B,
+# weights gathered per microbatch, experts over ep ranks that include the tp ranks), full
+# checkpointing. Other schedules and layouts of both were measured once (docs/performance.md);
+# `graph_trainer.cli.analyze` gives any of them.
+H100_PIPELINE_CASES = [
+    Case("deepseek671b_pp8xtp2xfsdp16xep32_1f1b", 256, [], config="configs/deepseek_v3_671b.toml", dry_run_only=True),
+    Case("llama3_405b_pp16xtp8xfsdp4_interleaved", 512, [], config="configs/llama3_405b.toml", dry_run_only=True),
+]
 H100_CASES = (
     layout_cases(_8B_LAYOUTS)
     # (auto_bucketing at 8B composed with block bucketing, as users run it: PyTorch's overlap
