@@ -204,6 +204,8 @@ CPU_EP_OVERLAP_CASES: list[Case] = ep_overlap_cases(
         ("deepseek_fsdp2xep2", "moe_seq", "transformer_block_bucketing"),
     ],
     DEEPSEEK_DEBUG,
+) + ep_overlap_cases(  # (sequence parallel: each tp rank's chunks route its own tokens)
+    _CPU_DEEPSEEK_TP_LAYOUTS, [("deepseek_2l_tp2xep2", "blocks", "")], DEEPSEEK_DEBUG
 )
 
 # ---- the memory policy (activation checkpointing) and the chunked loss: bitwise the same
