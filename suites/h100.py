@@ -93,7 +93,7 @@ H100_INDUCTOR_CASES = [
 # `graph_trainer.cli.analyze` gives any of them.
 H100_PIPELINE_CASES = [
     Case("deepseek671b_pp8xtp2xfsdp16xep32_1f1b", 256, [], config="configs/deepseek_v3_671b.toml", dry_run_only=True),
-    Case("llama3_405b_pp16xtp8xfsdp4_interleaved", 512, [], config="configs/llama3_405b.toml", dry_run_only=True),
+    Case("llama3_405b_pp8xtp8xfsdp8_interleaved", 512, [], config="configs/llama3_405b.toml", dry_run_only=True),
 ]
 H100_CASES = (
     layout_cases(_8B_LAYOUTS)
