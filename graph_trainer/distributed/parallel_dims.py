@@ -177,7 +177,7 @@ def resolve_parallel_degrees(p: Parallelism, world_size: int) -> dict[str, int]:
     )
     # Experts are split over a sub-group of the data-parallel shard ranks, with the tp ranks under
     # sequence parallel (see the module docstring).
-    if p.sequence_parallel and p.tp > 1 and p.ep > 1:
+    if ParallelDims.from_degrees({"tp": p.tp, "ep": p.ep}, p.sequence_parallel).experts_span_tp:
         require(
             p.ep % p.tp == 0 and dp_shard % (p.ep // p.tp) == 0,
             f"parallelism.ep = {p.ep} must be parallelism.tp = {p.tp} times a divisor of parallelism.dp_shard = "
