@@ -32,7 +32,7 @@ InductorScope = Literal["regional", "full"]
 AcMode = Literal["none", "selective", "full"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"]
-SimulatedDevice = Literal["none", "h100", "cpu"]
+SimulatedDevice = Literal["none", "h100", "h200", "cpu"]
 """'none' and the keys of ``graph_trainer.analysis.devices.DEVICES`` (a test holds them equal)."""
 
 SELECTIVE_OPS = [*MATMUL_OP_NAMES, *ATTENTION_FORWARD_OP_NAMES]

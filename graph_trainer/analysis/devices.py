@@ -4,14 +4,15 @@ A ``DeviceModel`` is one accelerator and its interconnect (SI units). ``KernelEf
 which fraction of the roofline each class of kernel reaches (``cost_model.kernel_class`` sorts a
 node into its class). ``H100_SXM`` is calibrated per kernel class on torch.profiler tables of one
 H100 (the comments at ``H100_KERNELS`` say from which ops; the runs are in docs/performance.md,
-the tables in docs/h100_profiles/); ``CPU_2CORE`` is a rough model for sanity checks.
+the tables in docs/h100_profiles/); ``H200_SXM`` is the H100 with the H200's memory bandwidth;
+``CPU_2CORE`` is a rough model for sanity checks.
 ``DEVICES`` names them for the command lines (``analyze``) and the passes (``auto_bucketing``
 always decides for the H100).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -146,6 +147,16 @@ H100_SXM = DeviceModel(
     fused_attention=True,
 )
 
+H200_SXM = replace(
+    H100_SXM,
+    name="H200 SXM",
+    # The same GH100 compute (NVIDIA's H200 datasheet: 989 TFLOP/s dense bf16, NVLink 4 at 900
+    # GB/s) with HBM3e at 4.8 TB/s (datasheet) instead of 3.35: the H100's kernel efficiencies
+    # are kept. Checked on one H200 against the one-GPU table's measured forward/backward
+    # (docs/performance.md, the one-GPU table on an H200); its 141 GB are not in DEVICE_MEMORY_BYTES.
+    hbm_bandwidth=4.8e12,
+)
+
 CPU_2CORE = DeviceModel(
     # Rough, for sanity checks only: measured once on the 2-core AMD EPYC dev machine with
     # 1024^3 matmuls, a 128 MiB elementwise op and gloo over loopback.
@@ -161,7 +172,7 @@ CPU_2CORE = DeviceModel(
     launch_overhead=10e-6,
 )
 
-DEVICES: dict[str, DeviceModel] = {"h100": H100_SXM, "cpu": CPU_2CORE}
+DEVICES: dict[str, DeviceModel] = {"h100": H100_SXM, "h200": H200_SXM, "cpu": CPU_2CORE}
 
 
-__all__ = ["CPU_2CORE", "DEVICES", "H100_KERNELS", "H100_SXM", "DeviceModel", "KernelEfficiency"]
+__all__ = ["CPU_2CORE", "DEVICES", "H100_KERNELS", "H100_SXM", "H200_SXM", "DeviceModel", "KernelEfficiency"]
