@@ -157,11 +157,12 @@ def compare(case: Case, run: Finished, done: dict[str, Finished]) -> tuple[str |
     if deviation > case.rtol:
         return f"losses deviate {deviation:.1e} (> {case.rtol}) from {name}", note
     if run.grads is not None:
-        problems, worst = compare_records(run.grads, reference.grads, rtol=GRAD_RTOL)
+        grad_rtol = case.grad_rtol or GRAD_RTOL
+        problems, worst = compare_records(run.grads, reference.grads, rtol=grad_rtol)
         note += f", grads {worst:.1e}"
         if problems:
             return (
-                f"step-{GRAD_RECORD_STEP} gradients deviate from {name} (> {GRAD_RTOL:.0e}): "
+                f"step-{GRAD_RECORD_STEP} gradients deviate from {name} (> {grad_rtol:.0e}): "
                 f"{'; '.join(problems[:3])}" + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
             ), note
     return None, note

@@ -23,7 +23,7 @@ error line; the other rows go on.
 
 JSON: ``{"format", "mode": "gpu"|"smoke", "started", "machine": {"device", "torch", "cuda",
 "python", "cpus"}, "commit", "steps", "warmup_steps", "budget_s", "wall_s", "rows": [...]}``;
-each row: ``name, model, backend, activation_checkpoint, chunked, tokens_per_step, command, log,
+each row: ``name, model, backend, activation_checkpoint, chunked, float8, tokens_per_step, command, log,
 timeout_s, seconds, status, problem`` and the figures of ``gpu_table_report.row_figures``.
 
 Exit code: 0 when every row measured, 1 when some row did not (the table says which and why), 2
@@ -170,6 +170,7 @@ def row_entry(row: Row) -> dict:
         "backend": row.backend,
         "activation_checkpoint": row.ac,
         "chunked": row.chunked,
+        "float8": row.float8,
         "tokens_per_step": row.tokens_per_step,
     }
 

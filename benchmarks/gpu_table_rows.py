@@ -25,6 +25,11 @@ process start to its last step):
   twin (``compile.ep_overlap.reorder = false``) would trace, minus the all_to_alls. It measures
   what chunking costs on one GPU, the part of ep_overlap one process can show.
 
+- FP8 linears (``float8.recipe_name``, the output projection kept in bf16): LLaMA-3 op by op
+  with selective recomputation in tensorwise (what the casts cost unfused, and the simulator's
+  scaled-matmul class against the device), and under Inductor full in tensorwise and rowwise
+  against the bf16 full row (the speed-up torchao's recipes give once the casts are fused).
+
 No row names a user pass: every one needs several processes (bucketing needs data parallelism,
 ep_overlap expert parallelism), so a one-process job refuses them at validation whatever the
 torch version. A row whose job is refused (exit code 2) is recorded with the job's error line.
@@ -97,14 +102,17 @@ SMOKE_SHAPES = {
     ),
 }
 PLAN = [
-    # (shape, backend, activation checkpointing, chunked), in run order
-    ("llama3", OP_BY_OP, "none", False),
-    ("llama3", OP_BY_OP, "selective", False),
-    ("llama3", OP_BY_OP, "full", False),
-    ("llama3", REGIONAL, "selective", False),
-    ("deepseek_v3", OP_BY_OP, "full", False),
-    ("deepseek_v3", OP_BY_OP, "full", True),
-    ("llama3", FULL, "selective", False),
+    # (shape, backend, activation checkpointing, chunked, float8 recipe), in run order
+    ("llama3", OP_BY_OP, "none", False, "none"),
+    ("llama3", OP_BY_OP, "selective", False, "none"),
+    ("llama3", OP_BY_OP, "full", False, "none"),
+    ("llama3", OP_BY_OP, "selective", False, "tensorwise"),
+    ("llama3", REGIONAL, "selective", False, "none"),
+    ("deepseek_v3", OP_BY_OP, "full", False, "none"),
+    ("deepseek_v3", OP_BY_OP, "full", True, "none"),
+    ("llama3", FULL, "selective", False, "none"),
+    ("llama3", FULL, "selective", False, "tensorwise"),
+    ("llama3", FULL, "selective", False, "rowwise"),
 ]
 TIMEOUT_S = {OP_BY_OP: 150.0, REGIONAL: 300.0, FULL: 300.0}
 """Seconds a real row may run, from process start (wheels installed, caches cold)."""
@@ -122,36 +130,42 @@ class Row:
     """``activation_checkpoint.mode``."""
     chunked: bool
     """Run by ``benchmarks.chunked_job``: ep_overlap's chunking without the pass."""
+    float8: str
+    """``float8.recipe_name`` ('none': the linears in bf16)."""
     args: tuple[str, ...]
     """The job's flags, but for the output folder and the device (``gpu_table.job_command``)."""
     tokens_per_step: int
     timeout_s: float
 
 
-def row_name(shape: str, backend: str, ac: str, chunked: bool) -> str:
-    """E.g. 'llama3_graph_ac_none', 'deepseek_v3_chunked_graph_ac_full' (the same in both modes)."""
-    return f"{shape}{'_chunked' if chunked else ''}_{_BACKEND_NAMES[backend]}_ac_{ac}"
+def row_name(shape: str, backend: str, ac: str, chunked: bool, float8: str = "none") -> str:
+    """E.g. 'llama3_graph_ac_none', 'deepseek_v3_chunked_graph_ac_full',
+    'llama3_float8_tensorwise_full_ac_selective' (the same in both modes)."""
+    fp8 = "" if float8 == "none" else f"_float8_{float8}"
+    return f"{shape}{'_chunked' if chunked else ''}{fp8}_{_BACKEND_NAMES[backend]}_ac_{ac}"
 
 
 def table_rows(smoke: bool, steps: int) -> list[Row]:
     """Every row of the table in run order, each job running ``steps`` steps."""
     shapes = SMOKE_SHAPES if smoke else REAL_SHAPES
     rows = []
-    for shape_key, backend, ac, chunked in PLAN:
+    for shape_key, backend, ac, chunked, float8 in PLAN:
         shape = shapes[shape_key]
         args = (
             *shape.args,
             *_BACKEND_FLAGS[backend],
             *("--activation_checkpoint.mode", ac),
             *(CHUNKING_FLAGS if chunked else ()),
+            *(("--float8.recipe_name", float8) if float8 != "none" else ()),
             *("--training.steps", str(steps), "--training.warmup_steps", "2"),
             *("--metrics.log_freq", "1", "--metrics.enable_tensorboard", "False", "--checkpoint.interval", "0"),
             *("--metrics.json_lines", "True", "--metrics.simulate_device", "h100"),
         )
-        name = row_name(shape_key, backend, ac, chunked)
+        name = row_name(shape_key, backend, ac, chunked, float8)
         timeout = SMOKE_TIMEOUT_S if smoke else TIMEOUT_S[backend]
         label = shape.label + (", blocks chunked in 2 along the batch" if chunked else "")
-        rows.append(Row(name, label, backend, ac, chunked, args, shape.tokens_per_step, timeout))
+        label += f", FP8 {float8} linears" if float8 != "none" else ""
+        rows.append(Row(name, label, backend, ac, chunked, float8, args, shape.tokens_per_step, timeout))
     return rows
 
 

@@ -7,7 +7,8 @@ model:
 1. ``build_layout(cfg, world_size, device_type)``: the parallel degrees resolved against the
    world size, the device mesh (None for one process), the mixed-precision dtypes, the
    microbatches per step and the pipeline (schedule plan, stages' blocks, this rank's stages);
-2. ``build_job_model(cfg, layout, device)``: construct on the meta device, cut it to this rank's
+2. ``build_job_model(cfg, layout, device)``: construct on the meta device, swap the linears
+   ``float8.recipe_name`` chooses for FP8 ones (``models.float8``), cut it to this rank's
    pipeline stages (``parallelism.pp`` > 1: ``models.common.keep_stage``; ``stage_modules`` gives
    each local stage its own module), apply the model's
    parallel plan (``models.<name>.parallelize``: TP, EP, SimpleFSDP), materialise on ``device``
@@ -27,6 +28,7 @@ model.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +50,11 @@ from graph_trainer.distributed.parallel_dims import (
 from graph_trainer.distributed.simple_fsdp import MixedPrecision, clean_fqn
 from graph_trainer.pipelining.schedule import RankPipeline, plan_pipeline
 from graph_trainer.pipelining.stages import stage_ranges
+from models import float8
 from models.common import block_costs, draw_parameter, keep_stage, stage_view
 from models.registry import MODEL_SPECS, model_args
+
+logger = logging.getLogger("graph_trainer")
 
 
 @torch.no_grad()
@@ -175,6 +180,9 @@ def build_job_model(
     pipeline = layout.pipeline
 
     def parallelize(m: nn.Module) -> nn.Module:
+        if cfg.float8.recipe_name != "none":  # the whole model's linears: every filter must match one
+            choices = float8.convert_linears(m, cfg.float8, layout.dims.tp)
+            logger.info("float8 (%s): %s", cfg.float8.recipe_name, float8.summary(choices))
         if pipeline is not None:  # this rank's stages only, before anything is sharded or allocated
             m = keep_stage(m, pipeline.rank_blocks(), pipeline.holds_first(), pipeline.holds_last())
         return spec.parallelize(m, layout.mesh, layout.dims, layout.mp)

@@ -2,10 +2,10 @@
 fields combine into (``checkpoint_root``).
 
 A job is one ``JobConfig`` with the sections ``job, model, training, parallelism, compile,
-activation_checkpoint, metrics, checkpoint, comm, debug``. Every field says what it does; a
-field with a fixed set of values is a ``Literal`` (``python train.py --help`` lists the choices,
-and ``graph_trainer.config_loading`` refuses any other value, from TOML or the command line,
-with one line). Reading a TOML file and the command line is ``graph_trainer.config_loading``;
+float8, activation_checkpoint, metrics, validation, profiling, checkpoint, comm, debug``. Every
+field says what it does; a field with a fixed set of values is a ``Literal`` (``python train.py
+--help`` lists the choices, and ``graph_trainer.config_loading`` refuses any other value, from
+TOML or the command line, with one line). Reading a TOML file and the command line is ``graph_trainer.config_loading``;
 checks that involve several fields, the model or the world size are ``graph_trainer.validation``.
 """
 
@@ -32,6 +32,8 @@ InductorScope = Literal["regional", "full"]
 AcMode = Literal["none", "selective", "full"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"]
+Float8Recipe = Literal["none", "tensorwise", "rowwise", "rowwise_with_gw_hp"]
+"""torchao's float8 training recipes by name (``Float8LinearConfig.from_recipe_name``), and 'none'."""
 SimulatedDevice = Literal["none", "h100", "h200", "cpu"]
 """'none' and the keys of ``graph_trainer.analysis.devices.DEVICES`` (a test holds them equal)."""
 
@@ -235,6 +237,30 @@ class Compile:
 
 
 @dataclass
+class Float8:
+    """FP8 training of the models' linears (``models/float8.py``, torchao's float8 training);
+    TOML table ``[float8]``."""
+
+    recipe_name: Float8Recipe = "none"
+    """'tensorwise': one dynamic scale per tensor (amax of the whole tensor), e4m3 operands, e5m2
+    output gradients; 'rowwise': one scale per row of each operand along the summed dim, e4m3
+    everywhere, scales rounded down to powers of 2; 'rowwise_with_gw_hp': rowwise, but the weight
+    gradient computed in high precision (more accurate, slower). 'none': linears compute in the
+    parameter dtype. Every recipe's three matmuls per linear run ``torch._scaled_mm``."""
+    filter_fqns: list[str] = field(default_factory=list)
+    """Linears to keep in high precision: those whose FQN contains one of these strings
+    (comma-separated on the command line, e.g. ``attention.wq,attention.wk``); each must match a
+    linear of the model. Linears with a dimension not divisible by 16 (per tensor-parallel rank)
+    are always kept, as ``_scaled_mm`` requires."""
+    convert_output: bool = False
+    """Also compute the output projection (the vocabulary logits) in FP8; kept in high precision
+    by default, as in torchtitan's and DeepSeek-V3's FP8 runs."""
+    convert_router: bool = False
+    """Also compute DeepSeek-V3's router gate (``moe.router.gate``) in FP8; kept in high precision
+    by default (its scores choose the experts)."""
+
+
+@dataclass
 class ActivationCheckpoint:
     """The memory policy (``graph_trainer/compiler/memory_policy/``); TOML table ``[activation_checkpoint]``."""
 
@@ -392,6 +418,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)

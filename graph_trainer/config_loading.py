@@ -181,11 +181,13 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     )
     cfg.compile.passes = normalize_pass_list(cfg.compile.passes)
     cfg.activation_checkpoint.selective_ops = normalize_pass_list(cfg.activation_checkpoint.selective_ops)
+    cfg.float8.filter_fqns = normalize_pass_list(cfg.float8.filter_fqns)
     return cfg
 
 
 def normalize_pass_list(passes: list[str]) -> list[str]:
-    """Accept 'a,b c' style lists from TOML or the command line: split on commas, drop blanks."""
+    """Accept 'a,b c' style lists (passes, op names, FQN filters) from TOML or the command line:
+    split on commas, drop blanks."""
     return [p.strip() for item in passes for p in item.split(",") if p.strip()]
 
 

@@ -79,6 +79,7 @@ from graph_trainer.loop.preflight import check_model_state_fits
 from graph_trainer.loop.profiling import step_profiling
 from graph_trainer.torch_compat import cpu_backend
 from graph_trainer.validation import check_device, resolve_device
+from models.float8 import check_scaled_mm
 from models.registry import MODEL_SPECS
 
 logger = logging.getLogger("graph_trainer")
@@ -106,6 +107,8 @@ def setup_distributed(cfg: JobConfig) -> DistInfo:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if cfg.float8.recipe_name != "none":
+        check_scaled_mm(device)
     if world_size > 1 and not dist.is_initialized():
         # CPU: gloo with one worker thread per group (torch_compat.cpu_backend says why)
         dist.init_process_group(

@@ -24,6 +24,7 @@ from graph_trainer.config import JobConfig, Parallelism, weights_per_step
 from graph_trainer.config_loading import choices, field_types, not_allowed
 from graph_trainer.distributed.parallel_dims import job_microbatches, resolve_parallel_degrees
 from graph_trainer.errors import ConfigError, require
+from models.float8 import select_linears, torchao_float8
 from models.registry import MODEL_SPECS, model_args
 
 
@@ -205,6 +206,22 @@ def _check_compile(cfg: JobConfig, degrees: dict[str, int]) -> None:
     )
 
 
+def _check_float8(cfg: JobConfig, args, tp: int) -> None:
+    """FP8 linears: torchao importable, the router setting only for a model with a router, every
+    ``filter_fqns`` entry matching a linear of the model (built on meta: no memory)."""
+    f = cfg.float8
+    if f.recipe_name == "none":
+        return
+    torchao_float8()
+    require(
+        not f.convert_router or cfg.model.name == "deepseek_v3",
+        f"float8.convert_router: {cfg.model.name} has no router (only deepseek_v3 has one)",
+    )
+    with torch.device("meta"):
+        model = MODEL_SPECS[cfg.model.name].build(args)
+    select_linears(model, f, tp)
+
+
 def _check_around_the_loop(cfg: JobConfig) -> None:
     """Metrics, checkpoints, collective timeouts and the debug settings."""
     require(cfg.metrics.log_freq >= 1, f"metrics.log_freq = {cfg.metrics.log_freq} must be >= 1")
@@ -228,82 +245,69 @@ def _profiles(cfg: JobConfig) -> bool:
     return cfg.profiling.enable_profiling or cfg.profiling.enable_memory_snapshot
 
 
+def _setting(cfg: JobConfig, field: str, in_use: bool, needs: str) -> tuple[str, object, object, bool, str]:
+    """One entry of ``_settings_in_use`` for the dotted ``field`` (e.g. 'compile.ep_overlap.reorder')."""
+    value, default = cfg, JobConfig()
+    for part in field.split("."):
+        value, default = getattr(value, part), getattr(default, part)
+    return field, value, default, in_use, needs
+
+
 def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, str]]:
     """(field, value, default, whether what it depends on is set, what that is) for every setting
     that means something only together with another (``compile.inductor_scope`` has its own check
     in ``_check_compile``)."""
-    p, c, ac, default = cfg.parallelism, cfg.compile, cfg.activation_checkpoint, JobConfig()
+    p, c, ac, prof = cfg.parallelism, cfg.compile, cfg.activation_checkpoint, cfg.profiling
     pipeline = f"parallelism.pp > 1 (it is {p.pp})"
     inductor = f"compile.backend 'inductor' (it is {c.backend!r})"
-    overlap = "'ep_overlap' in compile.passes"
-    prof, profiling = cfg.profiling, "profiling.enable_profiling or profiling.enable_memory_snapshot"
-    snapshot = "profiling.enable_memory_snapshot"
-    v, validating = cfg.validation.enable, "validation.enable"
     files, named = cfg.training.dataset != "synthetic", "training.dataset other than 'synthetic' (generated)"
+    v, validating = cfg.validation.enable, "validation.enable"
+    fp8 = cfg.float8.recipe_name != "none"
     return [
-        ("profiling.profile_freq", prof.profile_freq, default.profiling.profile_freq, _profiles(cfg), profiling),
-        (
-            "profiling.save_traces_folder",
-            prof.save_traces_folder,
-            default.profiling.save_traces_folder,
-            prof.enable_profiling,
-            "profiling.enable_profiling",
+        _setting(
+            cfg,
+            "profiling.profile_freq",
+            _profiles(cfg),
+            "profiling.enable_profiling or profiling.enable_memory_snapshot",
         ),
-        (
+        _setting(cfg, "profiling.save_traces_folder", prof.enable_profiling, "profiling.enable_profiling"),
+        _setting(
+            cfg,
             "profiling.save_memory_snapshot_folder",
-            prof.save_memory_snapshot_folder,
-            default.profiling.save_memory_snapshot_folder,
             prof.enable_memory_snapshot,
-            snapshot,
+            "profiling.enable_memory_snapshot",
         ),
-        *[
-            (f"validation.{name}", getattr(cfg.validation, name), getattr(default.validation, name), v, validating)
-            for name in ("freq", "steps", "dataset", "split")
-        ],
-        *[
-            (f"training.{name}", getattr(cfg.training, name), getattr(default.training, name), files, named)
-            for name in ("dataset_subset", "dataset_streaming")
-        ],
-        (
+        *[_setting(cfg, f"validation.{name}", v, validating) for name in ("freq", "steps", "dataset", "split")],
+        *[_setting(cfg, f"training.{name}", files, named) for name in ("dataset_subset", "dataset_streaming")],
+        _setting(
+            cfg,
             "validation.dataset_subset",
-            cfg.validation.dataset_subset,
-            default.validation.dataset_subset,
             v and cfg.validation.dataset != "",
             "validation.enable and validation.dataset",
         ),
-        (
+        _setting(
+            cfg,
             "checkpoint.async_mode",
-            cfg.checkpoint.async_mode,
-            default.checkpoint.async_mode,
             cfg.checkpoint.interval > 0,
             f"checkpoint.interval > 0 (it is {cfg.checkpoint.interval})",
         ),
-        (
-            "parallelism.sequence_parallel",
-            p.sequence_parallel,
-            default.parallelism.sequence_parallel,
-            p.tp > 1,
-            f"parallelism.tp > 1 (it is {p.tp})",
-        ),
-        ("parallelism.pp_stage_blocks", p.pp_stage_blocks, default.parallelism.pp_stage_blocks, p.pp > 1, pipeline),
-        ("parallelism.pp_schedule", p.pp_schedule, default.parallelism.pp_schedule, p.pp > 1, pipeline),
-        ("compile.cache_dir", c.cache_dir, default.compile.cache_dir, c.backend == "inductor", inductor),
-        ("compile.once_per_node", c.once_per_node, default.compile.once_per_node, c.backend == "inductor", inductor),
-        (
+        _setting(cfg, "parallelism.sequence_parallel", p.tp > 1, f"parallelism.tp > 1 (it is {p.tp})"),
+        _setting(cfg, "parallelism.pp_stage_blocks", p.pp > 1, pipeline),
+        _setting(cfg, "parallelism.pp_schedule", p.pp > 1, pipeline),
+        *[
+            _setting(cfg, f"float8.{name}", fp8, "float8.recipe_name")
+            for name in ("filter_fqns", "convert_output", "convert_router")
+        ],
+        _setting(cfg, "compile.cache_dir", c.backend == "inductor", inductor),
+        _setting(cfg, "compile.once_per_node", c.backend == "inductor", inductor),
+        _setting(
+            cfg,
             "activation_checkpoint.selective_ops",
-            ac.selective_ops,
-            default.activation_checkpoint.selective_ops,
             ac.mode == "selective",
             f"activation_checkpoint.mode 'selective' (it is {ac.mode!r})",
         ),
         *[
-            (
-                f"compile.ep_overlap.{f.name}",
-                getattr(c.ep_overlap, f.name),
-                getattr(default.compile.ep_overlap, f.name),
-                "ep_overlap" in c.passes,
-                overlap,
-            )
+            _setting(cfg, f"compile.ep_overlap.{f.name}", "ep_overlap" in c.passes, "'ep_overlap' in compile.passes")
             for f in dataclasses.fields(c.ep_overlap)
         ],
     ]
@@ -327,6 +331,7 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     _check_training(cfg, args)
     degrees = _check_parallelism(cfg, world_size, args)
     _check_compile(cfg, degrees)
+    _check_float8(cfg, args, degrees["tp"])
     _check_around_the_loop(cfg)
     _check_settings_in_use(cfg)
 

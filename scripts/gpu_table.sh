@@ -7,8 +7,9 @@
 #   bash scripts/gpu_table.sh OUT --smoke    # the same rows on the CPU at tiny sizes (what CI runs)
 #
 # Other flags go to `python3 -m benchmarks.gpu_table` (--rows, --steps, --budget, --list).
-# First, where the packages the jobs import are missing (tomli, tyro, torchtitan, datasets: that
-# machine has no registry), it installs the wheels ../shared/gpu/prepare.sh carried in
+# First, where the packages the jobs import are missing (tomli, tyro, torchtitan, datasets, torchao:
+# that machine has no registry), it installs the wheels ../shared/gpu/prepare.sh torchao==0.18.0
+# (the FP8 rows' torchao, an extra there) carried in
 # .devicegpu/ (their install script also checks the GPU). PYTHON picks the interpreter
 # (default python3, that machine's torch).
 set -euo pipefail
@@ -16,10 +17,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)  # (no cd: OUT is relative to where the c
 py=${PYTHON:-python3}
 missing=$("$py" -c '
 import importlib.util
-print(" ".join(m for m in ("tomli", "tyro", "torchtitan", "datasets") if importlib.util.find_spec(m) is None))')
+print(" ".join(m for m in ("tomli", "tyro", "torchtitan", "datasets", "torchao") if importlib.util.find_spec(m) is None))')
 if [ -n "$missing" ]; then
     if [ ! -f "$root/.devicegpu/install.sh" ]; then
-        echo "error: $py lacks $missing and there is no .devicegpu/install.sh: run bash ../shared/gpu/prepare.sh" \
+        echo "error: $py lacks $missing and there is no .devicegpu/install.sh: run bash ../shared/gpu/prepare.sh torchao==0.18.0" \
              "on a machine with a package registry and copy .devicegpu/ here" >&2
         exit 2
     fi

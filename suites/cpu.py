@@ -5,8 +5,12 @@ from __future__ import annotations
 from suites.cases import (
     ACCUMULATION_RTOL,
     BUCKETING,
+    CLOSE_RTOL,
     DEEPSEEK_DEBUG,
     EP_OVERLAP,
+    FLOAT8_GRAD_RTOL,
+    FLOAT8_RTOL,
+    GRAD_RTOL,
     HSDP_RTOL,
     INDUCTOR_FULL_FLAGS,
     INDUCTOR_RTOL,
@@ -275,6 +279,51 @@ CPU_INDUCTOR_CASES = [
     ),
 ]
 
+# ---- FP8 linears (``--float8.recipe_name``, torchao's float8 training): graph == eager bitwise
+# for each recipe, each against one process with FP8 on the same global batch. Where the scales
+# cannot be the one process's (docs/numerics.md, "FP8 linears": tensorwise and rowwise scales
+# over each rank's tokens, rowwise scales over a tp rank's slice of a summed dim), within
+# FLOAT8_RTOL / FLOAT8_GRAD_RTOL; the weight gradient in high precision on FSDP has the same
+# scales, so it keeps the fp32 bounds.
+_FLOAT8 = {r: ["--float8.recipe_name", r] for r in ("tensorwise", "rowwise", "rowwise_with_gw_hp")}
+_FLOAT8_REFERENCES = [
+    Case("float8_single_b4", 1, [*_FLOAT8["tensorwise"], *batch(4)]),
+    Case("float8_gw_hp_single_b4", 1, [*_FLOAT8["rowwise_with_gw_hp"], *batch(4)]),
+    Case(
+        "deepseek_2l_float8_single_b4", 1, [*_DEEPSEEK_2_LAYERS, *_FLOAT8["rowwise"], *batch(4)], config=DEEPSEEK_DEBUG
+    ),
+]
+_FLOAT8_PAIRS = [
+    # (name, processes, args, reference, loss bound, gradient bound, config)
+    ("float8_gw_hp_fsdp2", 2, _FLOAT8["rowwise_with_gw_hp"], "float8_gw_hp_single_b4", CLOSE_RTOL, GRAD_RTOL, ""),
+    (
+        "float8_fsdp2xtp2",
+        4,
+        [*_FLOAT8["tensorwise"], "--parallelism.tp", "2"],
+        "float8_single_b4",
+        FLOAT8_RTOL,
+        FLOAT8_GRAD_RTOL,
+        "",
+    ),
+    (
+        "deepseek_2l_float8_tp2xep2",
+        4,
+        [*_TP2, "--parallelism.ep", "2", *_FLOAT8["rowwise"]],
+        "deepseek_2l_float8_single_b4",
+        FLOAT8_RTOL,
+        FLOAT8_GRAD_RTOL,
+        DEEPSEEK_DEBUG,
+    ),
+]
+CPU_FLOAT8_CASES = _FLOAT8_REFERENCES + [
+    case
+    for name, nproc, args, reference, rtol, grad_rtol, config in _FLOAT8_PAIRS
+    for case in (
+        Case(f"{name}_graph", nproc, args, close_to=reference, rtol=rtol, grad_rtol=grad_rtol, config=config),
+        Case(f"{name}_eager", nproc, [*args, "--compile.mode", "eager"], same_as=f"{name}_graph", config=config),
+    )
+]
+
 CPU_CASES = (
     _CPU_REFERENCES
     + layout_cases(_CPU_LAYOUTS, rtols={"hsdp2x2": HSDP_RTOL})
@@ -295,4 +344,5 @@ CPU_CASES = (
     + CPU_MEMORY_POLICY_CASES
     + CPU_DEEPSEEK_MEMORY_POLICY_CASES
     + CPU_INDUCTOR_CASES
+    + CPU_FLOAT8_CASES
 )

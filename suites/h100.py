@@ -21,6 +21,8 @@ _8B_LAYOUTS = {
     "fsdp8": (8, [], ""),
     "hsdp2x4": (8, ["--parallelism.dp_replicate", "2"], ""),
     "fsdp4xtp2": (8, ["--parallelism.tp", "2"], ""),
+    # FP8 linears at the 8B's shapes (torchao's tensorwise recipe, the output projection in bf16)
+    "fsdp8_float8": (8, ["--float8.recipe_name", "tensorwise"], ""),
 }
 # DDP of the 8B does not fit an H100 (fp32 weights, gradients and AdamW state: 16 bytes per
 # parameter on every rank): DDP runs the debug LLaMA-3 on 8 GPUs, per parameter and bucketed.

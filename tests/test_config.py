@@ -111,6 +111,13 @@ def _main(capsys, monkeypatch, *args) -> tuple[int, list[str]]:
         (["--compile.inductor_scope", "full"], "compile.inductor_scope = 'full' needs compile.backend = 'inductor'"),
         (["--training.global_batch_size", "12"], "training.global_batch_size = 12 must be a positive multiple of"),
         (["--validation.enable", "True", "--validation.steps", "0"], "validation.steps = 0 must be >= 1"),
+        (["--float8.recipe_name", "mxfp8"], "float8.recipe_name = 'mxfp8' is not allowed"),
+        (["--float8.filter_fqns", "output"], "float8.filter_fqns = ['output'] means something only with float8"),
+        (["--float8.recipe_name", "rowwise", "--float8.convert_router"], "llama3 has no router"),
+        (
+            ["--float8.recipe_name", "tensorwise", "--float8.filter_fqns", "wq,attention.wz"],
+            "float8.filter_fqns: 'attention.wz' matches no linear of the model",
+        ),
     ],
 )
 def test_train_main_exits_2_with_one_line(capsys, monkeypatch, args, message):

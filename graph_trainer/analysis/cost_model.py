@@ -2,7 +2,8 @@
 
 Compute nodes follow a roofline: ``max(flops / (peak(dtype) * e_flops), bytes /
 (hbm_bandwidth * e_bytes)) + launch_overhead``. FLOPs are counted only for matmuls (``mm``,
-``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``: ``2 * out.numel() * K``) and scaled-dot-product
+``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``, fp8 ``_scaled_mm``: ``2 * out.numel() * K``, at
+the peak of the first operand's dtype) and scaled-dot-product
 attention (forward ``2*B*H*Sq*Sk*(Dqk+Dv)`` = ``4*B*H*S*S*D``, halved when causal; backward
 2.5x the forward). Everything else is memory-bound: bytes are the logical sizes of the tensor
 outputs plus inputs from ``node.meta["val"]``, an expanded (stride 0) input dim counted once;
@@ -14,13 +15,14 @@ assumed to run alone (no fusion, no two kernels at once), which is eager PyTorch
 graphs, on a GPU kept busy by its host (host-side stalls are not modelled).
 
 The efficiencies depend on the kernel (``devices.py`` holds the device models): ``kernel_class``
-sorts every compute node into a class of ``KernelEfficiency`` (matmul, grouped_mm, attention
-forward / backward, elementwise, strided (broadcast / non-contiguous operands, cat), dtype_cast,
-reduction, softmax forward / backward, scatter_add) and a device with ``kernel_efficiency``
-applies that class's fraction of the roofline: to the FLOP side for matmuls and attention (their
-byte side uses ``elementwise``), to the byte side for the rest. A device without it (``CPU_2CORE``) uses its
-global ``flops_efficiency`` and ``bandwidth_efficiency``. ``H100_SXM``'s classes are
-calibrated on profiles of real H100 steps; ``H100_KERNELS`` says from which ops and numbers.
+sorts every compute node into a class of ``KernelEfficiency`` (matmul, grouped_mm, scaled_mm
+tensorwise / rowwise, attention forward / backward, elementwise, strided (broadcast /
+non-contiguous operands, cat), dtype_cast, reduction, softmax forward / backward, scatter_add)
+and a device with ``kernel_efficiency`` applies that class's fraction of the roofline: to the
+FLOP side for matmuls and attention (their byte side uses ``elementwise``), to the byte side for
+the rest. A device without it (``CPU_2CORE``) uses its global ``flops_efficiency`` and
+``bandwidth_efficiency``. ``H100_SXM``'s classes are calibrated on profiles of real H100 steps
+(the scaled matmuls on an H200's matmul rates); ``H100_KERNELS`` says from which ops and numbers.
 
 Collectives follow ring models over the slowest link the group crosses. Each rank of a group
 of ``n`` sends ``ring_factor * bytes`` (``collective_traffic``): ``(n-1)/n`` for all_gather,
@@ -52,7 +54,15 @@ import torch.fx as fx
 from graph_trainer.analysis.devices import DeviceModel
 from graph_trainer.graph import collectives
 from graph_trainer.graph.collectives import collective_bytes, collective_name, group_name, group_size_arg
-from graph_trainer.graph.ops import ATTENTION_PREFIX, DENSE_MATMULS, GROUPED_MM, is_view, name_of, named_args
+from graph_trainer.graph.ops import (
+    ATTENTION_PREFIX,
+    DENSE_MATMULS,
+    GROUPED_MM,
+    SCALED_MM,
+    is_view,
+    name_of,
+    named_args,
+)
 from graph_trainer.graph.sizes import SizeHints, tensors_in, value_of
 from graph_trainer.torch_compat import is_op_overload, resolve_process_group, sym_expr
 
@@ -91,7 +101,14 @@ _FILLS = {
 }
 """Ops that write their output without reading a tensor input (at most a 0-d value)."""
 # Kernel classes by op name (overload-independent), see ``kernel_class``.
-_COMPUTE_CLASSES = {"matmul", "grouped_mm", "attention_forward", "attention_backward"}
+_COMPUTE_CLASSES = {
+    "matmul",
+    "grouped_mm",
+    "scaled_mm_tensorwise",
+    "scaled_mm_rowwise",
+    "attention_forward",
+    "attention_backward",
+}
 _SOFTMAX_FORWARD = {"_log_softmax", "_softmax", "_safe_softmax"}
 _SOFTMAX_BACKWARD = {"_log_softmax_backward_data", "_softmax_backward_data"}
 _SCATTER_ADD = {
@@ -156,7 +173,7 @@ def node_flops(node: fx.Node, hints: SizeHints | None = None) -> tuple[float, to
     if node.op != "call_function" or not is_op_overload(node.target):
         return 0.0, None
     out = value_of(node)
-    if node.target in DENSE_MATMULS or node.target == GROUPED_MM:
+    if node.target in DENSE_MATMULS or node.target in (GROUPED_MM, SCALED_MM):
         a = value_of(node.args[DENSE_MATMULS.get(node.target, 0)])
         b = value_of(node.args[DENSE_MATMULS.get(node.target, 0) + 1])
         k = hints.concrete(a.shape[-1])
@@ -217,6 +234,10 @@ def kernel_class(node: fx.Node, hints: SizeHints | None = None) -> str:
         return "matmul"
     if target == GROUPED_MM:
         return "grouped_mm"
+    if target == SCALED_MM:
+        scale_a = value_of(node.args[2])
+        rowwise = isinstance(scale_a, torch.Tensor) and (hints or SizeHints()).numel(scale_a) > 1
+        return "scaled_mm_rowwise" if rowwise else "scaled_mm_tensorwise"
     name = name_of(node)
     if name.startswith(ATTENTION_PREFIX):
         return "attention_backward" if name.endswith("_backward") else "attention_forward"

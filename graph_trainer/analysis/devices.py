@@ -29,6 +29,10 @@ class KernelEfficiency:
     """Dense GEMMs (mm, addmm, bmm, baddbmm), of the dtype's peak FLOP/s."""
     grouped_mm: float
     """``_grouped_mm`` (MoE experts), of the dtype's peak FLOP/s."""
+    scaled_mm_tensorwise: float
+    """fp8 ``_scaled_mm`` with one scale per operand, of the fp8 peak (twice bf16's)."""
+    scaled_mm_rowwise: float
+    """fp8 ``_scaled_mm`` with a scale per row / column, of the fp8 peak."""
     attention_forward: float
     """Fused SDPA forward kernels, of peak FLOP/s for the counted attention FLOPs."""
     attention_backward: float
@@ -100,6 +104,15 @@ H100_KERNELS = KernelEfficiency(
     matmul=0.78,
     # _grouped_mm (MoE experts, 64 groups of ~768 rows): 0.52-0.59, 16B only, 13.9 ms.
     grouped_mm=0.56,
+    # fp8 _scaled_mm: no H100 profile. Measured on one H200 (the H100's compute, NVIDIA's
+    # datasheets) by benchmarks/fp8_matmul_rate.py (docs/performance.md, "FP8 against bf16
+    # matmuls"): over the Llama3-8B and 405B/TP8 linears' three matmuls as torchao runs them
+    # (forward with fast accumulation, both gradients without), the fp8 rate is 0.948
+    # (tensorwise) and 0.894 (rowwise) of twice the bf16 rate of the same matmuls measured
+    # beside them; applied to the in-step bf16 matmul efficiency above (0.78). The routed
+    # experts' smaller shapes measured 0.72 / 0.71: not applied (their grouped matmuls stay bf16).
+    scaled_mm_tensorwise=0.74,
+    scaled_mm_rowwise=0.70,
     # cuDNN flash attention (sm90), causal, FLOPs as counted by ``_attention_flops``:
     # forward 0.611 (8B, d=128, S=8192) / 0.533 (16B, d_qk=192, d_v=128, S=4096).
     attention_forward=0.59,

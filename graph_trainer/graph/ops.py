@@ -20,6 +20,8 @@ MATMUL_OP_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm")
 DENSE_MATMULS = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1, aten.baddbmm.default: 1}
 """Dense matmul overloads -> position of their first matrix argument (``addmm``'s 0 is the addend)."""
 GROUPED_MM = aten._grouped_mm.default
+SCALED_MM = aten._scaled_mm.default
+"""FP8 matmul: (mat1, mat2, scale_a, scale_b, ...); one scale per tensor, or per row / column."""
 ADDMM = aten.addmm.default
 ATTENTION_FORWARD_OP_NAMES = (
     "_scaled_dot_product_flash_attention",
@@ -97,6 +99,7 @@ __all__ = [
     "ATTENTION_FORWARD_OP_NAMES",
     "ATTENTION_PREFIX",
     "DENSE_MATMULS",
+    "SCALED_MM",
     "GROUPED_MM",
     "MATMUL_OP_NAMES",
     "SCALAR_READ",

@@ -350,3 +350,30 @@ def test_bytes_of_expanded_inputs_fills_and_nll_loss():
         g, aten.nll_loss_backward.default, (grad, logp, target, None, 1, -100, total), _meta(8192, 128256, dtype=f32)
     )
     assert node_bytes(back) == 8192 * 128256 * 4 + 8192 * 8  # fill + scatter, never reads logp
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_scaled_mm_counts_fp8_flops_at_twice_the_bf16_peak(rowwise):
+    from graph_trainer.analysis.cost_model import kernel_class
+
+    m, k, n = 8192, 4096, 14336
+    fp8 = torch.float8_e4m3fn
+    g = fx.Graph()
+    a = _placeholder(g, "a", _meta(m, k, dtype=fp8))
+    b = _placeholder(g, "b", _meta(k, n, dtype=fp8))
+    scale_shapes = ((m, 1), (1, n)) if rowwise else ((), ())
+    scale_a, scale_b = (
+        _placeholder(g, name, torch.empty(shape, dtype=torch.float32, device="meta"))
+        for name, shape in zip(("scale_a", "scale_b"), scale_shapes, strict=True)
+    )
+    mm = _node(g, aten._scaled_mm.default, (a, b, scale_a, scale_b), _meta(m, n))
+    g.output(mm)
+    assert node_flops(mm) == (2 * m * k * n, fp8)
+    cls = "scaled_mm_rowwise" if rowwise else "scaled_mm_tensorwise"
+    assert kernel_class(mm) == cls
+    expected = 2 * m * k * n / (2 * 989e12 * getattr(K, cls)) + LAUNCH
+    assert node_compute_time(mm, D) == pytest.approx(expected)
+    # the same product in bf16 takes longer by the two peaks and the two efficiencies
+    _, bf16 = _mm_graph(m, k, n, torch.bfloat16)
+    ratio = (node_compute_time(bf16, D) - LAUNCH) / (node_compute_time(mm, D) - LAUNCH)
+    assert ratio == pytest.approx(2 * getattr(K, cls) / K.matmul)

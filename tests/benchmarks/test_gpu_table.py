@@ -96,7 +96,7 @@ def test_every_row_is_a_valid_job(smoke, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # where the jobs run: their config files are relative to it
 
     rows = table_rows(smoke, steps=8)
-    assert len({r.name for r in rows}) == len(rows) == 7
+    assert len({r.name for r in rows}) == len(rows) == 10
     for row in rows:
         command = gpu_table.job_command(row, str(tmp_path / row.name), "cpu" if smoke else "cuda")
         flags = command[command.index("--job.config_file") :]
@@ -105,6 +105,7 @@ def test_every_row_is_a_valid_job(smoke, tmp_path, monkeypatch):
         assert (cfg.metrics.json_lines, cfg.metrics.simulate_device, cfg.training.steps) == (True, "h100", 8)
         assert (cfg.compile.backend == "inductor") == (row.backend != "op by op") == ("--compile.cache_dir" in flags)
         assert cfg.activation_checkpoint.mode == row.ac and not cfg.compile.passes
+        assert cfg.float8.recipe_name == row.float8
 
 
 def test_chunking_selects_the_modules_holding_a_moe():

@@ -61,6 +61,20 @@ CURVES: dict[str, tuple[int, list[str]]] = {
     "llama3_debug": (1, ["--job.config_file", os.path.join(ROOT, "configs", "llama3_debug.toml")]),
     "deepseek_v3_debug": (1, ["--job.config_file", os.path.join(ROOT, "configs", "deepseek_v3_debug.toml")]),
     "llama3_debug_fsdp2": (2, ["--job.config_file", os.path.join(ROOT, "configs", "llama3_debug.toml")]),
+    # FP8 linears (torchao's float8 training): a change to the casts, scales or which linears convert
+    "llama3_debug_float8_tensorwise": (
+        1,
+        ["--job.config_file", os.path.join(ROOT, "configs", "llama3_debug.toml"), "--float8.recipe_name", "tensorwise"],
+    ),
+    "deepseek_v3_debug_float8_rowwise": (
+        1,
+        [
+            "--job.config_file",
+            os.path.join(ROOT, "configs", "deepseek_v3_debug.toml"),
+            "--float8.recipe_name",
+            "rowwise",
+        ],
+    ),
 }
 
 
