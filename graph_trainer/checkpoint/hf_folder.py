@@ -7,9 +7,21 @@ Contract
 ``model.safetensors.index.json`` (its ``weight_map`` names every tensor's file) or, without an
 index, every ``*.safetensors`` file of the folder; every file opens (safetensors parses its header
 and refuses a file that is truncated or whose header is corrupt: the message names the file); every
-tensor is floating point (F32, BF16, F16, F64: a quantized release such as DeepSeek-V3's FP8 one
-must be dequantized first; the dtype is in the header, so this is known before any data is read); a
-tensor lives in one file only, and the index names exactly the tensors the files hold.
+tensor is floating point (F32, BF16, F16, F64), or an FP8 weight in DeepSeek-V3's release format
+(below; the dtypes are in the headers, so this is known before any data is read); a tensor lives
+in one file only, and the index names exactly the tensors the files hold.
+
+FP8 weights (``fp8_blocks``): a ``config.json`` whose ``quantization_config`` says ``quant_method``
+"fp8" with a ``weight_block_size`` [b0, b1] (DeepSeek-V3's official release: [128, 128]) may hold
+2-D ``float8_e4m3fn`` (F8_E4M3) tensors, each with an F32 ``<name>_scale_inv`` of
+[ceil(rows / b0), ceil(cols / b1)]: block (i, j) of the weight is its fp8 values times
+``scale_inv[i, j]``. Such a weight is listed in ``shapes`` as bf16 and read dequantized: each rank
+reads the fp8 elements of its slice and the scales of the blocks the slice touches, and gets
+``(fp8.float() * scale).to(bfloat16)``, the arithmetic of DeepSeek's own ``fp8_cast_bf16.py``
+(fp32 product, rounded to bf16 once), so a slice equals the same slice of the folder
+dequantized offline, bit for bit. The scale tensors are not listed in ``shapes``. An FP8 tensor
+without its scales (or of another shape), scales without their weight, F8_E4M3 without the
+``quantization_config``, and other 8-bit formats are one ``ConfigError`` each.
 
 ``read(name, index)`` returns ``tensor[index]`` (a tuple of slices, one per dim) in the file's
 dtype, read through safetensors' lazy slicing: only the requested elements are copied out of the
@@ -73,6 +85,11 @@ class HFFolder:
                 self.file_of[name] = file
                 piece = handle.get_slice(name)
                 self.shapes[name] = (list(piece.get_shape()), _dtype(piece.get_dtype(), name, file))
+        self.fp8_blocks: dict[str, tuple[str, tuple[int, int]]] = _fp8_weights(self.config, self.shapes, path)
+        """FP8 weight -> (its scale tensor, the block size): read dequantized (module docstring)."""
+        for name, (scale, _) in self.fp8_blocks.items():
+            self.shapes[name] = (self.shapes[name][0], torch.bfloat16)
+            del self.shapes[scale]
         index_path = os.path.join(path, INDEX_FILE)
         if os.path.exists(index_path):
             indexed = _read_json(index_path, "safetensors index").get("weight_map", {})
@@ -118,7 +135,28 @@ class HFFolder:
         return self._handles[file]
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        """``tensor[index]`` of the folder's tensor ``name`` (file dtype); counted in ``bytes_read``."""
+        """``tensor[index]`` of the folder's tensor ``name`` (file dtype; an FP8 weight dequantized to
+        bf16); counted in ``bytes_read`` (an FP8 weight: its fp8 elements and scales)."""
+        if name in self.fp8_blocks:
+            return self._dequantized(name, index)
+        return self._read_raw(name, index)
+
+    def _dequantized(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """``index`` of the FP8 weight ``name``, dequantized with the scales of the blocks it touches."""
+        scale_name, block = self.fp8_blocks[name]
+        shape = self.shapes[name][0]
+        if len(index) != 2 or any(s.step not in (None, 1) for s in index):
+            raise JobError(f"reading {name}: an FP8 weight is read by 2-D contiguous slices, not {index}")
+        bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
+        fp8 = self._read_raw(name, tuple(slice(lo, hi) for lo, hi in bounds))
+        scales = self._read_raw(
+            scale_name, tuple(slice(lo // b, -(-hi // b)) for (lo, hi), b in zip(bounds, block, strict=True))
+        )
+        for dim, ((lo, hi), b) in enumerate(zip(bounds, block, strict=True)):
+            scales = scales.repeat_interleave(b, dim).narrow(dim, lo % b, hi - lo)
+        return (fp8.float() * scales).to(torch.bfloat16)
+
+    def _read_raw(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         try:
             piece = self._open(self.file_of[name]).get_slice(name)[index]
         except SafetensorError as e:
@@ -132,17 +170,61 @@ class HFFolder:
         self._handles.clear()
 
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
+SCALE_SUFFIX = "_scale_inv"
+"""An FP8 weight ``W``'s block scales are the tensor ``W_scale_inv`` (DeepSeek-V3's release)."""
 
 
 def _dtype(code: str, name: str, file: str) -> torch.dtype:
     if code not in _DTYPES:
         raise ConfigError(
-            f"tensor {name} of {file} is {code}; floating-point F32, BF16, F16 or F64 weights load "
-            "(a quantized release, e.g. DeepSeek-V3's FP8 one, must be dequantized to BF16 first: DeepSeek's "
-            "fp8_cast_bf16.py)"
+            f"tensor {name} of {file} is {code}; floating-point F32, BF16, F16 or F64 weights load, and "
+            "F8_E4M3 weights with block scales (DeepSeek-V3's FP8 release format)"
         )
     return _DTYPES[code]
+
+
+def _block_size(config: dict, path: str) -> tuple[int, int]:
+    """``quantization_config.weight_block_size`` of an FP8 folder (ConfigError when not one)."""
+    quant = config.get("quantization_config") or {}
+    block = quant.get("weight_block_size")
+    if quant.get("quant_method") != "fp8" or not (
+        isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise ConfigError(
+            f"{path} holds F8_E4M3 tensors but its config.json has no fp8 quantization_config with a "
+            f"weight_block_size [rows, cols] (DeepSeek-V3's release: quant_method 'fp8', [128, 128]); found {quant!r}"
+        )
+    return block[0], block[1]
+
+
+def _fp8_weights(config: dict, shapes: dict, path: str) -> dict[str, tuple[str, tuple[int, int]]]:
+    """Every FP8 weight of the folder with its scale tensor and block size, checked (module docstring)."""
+    fp8 = sorted(n for n, (_, dtype) in shapes.items() if dtype == torch.float8_e4m3fn)
+    orphans = sorted(n for n in shapes if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] not in fp8)
+    if orphans:
+        raise ConfigError(f"{path}: scales without an FP8 weight: {some_names(orphans)}")
+    if not fp8:
+        return {}
+    block = _block_size(config, path)
+    out = {}
+    for name in fp8:
+        shape, scale = shapes[name][0], name + SCALE_SUFFIX
+        expected = [-(-n // b) for n, b in zip(shape, block, strict=True)] if len(shape) == 2 else None
+        found = shapes.get(scale)
+        if expected is None or found is None or found != (expected, torch.float32):
+            raise ConfigError(
+                f"{path}: FP8 tensor {name} {shape} needs 2 dims and float32 block scales {scale} of shape "
+                f"{expected} ({block[0]}x{block[1]} blocks); found {found and (found[0], str(found[1]))}"
+            )
+        out[name] = (scale, block)
+    return out
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
