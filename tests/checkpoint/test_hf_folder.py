@@ -52,7 +52,7 @@ def test_bad_folder_is_one_config_error(tmp_path, case):
         match = "tensor a is in both model-0.safetensors and model-1.safetensors"
     elif case == "integer_tensor":
         folder = _folder(tmp_path, [{"a": torch.ones(2, dtype=torch.int8)}])
-        match = "tensor a of model-0.safetensors is I8; floating-point .* must be dequantized"
+        match = "tensor a of model-0.safetensors is I8; floating-point F32, .* and F8_E4M3 weights with block scales"
     else:
         folder = _folder(tmp_path, [])
         (folder / "model.safetensors.index.json").unlink()
@@ -79,8 +79,9 @@ def test_write_folder_is_whole_or_absent(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no half-written folder, no temporary
 
 
-def test_an_fp8_release_is_refused_before_its_tensors_are_read(tmp_path):
+def test_fp8_tensors_without_the_configs_quantization_are_refused_before_any_is_read(tmp_path):
+    """(The FP8 release format itself: tests/checkpoint/test_hf_fp8.py.)"""
     fp8 = {"w": torch.ones(4, 4).to(torch.float8_e4m3fn), "w_scale_inv": torch.ones(1, 1)}
     folder = _folder(tmp_path, [fp8])
-    with pytest.raises(ConfigError, match="tensor w of model-0.safetensors is F8_E4M3; .* dequantized to BF16 first"):
+    with pytest.raises(ConfigError, match="holds F8_E4M3 tensors but its config.json has no fp8 quantization_config"):
         HFFolder(str(folder))

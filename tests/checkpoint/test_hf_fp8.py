@@ -85,16 +85,12 @@ def test_each_slice_reads_dequantized_as_the_offline_tensor(tmp_path):
             {"quantization_config": QUANTIZATION},
             r"FP8 tensor a.weight \[256, 128\] needs 2 dims .* of shape \[2, 1\] .*; found None",
         ),
-        (
-            {"a.weight": "fp8", "a.weight_scale_inv": "scale"},
-            {},
-            "holds F8_E4M3 tensors but its config.json has no fp8",
-        ),
         ({"b.weight_scale_inv": "scale"}, {"quantization_config": QUANTIZATION}, "scales without an FP8 weight"),
         ({"a.weight": "e5m2"}, {"quantization_config": QUANTIZATION}, "is F8_E5M2; floating-point F32"),
     ],
 )
 def test_malformed_fp8_folders_are_one_line_config_errors(tmp_path, tensors, config, message):
+    """(Without the config's quantization_config: tests/checkpoint/test_hf_folder.py.)"""
     fp8, scale = quantize(torch.randn(256, 128))
     made = {"fp8": fp8, "scale": scale, "e5m2": fp8.float().to(torch.float8_e5m2)}
     with pytest.raises(ConfigError, match=message) as error:
