@@ -101,14 +101,20 @@ class Suite:
 
 
 def layout_cases(
-    layouts: dict[str, tuple[int, list[str], str]], config: str = "", rtols: dict[str, float] | None = None
+    layouts: dict[str, tuple[int, list[str], str]],
+    config: str = "",
+    rtols: dict[str, float] | None = None,
+    grad_rtols: dict[str, float] | None = None,
 ) -> list[Case]:
     """A graph case and its eager twin per layout: (processes, args, one-process reference);
-    ``rtols``: a tighter bound than ``CLOSE_RTOL`` for some layouts' graph cases."""
+    ``rtols`` / ``grad_rtols``: another bound than ``CLOSE_RTOL`` / ``GRAD_RTOL`` for some
+    layouts' graph cases."""
     cases = []
     for name, (nproc, args, reference) in layouts.items():
-        rtol = (rtols or {}).get(name, CLOSE_RTOL)
-        cases.append(Case(f"{name}_graph", nproc, args, close_to=reference, rtol=rtol, config=config))
+        rtol, grad_rtol = (rtols or {}).get(name, CLOSE_RTOL), (grad_rtols or {}).get(name, 0.0)
+        cases.append(
+            Case(f"{name}_graph", nproc, args, close_to=reference, rtol=rtol, grad_rtol=grad_rtol, config=config)
+        )
         # Eager mode keeps every activation (it rejects a checkpointing mode a config may set); the
         # policy changes no value, so the graph case is still bitwise its eager twin.
         cases.append(

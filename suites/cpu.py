@@ -5,12 +5,10 @@ from __future__ import annotations
 from suites.cases import (
     ACCUMULATION_RTOL,
     BUCKETING,
-    CLOSE_RTOL,
     DEEPSEEK_DEBUG,
     EP_OVERLAP,
     FLOAT8_GRAD_RTOL,
     FLOAT8_RTOL,
-    GRAD_RTOL,
     HSDP_RTOL,
     INDUCTOR_FULL_FLAGS,
     INDUCTOR_RTOL,
@@ -293,36 +291,24 @@ _FLOAT8_REFERENCES = [
         "deepseek_2l_float8_single_b4", 1, [*_DEEPSEEK_2_LAYERS, *_FLOAT8["rowwise"], *batch(4)], config=DEEPSEEK_DEBUG
     ),
 ]
-_FLOAT8_PAIRS = [
-    # (name, processes, args, reference, loss bound, gradient bound, config)
-    ("float8_gw_hp_fsdp2", 2, _FLOAT8["rowwise_with_gw_hp"], "float8_gw_hp_single_b4", CLOSE_RTOL, GRAD_RTOL, ""),
-    (
-        "float8_fsdp2xtp2",
-        4,
-        [*_FLOAT8["tensorwise"], "--parallelism.tp", "2"],
-        "float8_single_b4",
-        FLOAT8_RTOL,
-        FLOAT8_GRAD_RTOL,
-        "",
-    ),
-    (
-        "deepseek_2l_float8_tp2xep2",
+_FLOAT8_LAYOUTS = {
+    "float8_gw_hp_fsdp2": (2, _FLOAT8["rowwise_with_gw_hp"], "float8_gw_hp_single_b4"),
+    "float8_fsdp2xtp2": (4, [*_FLOAT8["tensorwise"], "--parallelism.tp", "2"], "float8_single_b4"),
+}
+_DEEPSEEK_FLOAT8_LAYOUTS = {
+    "deepseek_2l_float8_tp2xep2": (
         4,
         [*_TP2, "--parallelism.ep", "2", *_FLOAT8["rowwise"]],
         "deepseek_2l_float8_single_b4",
-        FLOAT8_RTOL,
-        FLOAT8_GRAD_RTOL,
-        DEEPSEEK_DEBUG,
     ),
-]
-CPU_FLOAT8_CASES = _FLOAT8_REFERENCES + [
-    case
-    for name, nproc, args, reference, rtol, grad_rtol, config in _FLOAT8_PAIRS
-    for case in (
-        Case(f"{name}_graph", nproc, args, close_to=reference, rtol=rtol, grad_rtol=grad_rtol, config=config),
-        Case(f"{name}_eager", nproc, [*args, "--compile.mode", "eager"], same_as=f"{name}_graph", config=config),
-    )
-]
+}
+_FLOAT8_BOUNDS = {"float8_fsdp2xtp2": FLOAT8_RTOL, "deepseek_2l_float8_tp2xep2": FLOAT8_RTOL}
+_FLOAT8_GRAD_BOUNDS = dict.fromkeys(_FLOAT8_BOUNDS, FLOAT8_GRAD_RTOL)
+CPU_FLOAT8_CASES = (
+    _FLOAT8_REFERENCES
+    + layout_cases(_FLOAT8_LAYOUTS, rtols=_FLOAT8_BOUNDS, grad_rtols=_FLOAT8_GRAD_BOUNDS)
+    + layout_cases(_DEEPSEEK_FLOAT8_LAYOUTS, DEEPSEEK_DEBUG, rtols=_FLOAT8_BOUNDS, grad_rtols=_FLOAT8_GRAD_BOUNDS)
+)
 
 CPU_CASES = (
     _CPU_REFERENCES
