@@ -23,6 +23,7 @@ from graph_trainer.graph.tags import (
     FSDP_ROLE,
     MOE_FQN,
     PHASE,
+    REDUCE_GRAD,
 )
 from suites import BUCKETING
 
@@ -60,7 +61,9 @@ def _data_parallel_problems(nodes, degrees: dict[str, int]) -> list[str]:
         problems.append(
             f"dp_shard={degrees['dp_shard']} but {len(gathers)} FSDP all-gathers, {len(reduces)} reduce-scatters"
         )
-    all_reduces = fsdp_launches(nodes, COLLECTIVE_KINDS["AR"], "backward")
+    all_reduces = [
+        n for n in fsdp_launches(nodes, COLLECTIVE_KINDS["AR"], "backward") if tags.get(n, FSDP_ROLE) == REDUCE_GRAD
+    ]
     if bool(all_reduces) != (degrees["dp_replicate"] > 1):
         problems.append(
             f"dp_replicate={degrees['dp_replicate']} but {len(all_reduces)} gradient all-reduces (reduce_grad)"
@@ -287,6 +290,7 @@ def _full_gradient_all_reduces(nodes) -> list[str]:
         n.name
         for n in nodes
         if collective_name(n) in COLLECTIVE_KINDS["AR"]
+        and tags.get(n, FSDP_ROLE) == REDUCE_GRAD
         and tags.get(n, FSDP_PARAM) in shard
         and n.meta["val"].numel() != shard[tags.get(n, FSDP_PARAM)]
     ]

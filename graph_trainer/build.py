@@ -133,7 +133,9 @@ def build_layout(cfg: JobConfig, world_size: int, device_type: str, args=None) -
     dims = ParallelDims.from_degrees(resolve_parallel_degrees(p, world_size), p.sequence_parallel)
     t = cfg.training
     mp = MixedPrecision(
-        param_dtype=getattr(torch, t.mixed_precision_param), reduce_dtype=getattr(torch, t.mixed_precision_reduce)
+        param_dtype=getattr(torch, t.mixed_precision_param),
+        reduce_dtype=getattr(torch, t.mixed_precision_reduce),
+        float8_all_gather=cfg.float8.enable_fsdp_float8_all_gather,
     )
     microbatches = microbatches_per_step(
         t.global_batch_size, t.local_batch_size, dims.dp_size, cfg.parallelism.pp_microbatches

@@ -258,6 +258,11 @@ class Float8:
     convert_router: bool = False
     """Also compute DeepSeek-V3's router gate (``moe.router.gate``) in FP8; kept in high precision
     by default (its scores choose the experts)."""
+    enable_fsdp_float8_all_gather: bool = False
+    """SimpleFSDP gathers the float8 linears' weights in float8 (one byte per element instead of
+    bf16's two): each rank casts its shard with the whole weight's scale (one small all-reduce of
+    the amax per weight) before the all-gather. Bitwise the same run as without it. Needs recipe
+    'tensorwise', parallelism.dp_shard > 1 and gathers per microbatch (fsdp_collectives)."""
 
 
 @dataclass

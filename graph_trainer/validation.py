@@ -206,10 +206,13 @@ def _check_compile(cfg: JobConfig, degrees: dict[str, int]) -> None:
     )
 
 
-def _check_float8(cfg: JobConfig, args, tp: int) -> None:
+def _check_float8(cfg: JobConfig, args, degrees: dict[str, int]) -> None:
     """FP8 linears: torchao importable, the router setting only for a model with a router, every
-    ``filter_fqns`` entry matching a linear of the model (built on meta: no memory)."""
+    ``filter_fqns`` entry matching a linear of the model (built on meta: no memory), the float8
+    all-gather only where there is a gather per microbatch to make float8."""
     f = cfg.float8
+    if f.enable_fsdp_float8_all_gather:
+        _check_float8_all_gather(cfg, degrees)
     if f.recipe_name == "none":
         return
     torchao_float8()
@@ -219,7 +222,28 @@ def _check_float8(cfg: JobConfig, args, tp: int) -> None:
     )
     with torch.device("meta"):
         model = MODEL_SPECS[cfg.model.name].build(args)
-    select_linears(model, f, tp)
+    select_linears(model, f, degrees["tp"])
+
+
+def _check_float8_all_gather(cfg: JobConfig, degrees: dict[str, int]) -> None:
+    name, recipe = "float8.enable_fsdp_float8_all_gather", cfg.float8.recipe_name
+    require(
+        recipe == "tensorwise",
+        f"{name} casts each weight with one scale for the whole tensor: it needs float8.recipe_name "
+        f"'tensorwise' (it is {recipe!r})",
+    )
+    require(
+        degrees["dp_shard"] > 1,
+        f"{name} makes SimpleFSDP's all-gathers float8: it needs parallelism.dp_shard > 1 "
+        f"(it is {degrees['dp_shard']}; nothing is gathered)",
+    )
+    require(
+        not weights_per_step(cfg.parallelism, degrees["dp_shard"] * degrees["dp_replicate"]),
+        f"{name} casts the weights each microbatch gathers; with weights gathered once per step "
+        f"(parallelism.fsdp_collectives {cfg.parallelism.fsdp_collectives!r}"
+        f"{', the default under pp > 1' if cfg.parallelism.fsdp_collectives == 'default' else ''}) "
+        "there is no such gather: set parallelism.fsdp_collectives = 'per_microbatch' or leave it out",
+    )
 
 
 def _check_around_the_loop(cfg: JobConfig) -> None:
@@ -331,7 +355,7 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     _check_training(cfg, args)
     degrees = _check_parallelism(cfg, world_size, args)
     _check_compile(cfg, degrees)
-    _check_float8(cfg, args, degrees["tp"])
+    _check_float8(cfg, args, degrees)
     _check_around_the_loop(cfg)
     _check_settings_in_use(cfg)
 

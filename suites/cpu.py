@@ -304,9 +304,42 @@ _DEEPSEEK_FLOAT8_LAYOUTS = {
 }
 _FLOAT8_BOUNDS = {"float8_fsdp2xtp2": FLOAT8_RTOL, "deepseek_2l_float8_tp2xep2": FLOAT8_RTOL}
 _FLOAT8_GRAD_BOUNDS = dict.fromkeys(_FLOAT8_BOUNDS, FLOAT8_GRAD_RTOL)
+# The weights gathered in float8 (cast on each shard with the whole weight's scale) are bitwise
+# those cast after a gather in the parameter dtype, so the run is bitwise the same: graph (also
+# bucketed per block) and eager on FSDP2 x TP2; on HSDP with bf16 parameters (the cast from fp32
+# master weights to bf16 before float8; the gradient's sum over replicas in the float8 gather's
+# backward) against the same layout gathering in bf16.
+_FLOAT8_ALL_GATHER = ["--float8.enable_fsdp_float8_all_gather"]
+_FLOAT8_HSDP_BF16 = [
+    *_FLOAT8["tensorwise"],
+    *["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"],
+    *["--training.mixed_precision_param", "bfloat16"],
+]
+_CPU_FLOAT8_ALL_GATHER = [
+    Case(
+        f"float8_fsdp2xtp2_float8_all_gather{suffix}",
+        4,
+        [*_FLOAT8_LAYOUTS["float8_fsdp2xtp2"][1], *_FLOAT8_ALL_GATHER, *args],
+        same_as="float8_fsdp2xtp2_graph",
+    )
+    for suffix, args in (
+        ("", []),
+        ("_tbb", ["--compile.passes", BUCKETING["tbb"]]),
+        ("_eager", ["--compile.mode", "eager"]),
+    )
+] + [
+    Case("float8_hsdp2x2_bf16", 4, _FLOAT8_HSDP_BF16),
+    Case(
+        "float8_hsdp2x2_bf16_float8_all_gather",
+        4,
+        [*_FLOAT8_HSDP_BF16, *_FLOAT8_ALL_GATHER],
+        same_as="float8_hsdp2x2_bf16",
+    ),
+]
 CPU_FLOAT8_CASES = (
     _FLOAT8_REFERENCES
     + layout_cases(_FLOAT8_LAYOUTS, rtols=_FLOAT8_BOUNDS, grad_rtols=_FLOAT8_GRAD_BOUNDS)
+    + _CPU_FLOAT8_ALL_GATHER
     + layout_cases(_DEEPSEEK_FLOAT8_LAYOUTS, DEEPSEEK_DEBUG, rtols=_FLOAT8_BOUNDS, grad_rtols=_FLOAT8_GRAD_BOUNDS)
 )
 

@@ -60,6 +60,9 @@ class ResidentWeights:
         self.gathered_index = [i for i, rc in enumerate(found) if rc is not None]
         self.direct_index = [i for i, rc in enumerate(found) if rc is None]
         self.parametrizations: list[ReplicateComputation] = [found[i] for i in self.gathered_index]
+        float8 = [rc.param_fqn for rc in self.parametrizations if rc.float8 is not None]
+        if float8:  # the step would differentiate float8 data; the configuration refuses it first
+            raise ValueError(f"weights gathered in float8 ({float8[0]}, ...) cannot be kept resident for a step")
 
     @property
     def gathered_names(self) -> list[str]:

@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 from torch.nn.utils import parametrize
 
+from graph_trainer.distributed.float8_gather import WeightCast, cast_shard, float8_weight, weight_cast
 from graph_trainer.graph import tags
 from graph_trainer.graph.tags import FSDP_PARAM, FSDP_ROLE, REDUCE_GRAD, UNSHARD
 from graph_trainer.torch_compat import StridedShard
@@ -63,6 +64,9 @@ class MixedPrecision:
     """Dtype of the gathered parameter the module computes with (cast before the all-gather)."""
     reduce_dtype: torch.dtype = torch.float32
     """Dtype gradients are reduced in."""
+    float8_all_gather: bool = False
+    """Gather the weights of tensorwise float8 linears in float8 (``float8_gather``), cast from
+    ``param_dtype`` on each shard with the whole weight's scale."""
 
 
 class ReplicateComputation(nn.Module):
@@ -93,6 +97,11 @@ class ReplicateComputation(nn.Module):
         self.mp = mp
         self.hand_local = hand_local
 
+    float8: WeightCast | None = None
+    """Set (``data_parallel`` with ``float8_all_gather``, for a tensorwise float8 linear's weight):
+    the shard is cast to float8 before the gather, and the module gets torchao's float8 weight
+    (``GatherInFloat8``)."""
+
     resident: torch.Tensor | None = None
     """Set (``use_gathered``): the gathered tensor to hand the module, instead of gathering
     ``param`` here (weights gathered once per step, ``graph_trainer.distributed.resident``)."""
@@ -107,6 +116,8 @@ class ReplicateComputation(nn.Module):
         # The tag lets graph passes find this parameter's gather chain (and, through the
         # tracer, the gradient reduction that differentiates it) without pattern matching.
         with tags.annotate({FSDP_ROLE: UNSHARD, FSDP_PARAM: self.param_fqn}):
+            if self.float8 is not None:  # its backward runs ``reduce``: the replicas' sum too
+                return GatherInFloat8.apply(param, self)
             if self.replicate_mesh is not None:
                 param = self._sum_gradient_over_replicas(param)
             return param.redistribute(
@@ -165,6 +176,30 @@ class ReplicateComputation(nn.Module):
         return DTensor.from_local(
             local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
+
+
+class GatherInFloat8(torch.autograd.Function):
+    """``rc.gather`` for a float8 linear's weight (``rc.float8``): forward casts the shard to the
+    parameter dtype, then to float8 with the whole weight's scale (``float8_gather.cast_shard``),
+    gathers the float8 bytes over the data-parallel dims (still split by the inner dim) and hands
+    back torchao's float8 weight; backward reduces the gathered weight's gradient as any gathered
+    parameter's (``rc.reduce``: reduce-scatter, then the sum over replicas, in ``reduce_dtype``).
+    The gather moves bytes (``uint8``): float8 is not a dtype every backend's collectives take."""
+
+    @staticmethod
+    def forward(ctx, param: DTensor, rc: ReplicateComputation) -> torch.Tensor:
+        ctx.param, ctx.rc = param, rc
+        mesh, placements = param.device_mesh, tuple(param.placements)
+        data, scale = cast_shard(param.to_local().to(rc.mp.param_dtype), rc.float8, mesh, placements)
+        shards = DTensor.from_local(
+            data.view(torch.uint8), mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+        gathered = shards.redistribute(placements=[Replicate()] * rc.dp_dims + list(rc.inner_placements))
+        return float8_weight(gathered.to_local().view(data.dtype), scale, rc.float8, rc.mp.param_dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.rc.reduce(ctx.param, grad.to(ctx.rc.mp.reduce_dtype)), None
 
 
 class SumGradientOverReplicas(torch.autograd.Function):
@@ -330,12 +365,10 @@ def data_parallel(
             new = distribute_tensor(full, mesh, placements, src_data_rank=None)
             module.register_parameter(name, nn.Parameter(new, requires_grad=param.requires_grad))
             param_fqn = ".".join(part for part in (fqn_prefix, module_fqn, name) if part)
-            parametrize.register_parametrization(
-                module,
-                name,
-                ReplicateComputation(
-                    param_fqn, dp_dims, inner_mesh, inner_placements, mp, hand_local, _replicate_mesh(mesh, mode)
-                ),
-                unsafe=True,
+            rc = ReplicateComputation(
+                param_fqn, dp_dims, inner_mesh, inner_placements, mp, hand_local, _replicate_mesh(mesh, mode)
             )
+            if mp.float8_all_gather and name == "weight" and mode in ("fully_shard", "hybrid_shard"):
+                rc.float8 = weight_cast(module)
+            parametrize.register_parametrization(module, name, rc, unsafe=True)
     return model

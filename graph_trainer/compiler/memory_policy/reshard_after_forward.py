@@ -11,8 +11,10 @@ gather chain (cast, ``all_gather_into_tensor``, ``wait_tensor``, views), extende
 forward view ops of the gathered tensor (e.g. the ``t`` of a linear layer, which autograd
 saves for the backward matmul; found by ``OpOverload.is_view``), is copied once, right
 before the first backward node that reads it, and the backward readers are pointed at the
-copy. The forward copy is then dead after its last forward use, so the unsharded parameter
-is freed after forward instead of living until backward: this is what makes SimpleFSDP
+copy. Scalars of a chain (a float8 weight's amax, its all-reduce and scale:
+``graph_trainer.distributed.float8_gather``) are not copied: four bytes kept from forward
+instead of a collective run again. The forward copy is then dead after its last forward use,
+so the unsharded parameter is freed after forward instead of living until backward: this is what makes SimpleFSDP
 save memory like FSDP. The copies are tagged ``phase = "backward"``, keep ``fsdp_role``
 and ``fsdp_param``, and get ``recomputed = True``. Graphs without tagged chains (one
 process, or DDP where nothing is gathered) are left as they are.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import torch
 import torch.fx as fx
 
 from graph_trainer.compiler.passes.registry import PassContext, PassError
@@ -71,18 +74,27 @@ def _backward_readers(chain: list[fx.Node]) -> list[fx.Node]:
 def _recompute_for_backward(
     graph: fx.Graph, chain: list[fx.Node], readers: list[fx.Node], position: dict[fx.Node, int]
 ) -> None:
-    """Copy ``chain`` before the earliest of ``readers`` and point the readers at the copy."""
+    """Copy ``chain`` before the earliest of ``readers`` and point the readers at the copy; its
+    scalars (a float8 weight's amax and scale) are not copied: the copies and readers use the
+    forward's."""
     first = min(readers, key=position.__getitem__)
     readers_set = set(readers)
     copies: dict[fx.Node, fx.Node] = {}
     with graph.inserting_before(first):
         for node in chain:
+            if _scalar(node):
+                continue
             copy = graph.node_copy(node, lambda arg: copies.get(arg, arg))
             copy.meta = dict(node.meta)
             tags.replace(copy, {**tags.tags(node), PHASE: BACKWARD, RECOMPUTED: True})
             copies[node] = copy
     for node, copy in copies.items():
         node.replace_all_uses_with(copy, delete_user_cb=lambda user: user in readers_set)
+
+
+def _scalar(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.numel() <= 1
 
 
 def reshard_after_forward(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:

@@ -144,17 +144,26 @@ class _Emitter:
 
 
 def _cast_chain(collective: fx.Node) -> list[fx.Node]:
-    """The single-user ``unshard`` nodes feeding a gather (the mixed-precision cast), in order."""
+    """The ``unshard`` nodes of the gather's own parameter and phase that it depends on, inputs
+    before users: the mixed-precision cast; for a float8 weight also its amax, the amax's
+    all-reduce, the scale and the cast (``graph_trainer.distributed.float8_gather``). They move
+    with the gather, so that it can be issued early."""
+    key = (tags.get(collective, FSDP_PARAM), tags.phase(collective))
     chain: list[fx.Node] = []
-    node = collective.args[0]
-    while (
-        isinstance(node, fx.Node)
-        and tags.get(node, FSDP_ROLE) == UNSHARD
-        and len(node.users) == 1
-        and len(node.all_input_nodes) == 1
-    ):
-        chain.insert(0, node)
-        node = node.all_input_nodes[0]
+    seen: set[fx.Node] = set()
+    stack: list[tuple[fx.Node, bool]] = [(i, False) for i in reversed(collective.all_input_nodes)]
+    while stack:  # depth first, each node listed once all its inputs are
+        node, inputs_listed = stack.pop()
+        if inputs_listed:
+            chain.append(node)
+            continue
+        if node in seen or tags.get(node, FSDP_ROLE) != UNSHARD:
+            continue
+        if (tags.get(node, FSDP_PARAM), tags.phase(node)) != key:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((i, False) for i in reversed(node.all_input_nodes))
     return chain
 
 

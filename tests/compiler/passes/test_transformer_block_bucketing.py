@@ -36,6 +36,10 @@ LAYOUTS = {
     "fsdp4": [],
     "fsdp2xtp2": ["--parallelism.tp", "2"],
     "reshard_never": ["--parallelism.fsdp_reshard_after_forward", "never"],
+    # float8 weights: each gather's chain holds an amax all-reduce and the scale (float8_gather)
+    "float8_all_gather": [
+        *["--parallelism.tp", "2", "--float8.recipe_name", "tensorwise", "--float8.enable_fsdp_float8_all_gather"]
+    ],
 }
 
 
@@ -115,10 +119,10 @@ def test_one_all_gather_and_one_reduce_scatter_per_bucket(layout):
         )
 
     assert others(gm) == others(plain)  # same op, process group and input node, in the same phase
-    assert any("all_reduce" in sig[2] for sig, _ in others(gm)) == (layout == "fsdp2xtp2")  # TP's stay
+    assert any("all_reduce" in sig[2] for sig, _ in others(gm)) == ("tp" in " ".join(extra))  # TP's stay
 
 
-@pytest.mark.parametrize("layout", ["fsdp4", "fsdp2xtp2"])
+@pytest.mark.parametrize("layout", ["fsdp4", "fsdp2xtp2", "float8_all_gather"])
 def test_gathers_are_prefetched_and_reduce_scatters_deferred(layout):
     gm = _trace(tuple(LAYOUTS[layout]))
     forward_compute, backward_compute = _compute(gm, "forward"), _compute(gm, "backward")
