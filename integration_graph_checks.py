@@ -94,7 +94,7 @@ def check_graph(gm, reference, cfg, degrees: dict[str, int], plan: list[list[str
     """
     from models.registry import model_args
 
-    args = model_args(cfg.model)
+    args = model_args(cfg)
     nodes, ref_nodes = collective_launches(gm), collective_launches(reference)
     passes = list(cfg.compile.passes)
     n = args.n_layers
@@ -339,7 +339,7 @@ def check_stage_graph(
     from graph_trainer.graph.collectives import collective_name
     from models.registry import model_args
 
-    args = model_args(cfg.model)
+    args = model_args(cfg)
     nodes, problems = collective_launches(gm), []
 
     def need(ok: bool, message: str) -> None:

@@ -128,7 +128,7 @@ class JobLayout:
 def build_layout(cfg: JobConfig, world_size: int, device_type: str, args=None) -> JobLayout:
     """The job's layout at ``world_size`` (the process group, real or fake, must exist when > 1).
     ``args`` overrides the model's arguments (e.g. analyses of smaller shapes)."""
-    args = args if args is not None else model_args(cfg.model)
+    args = args if args is not None else model_args(cfg)
     p = cfg.parallelism
     dims = ParallelDims.from_degrees(resolve_parallel_degrees(p, world_size), p.sequence_parallel)
     t = cfg.training

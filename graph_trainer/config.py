@@ -58,7 +58,9 @@ class Model:
     name: ModelName = "llama3"
     """Model family (``models/registry.py``)."""
     flavor: str = "debugmodel"
-    """Size of the model within its family (e.g. 'debugmodel', '8B', '70B', '405B')."""
+    """Size of the model within its family (e.g. 'debugmodel', '8B', '70B', '405B'); 'hf': the shapes
+    ``config.json`` of the Hugging Face folder ``checkpoint.initial_load_hf`` describes (any LLaMA-3
+    or DeepSeek-V3 architecture, tied embeddings included; logged at start)."""
     n_layers: int = 0
     """Transformer blocks to build: 0 = the flavor's; N = the flavor's shapes with only N blocks
     (e.g. to measure a real block's speed and memory on one GPU). Logs, MFU and the memory estimate use N."""

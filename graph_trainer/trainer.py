@@ -80,7 +80,7 @@ from graph_trainer.loop.profiling import step_profiling
 from graph_trainer.torch_compat import cpu_backend
 from graph_trainer.validation import check_device, resolve_device
 from models.float8 import check_scaled_mm
-from models.registry import MODEL_SPECS
+from models.registry import HF_FLAVOR, MODEL_SPECS
 
 logger = logging.getLogger("graph_trainer")
 
@@ -232,6 +232,8 @@ class Trainer:
         model_name, dtype = f"{cfg.model.name} {cfg.model.flavor}{layers}", cfg.training.mixed_precision_param
         parallelism = _describe(self.dims)
         logger.info("building %s on %s, parallelism %s, compute dtype %s ...", model_name, device, parallelism, dtype)
+        if cfg.model.flavor == HF_FLAVOR:
+            logger.info("model from %s/config.json: %s", cfg.checkpoint.initial_load_hf, self.model_args)
         model = build_job_model(
             cfg,
             self.layout,

@@ -25,7 +25,7 @@ from graph_trainer.config_loading import choices, field_types, not_allowed
 from graph_trainer.distributed.parallel_dims import job_microbatches, resolve_parallel_degrees
 from graph_trainer.errors import ConfigError, require
 from models.float8 import select_linears, torchao_float8
-from models.registry import MODEL_SPECS, model_args
+from models.registry import HF_FLAVOR, MODEL_SPECS, model_args
 
 
 def _check_fields(obj: Any, prefix: str) -> None:
@@ -88,15 +88,11 @@ def _check_pipeline(cfg: JobConfig, degrees: dict[str, int], microbatches: int, 
 def _check_model(cfg: JobConfig):
     """The model: a flavor of its family, a block count that fits it; the model's arguments."""
     spec = MODEL_SPECS[cfg.model.name]
-    if cfg.model.flavor not in spec.flavors:
-        raise not_allowed(f"model.flavor (for {cfg.model.name})", cfg.model.flavor, tuple(spec.flavors))
-    flavor = spec.flavors[cfg.model.flavor]
-    require(
-        cfg.model.n_layers >= 0,
-        f"model.n_layers = {cfg.model.n_layers} must be >= 0 (0: the flavor's {flavor.n_layers})",
-    )
+    if cfg.model.flavor not in (*spec.flavors, HF_FLAVOR):
+        raise not_allowed(f"model.flavor (for {cfg.model.name})", cfg.model.flavor, (*spec.flavors, HF_FLAVOR))
+    require(cfg.model.n_layers >= 0, f"model.n_layers = {cfg.model.n_layers} must be >= 0 (0: the flavor's)")
     try:
-        return model_args(cfg.model)
+        return model_args(cfg)
     except ValueError as e:  # the flavor's own shape checks (e.g. DeepSeek-V3's dense layers)
         raise ConfigError(
             f"model.n_layers = {cfg.model.n_layers} does not fit flavor {cfg.model.flavor}: {e}"

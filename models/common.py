@@ -157,7 +157,7 @@ def block_costs(model: nn.Module) -> tuple[list[float], float]:
         routed = getattr(getattr(block, "moe", None), "experts", None)
         routed_ids = {id(p) for p in routed.parameters()} if routed is not None else set()
         costs.append(sum(p.numel() * (active if id(p) in routed_ids else 1.0) for p in block.parameters()))
-    return costs, float(model.output.weight.numel())
+    return costs, float(args.vocab_size * args.dim)  # the output projection, tied or not
 
 
 def stage_view(model: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:
@@ -222,14 +222,17 @@ def stack_init_rules(model: nn.Module, block_rules: Callable[[nn.Module, InitRul
     """Every parameter's rule in a model of ``tok_embeddings``, ``layers``, ``norm`` and ``output``
     (and ``args.dim``):
     embedding N(0, 1), each block's ``block_rules(block, depth_scaled(block.layer_id))`` (names
-    relative to the block), final norm ones, output truncated normal std dim**-0.5 cut at +-3 std."""
+    relative to the block), final norm ones, output truncated normal std dim**-0.5 cut at +-3 std;
+    an embedding tied to the output projection (``args.tie_embeddings``) gets the output's rule (its
+    rows are the logits' weights) and there is no ``output.weight``."""
     rules = {"tok_embeddings.weight": InitRule("normal", std=1.0)}
     for name, block in model.layers.items():
         own = block_rules(block, depth_scaled(block.layer_id))
         rules.update({f"layers.{name}.{fqn}": rule for fqn, rule in own.items()})
     out_std = model.args.dim**-0.5
     rules["norm.weight"] = ONES
-    rules["output.weight"] = InitRule("trunc_normal", std=out_std, a=-3 * out_std, b=3 * out_std)
+    output = InitRule("trunc_normal", std=out_std, a=-3 * out_std, b=3 * out_std)
+    rules["tok_embeddings.weight" if getattr(model.args, "tie_embeddings", False) else "output.weight"] = output
     return rules
 
 
@@ -289,7 +292,8 @@ def split_vocabulary(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: b
         stream = Shard(1) if sequence_parallel else Replicate()
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
     if model.output is not None:
-        plan["output"] = ColwiseParallel(output_layouts=Replicate())
+        if isinstance(model.output, nn.Linear):  # (a tied output computes with the embedding's split weight)
+            plan["output"] = ColwiseParallel(output_layouts=Replicate())
         if sequence_parallel:
             gather_sequence(model.norm, tp_mesh, local=True)
     if plan:

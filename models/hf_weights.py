@@ -13,14 +13,23 @@ no I/O of its own:
 
 For every source ``read`` over the whole tensor of what ``to_hf`` wrote gives back the tensor
 bitwise: the adapters only rename, stack and permute rows, never compute.
+
+Also here, below both families: reading a folder's ``config.json`` (``folder_config``; one
+``ConfigError`` line when it is missing or not a JSON object), the fields both families check and
+write alike (``ConfigCheck``, ``decoder_config``), and an adapter's ``args_from_config``, the model a
+``config.json`` describes (``--model.flavor hf``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from graph_trainer.errors import ConfigError, one_line
 
 ReadFn = Callable[[str, tuple[slice, ...]], torch.Tensor]
 
@@ -116,6 +125,31 @@ def hf_names(sources: dict[str, HFSource], shapes: dict[str, Sequence[int]]) -> 
     return names
 
 
+CONFIG_FILE = "config.json"
+
+
+def read_json(path: str, what: str) -> dict:
+    """The JSON object in ``path``; ``ConfigError`` naming ``what`` when it is missing, unreadable
+    or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what} {path} cannot be read: {one_line(e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} is not a JSON object")
+    return data
+
+
+def folder_config(path: str) -> dict:
+    """``config.json`` of the Hugging Face folder ``path`` (``ConfigError`` when there is none)."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"Hugging Face folder {path} does not exist (checkpoint.initial_load_hf)")
+    return read_json(os.path.join(path, CONFIG_FILE), "Hugging Face config")
+
+
 def rope_parameters(config: dict) -> tuple[float | None, dict | None]:
     """(rope theta, rope scaling) of a ``config.json``: the ``rope_theta`` / ``rope_scaling`` keys of
     published checkpoints, or the ``rope_parameters`` dict newer ``transformers`` writes. A scaling
@@ -145,9 +179,12 @@ class HFAdapter:
     """``config_problems(config, args)``: what a ``config.json`` says that the flavor does not."""
     config: Callable[..., dict]
     """``config(args, dtype)``: the ``config.json`` of the flavor, weights in ``dtype``."""
+    args_from_config: Callable[[dict], object]
+    """``args_from_config(config)``: the model ``config`` describes, whose ``config_problems`` are
+    none (``ConfigError`` listing what the family cannot represent)."""
 
 
-FIXED_FIELDS = {"hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False}
+FIXED_FIELDS = {"hidden_act": "silu", "attention_bias": False}
 """``config.json`` fields both families hold to one value (also the value when a file leaves one out)."""
 
 
@@ -160,7 +197,15 @@ def decoder_fields(args) -> dict:
         "num_attention_heads": args.n_heads,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
+        "tie_word_embeddings": getattr(args, "tie_embeddings", False),
     }
+
+
+def required_fields(config: dict, fields: Sequence[str], family: str) -> None:
+    """``ConfigError`` naming the ``fields`` a ``config.json`` lacks (to build a ``family`` model from it)."""
+    missing = [f for f in fields if config.get(f) is None]
+    if missing:
+        raise ConfigError(f"config.json lacks {', '.join(missing)}: a {family} model cannot be built from it")
 
 
 def decoder_config(architecture: str, model_type: str, args, dtype: str) -> dict:
@@ -196,7 +241,7 @@ class ConfigCheck:
     def decoder(self, args) -> None:
         """The fields both families check alike (``decoder_fields``, ``FIXED_FIELDS``)."""
         for field, ours in decoder_fields(args).items():
-            self.equal(field, ours)
+            self.equal(field, ours, default=False if field == "tie_word_embeddings" else None)
         for field, ours in FIXED_FIELDS.items():
             self.equal(field, ours, default=ours)
 
@@ -226,6 +271,7 @@ class ConfigCheck:
 
 
 __all__ = [
+    "CONFIG_FILE",
     "ConfigCheck",
     "ExpertStack",
     "HFAdapter",
@@ -236,6 +282,9 @@ __all__ = [
     "box",
     "decoder_config",
     "decoder_fields",
+    "folder_config",
     "hf_names",
+    "read_json",
+    "required_fields",
     "rope_parameters",
 ]

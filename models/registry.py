@@ -13,13 +13,14 @@ from typing import Any
 
 import torch.nn as nn
 
-from graph_trainer.config import Model
+from graph_trainer.config import JobConfig
+from graph_trainer.errors import ConfigError
 from models.common import block_bucket_plan
 from models.deepseek_v3 import flavors as deepseek_v3_flavors
 from models.deepseek_v3 import hf as deepseek_v3_hf
 from models.deepseek_v3 import parallelize as deepseek_v3_parallelize
 from models.deepseek_v3.model import DeepSeekV3
-from models.hf_weights import HFAdapter
+from models.hf_weights import HFAdapter, folder_config
 from models.llama3 import flavors as llama3_flavors
 from models.llama3 import hf as llama3_hf
 from models.llama3 import parallelize as llama3_parallelize
@@ -69,7 +70,41 @@ MODEL_SPECS: dict[str, ModelSpec] = {
 }
 
 
-def model_args(model: Model):
-    """The model's shape: the flavor's arguments, with ``model.n_layers`` applied when set."""
-    args = MODEL_SPECS[model.name].flavors[model.flavor]
-    return dataclasses.replace(args, n_layers=model.n_layers) if model.n_layers else args
+HF_FLAVOR = "hf"
+"""``model.flavor`` for the shapes of the Hugging Face folder ``checkpoint.initial_load_hf``."""
+
+
+def model_args(cfg: JobConfig):
+    """The model's shape: the flavor's arguments (flavor ``hf``: those ``config.json`` of
+    ``checkpoint.initial_load_hf`` describes), with ``model.n_layers`` applied when set."""
+    spec = MODEL_SPECS[cfg.model.name]
+    if cfg.model.flavor == HF_FLAVOR:
+        folder = cfg.checkpoint.initial_load_hf
+        if not folder:
+            raise ConfigError(
+                "model.flavor 'hf' takes the model's shape from a Hugging Face folder's config.json: "
+                "set checkpoint.initial_load_hf to that folder"
+            )
+        args = spec.hf.args_from_config(folder_config(folder))
+    else:
+        args = spec.flavors[cfg.model.flavor]
+    return dataclasses.replace(args, n_layers=cfg.model.n_layers) if cfg.model.n_layers else args
+
+
+def model_record(cfg: JobConfig) -> dict:
+    """What a checkpoint records of the job's model: family and flavor, and under flavor 'hf' the
+    ``config.json`` of its shapes (the folder need not exist when the checkpoint is exported)."""
+    record = {"name": cfg.model.name, "flavor": cfg.model.flavor}
+    if cfg.model.flavor == HF_FLAVOR:
+        record["hf_config"] = MODEL_SPECS[cfg.model.name].hf.config(model_args(cfg), "float32")
+    return record
+
+
+def recorded_args(record: dict):
+    """The model arguments of a ``model_record`` (None when it names no model this build knows)."""
+    spec = MODEL_SPECS.get(record.get("name"))
+    if spec is None:
+        return None
+    if record.get("flavor") == HF_FLAVOR and isinstance(record.get("hf_config"), dict):
+        return spec.hf.args_from_config(record["hf_config"])
+    return spec.flavors.get(record.get("flavor"))

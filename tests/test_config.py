@@ -169,9 +169,9 @@ def test_n_layers_cuts_a_flavor_and_is_validated():
 
     cfg = load_config(["--model.flavor", "8B", "--model.n_layers", "4"])
     validate_config(cfg)
-    args = model_args(cfg.model)
+    args = model_args(cfg)
     assert (args.n_layers, args.dim, args.vocab_size) == (4, 4096, 128256)
-    assert model_args(load_config(["--model.flavor", "8B"]).model).n_layers == 32
+    assert model_args(load_config(["--model.flavor", "8B"])).n_layers == 32
     with pytest.raises(ConfigError, match="model.n_layers = -1 must be >= 0"):
         validate_config(load_config(["--model.n_layers", "-1"]))
     deepseek = ["--job.config_file", os.path.join(ROOT, "configs", "deepseek_v3_16b.toml"), "--parallelism.ep", "1"]

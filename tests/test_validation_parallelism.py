@@ -109,13 +109,13 @@ def test_a_rank_pipeline_is_planned_from_the_settings():
     cfg = JobConfig()  # llama3 debugmodel: 6 blocks
     cfg.parallelism.pp, cfg.parallelism.pp_schedule, cfg.parallelism.pp_microbatches = 2, "ZBVZeroBubble", 4
     validate_config(cfg, world_size=4)
-    pipeline = rank_pipeline(cfg, model_args(cfg.model), 2, 4, rank=1)
+    pipeline = rank_pipeline(cfg, model_args(cfg), 2, 4, rank=1)
     assert pipeline.plan.num_stages == 4 and pipeline.local_stages == [1, 2]
     assert [b for r in pipeline.stage_blocks for b in r] == list(range(6))
     assert pipeline.rank_blocks() == [*pipeline.stage_blocks[1], *pipeline.stage_blocks[2]]
     assert not pipeline.holds_first() and not pipeline.holds_last()
     cfg.parallelism.pp_stage_blocks = "1,2,2,1"
-    assert rank_pipeline(cfg, model_args(cfg.model), 2, 4, rank=0).stage_blocks == [
+    assert rank_pipeline(cfg, model_args(cfg), 2, 4, rank=0).stage_blocks == [
         range(0, 1),
         range(1, 3),
         range(3, 5),

@@ -82,6 +82,7 @@ from graph_trainer.errors import ConfigError, JobError
 from graph_trainer.loop.guards import check_state
 from graph_trainer.loop.optim import lr_plan, lr_replan
 from graph_trainer.torch_compat import dcp_storage_files
+from models.registry import model_record
 
 logger = logging.getLogger("graph_trainer")
 
@@ -385,7 +386,7 @@ class Checkpointer:
         shapes = param_shapes(model, self.distributed)  # (every rank joins: pipeline ranks hold parts)
         if self.rank == 0:
             write_train_state(tmp, step, scheduler, data_state, lr_plan(self.cfg.training))
-            write_metadata(tmp, step, self.cfg.model, self.degrees, self.world_size, shapes)
+            write_metadata(tmp, step, model_record(self.cfg), self.degrees, self.world_size, shapes)
 
     def _seal(self, tmp: str, final: str, hashed: list[dict]) -> None:
         """(rank 0) Check every rank's files are there, write the manifest, make the folder ``step-<N>``.

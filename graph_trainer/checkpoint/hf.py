@@ -59,7 +59,7 @@ from graph_trainer.distributed.comm import agree
 from graph_trainer.errors import ConfigError, some_names
 from graph_trainer.loop.guards import first_non_finite
 from models.hf_weights import HFAdapter, HFSource, hf_names
-from models.registry import MODEL_SPECS
+from models.registry import HF_FLAVOR, MODEL_SPECS, recorded_args
 
 logger = logging.getLogger("graph_trainer")
 
@@ -101,7 +101,8 @@ def open_hf_weights(cfg: JobConfig, args) -> HFWeights:
         )
     problems = adapter.config_problems(config, args)
     if problems:
-        raise ConfigError(f"{path}/config.json does not fit {what}: " + "; ".join(problems))
+        hint = "" if cfg.model.flavor == HF_FLAVOR else " (--model.flavor hf builds the model the folder describes)"
+        raise ConfigError(f"{path}/config.json does not fit {what}: " + "; ".join(problems) + hint)
     shapes = _global_shapes(cfg.model.name, args)
     sources = adapter.sources(args)
     expected = hf_names(sources, shapes)
@@ -223,10 +224,10 @@ def export_hf(
         raise ConfigError(f"checkpoint {folder} does not verify: {problem}")
     meta = read_metadata(folder)
     name, flavor = meta.get("model", {}).get("name"), meta.get("model", {}).get("flavor")
-    if name not in MODEL_SPECS or flavor not in MODEL_SPECS[name].flavors:
+    args = recorded_args(meta.get("model", {}))
+    if args is None:
         raise ConfigError(f"checkpoint {folder} is of an unknown model {name!r} flavor {flavor!r}")
     spec = MODEL_SPECS[name]
-    args = spec.flavors[flavor]
     params = meta.get("params", {})
     n_layers = 1 + max((int(m.group(1)) for k in params if (m := re.match(r"layers\.(\d+)\.", k))), default=-1)
     if n_layers != args.n_layers:  # trained with model.n_layers

@@ -47,32 +47,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from graph_trainer.errors import ConfigError, JobError, one_line, some_names
+from models.hf_weights import CONFIG_FILE, folder_config, read_json
 
 INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
-
-
-def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{what} {path} does not exist") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{what} {path} cannot be read: {one_line(e)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what} {path} is not a JSON object")
-    return data
 
 
 class HFFolder:
     """The checked folder (module docstring); ``shapes`` maps every tensor to (shape, dtype)."""
 
     def __init__(self, path: str):
-        if not os.path.isdir(path):
-            raise ConfigError(f"Hugging Face folder {path} does not exist (checkpoint.initial_load_hf)")
+        self.config = folder_config(path)
         self.path = path
-        self.config = _read_json(os.path.join(path, CONFIG_FILE), "Hugging Face config")
         self.bytes_read = 0
         self._handles: dict[str, object] = {}
         self.file_of: dict[str, str] = {}
@@ -92,7 +77,7 @@ class HFFolder:
             del self.shapes[scale]
         index_path = os.path.join(path, INDEX_FILE)
         if os.path.exists(index_path):
-            indexed = _read_json(index_path, "safetensors index").get("weight_map", {})
+            indexed = read_json(index_path, "safetensors index").get("weight_map", {})
             wrong = sorted(n for n, f in indexed.items() if self.file_of.get(n) != f)
             unlisted = sorted(set(self.file_of) - set(indexed))
             if wrong or unlisted:
@@ -111,7 +96,7 @@ class HFFolder:
     def _weight_files(self) -> list[str]:
         index_path = os.path.join(self.path, INDEX_FILE)
         if os.path.exists(index_path):
-            weight_map = _read_json(index_path, "safetensors index").get("weight_map")
+            weight_map = read_json(index_path, "safetensors index").get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConfigError(f"{index_path} has no weight_map")
             files = sorted(set(weight_map.values()))

@@ -205,14 +205,15 @@ def write_train_state(folder: str, step: int, scheduler, data_state: dict, lr_pl
 
 
 def write_metadata(
-    folder: str, step: int, model_cfg: Model, degrees: dict[str, int], world_size: int, shapes: dict[str, list[int]]
+    folder: str, step: int, model: dict, degrees: dict[str, int], world_size: int, shapes: dict[str, list[int]]
 ) -> None:
-    """(rank 0) ``metadata.json``: format, model name and flavor, step, layout, parameter shapes."""
+    """(rank 0) ``metadata.json``: format, the model (``models.registry.model_record``: name, flavor,
+    and the ``config.json`` of flavor 'hf'), step, layout, parameter shapes."""
     _write_json(
         os.path.join(folder, "metadata.json"),
         {
             "format": FORMAT_VERSION,
-            "model": {"name": model_cfg.name, "flavor": model_cfg.flavor},
+            "model": model,
             "step": step,
             "degrees": degrees,
             "world_size": world_size,

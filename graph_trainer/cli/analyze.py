@@ -130,7 +130,7 @@ def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> t
     dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
     tokens = t.local_batch_size * t.seq_len * plan.microbatches * dims.dp_size
     per_gpu = tokens / timeline.step_seconds / world_size
-    flops = MODEL_SPECS[cfg.model.name].flops_per_token(model_args(cfg.model), t.seq_len)
+    flops = MODEL_SPECS[cfg.model.name].flops_per_token(model_args(cfg), t.seq_len)
     rank, memory = estimate.worst_memory()
     p = memory.peak
     summary = {

@@ -221,7 +221,7 @@ def check_batch_fits(cfg: JobConfig) -> None:
     import torch
 
     t = cfg.training
-    vocab = model_args(cfg.model).vocab_size // max(1, cfg.parallelism.tp)
+    vocab = model_args(cfg).vocab_size // max(1, cfg.parallelism.tp)
     itemsize = torch.empty((), dtype=getattr(torch, t.mixed_precision_param)).element_size()
     rows = -(-t.local_batch_size * t.seq_len // t.loss_chunks)  # a chunked loss holds one block's logits
     need = rows * vocab * itemsize

@@ -19,8 +19,18 @@ experts unless a biased score of an allowed expert is negative.
 
 from __future__ import annotations
 
+from graph_trainer.errors import ConfigError
 from models.deepseek_v3.flavors import DeepSeekV3Args
-from models.hf_weights import ConfigCheck, ExpertStack, HFAdapter, HFSource, Same, decoder_config, rope_parameters
+from models.hf_weights import (
+    ConfigCheck,
+    ExpertStack,
+    HFAdapter,
+    HFSource,
+    Same,
+    decoder_config,
+    required_fields,
+    rope_parameters,
+)
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
@@ -141,6 +151,73 @@ def hf_config(args: DeepSeekV3Args, dtype: str) -> dict:
     }
 
 
-ADAPTER = HFAdapter(ARCHITECTURE, MODEL_TYPE, sources, config_problems, hf_config)
+_FIELDS = {
+    # our argument: its config.json field
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "vocab_size": "vocab_size",
+    "n_dense_layers": "first_k_dense_replace",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim",
+    "v_head_dim": "v_head_dim",
+    "inter_dim": "intermediate_size",
+    "moe_inter_dim": "moe_intermediate_size",
+    "n_routed_experts": "n_routed_experts",
+    "n_shared_experts": "n_shared_experts",
+    "n_activated_experts": "num_experts_per_tok",
+    "n_expert_groups": "n_group",
+    "n_limited_groups": "topk_group",
+    "max_seq_len": "max_position_embeddings",
+}
 
-__all__ = ["ADAPTER", "ARCHITECTURE", "MODEL_TYPE", "config_problems", "hf_config", "sources"]
+
+def _rope_args(config: dict) -> dict:
+    """Our RoPE arguments from the config's (YaRN, or none: factor 1); another kind is left to
+    ``config_problems`` to name."""
+    theta, scaling = rope_parameters(config)
+    out = {"rope_theta": float(theta if theta is not None else 10000.0), "rope_factor": 1.0}
+    if scaling is None or scaling.get("rope_type") != "yarn":
+        return out
+    try:
+        return {
+            **out,
+            "rope_factor": float(scaling["factor"]),
+            "original_seq_len": int(scaling["original_max_position_embeddings"]),
+            "beta_fast": float(scaling.get("beta_fast", 32.0)),
+            "beta_slow": float(scaling.get("beta_slow", 1.0)),
+            "mscale": float(scaling.get("mscale_all_dim", 1.0)),
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"config.json rope_scaling {scaling!r} is not YaRN as DeepSeek-V3 uses it ({e})") from None
+
+
+def args_from_config(config: dict) -> DeepSeekV3Args:
+    """The DeepSeek-V3 model ``config`` describes (sigmoid routing, as Hugging Face's): every shape
+    from it, routing, RoPE (YaRN). ``ConfigError`` when a field is missing or the config says
+    something this model cannot be (its ``config_problems`` are not empty)."""
+    required_fields(
+        config, [*_FIELDS.values(), "rms_norm_eps", "routed_scaling_factor", "norm_topk_prob"], "DeepSeek-V3"
+    )
+    try:
+        args = DeepSeekV3Args(
+            **{ours: int(config[theirs]) for ours, theirs in _FIELDS.items()},
+            q_lora_rank=int(config.get("q_lora_rank") or 0),
+            score_func="sigmoid",
+            route_scale=float(config["routed_scaling_factor"]),
+            route_norm=bool(config["norm_topk_prob"]),
+            norm_eps=float(config["rms_norm_eps"]),
+            **_rope_args(config),
+        )
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config.json does not describe a DeepSeek-V3 model: {e}") from None
+    problems = config_problems(config, args)
+    if problems:
+        raise ConfigError("config.json has what this DeepSeek-V3 cannot represent: " + "; ".join(problems))
+    return args
+
+
+ADAPTER = HFAdapter(ARCHITECTURE, MODEL_TYPE, sources, config_problems, hf_config, args_from_config)
+
+__all__ = ["ADAPTER", "ARCHITECTURE", "MODEL_TYPE", "args_from_config", "config_problems", "hf_config", "sources"]

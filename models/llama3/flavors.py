@@ -12,6 +12,22 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """LLaMA-3.1's RoPE frequency scaling (Hugging Face's ``rope_type`` "llama3"): wavelengths longer
+    than ``original_context / low_freq_factor`` are slowed down ``factor`` times, those shorter than
+    ``original_context / high_freq_factor`` kept, the band between interpolated smoothly."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+
+
+LLAMA3_1_SCALING = RopeScaling()
+"""The scaling of LLaMA 3.1 (and of our flavors); LLaMA 3.2's 1B and 3B use factor 32."""
+
+
+@dataclass(frozen=True)
 class Llama3Args:
     """The hyper-parameters that fully determine a LLaMA-3 model."""
 
@@ -33,11 +49,16 @@ class Llama3Args:
     """Epsilon added to the mean square inside every RMSNorm."""
     rope_theta: float = 500000.0
     """RoPE base: frequencies are ``rope_theta ** (-2i / head_dim)``."""
-    rope_scaling: bool = False
-    """Apply LLaMA-3.1's frequency scaling (factor 8, low_freq_factor 1, high_freq_factor 4,
-    original context 8192) to the RoPE frequencies."""
+    rope_scaling: RopeScaling | None = None
+    """The RoPE frequency scaling (``RopeScaling``), or None for none."""
     max_seq_len: int = 2048
     """Longest sequence the model accepts; the RoPE table has this many rows."""
+    ffn_hidden: int | None = None
+    """The SwiGLU hidden size as given (a Hugging Face config's ``intermediate_size``); None: from
+    ``multiple_of`` and ``ffn_dim_multiplier`` as Meta's flavors define it."""
+    tie_embeddings: bool = False
+    """The output projection computes with the token embedding's weight (one parameter, as
+    LLaMA 3.2 1B / 3B ship); the model then has no ``output.weight``."""
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads != 0:
@@ -59,7 +80,9 @@ class Llama3Args:
     @property
     def ffn_hidden_dim(self) -> int:
         """SwiGLU hidden size: 2/3 of 4*dim (keeps the MLP's size close to a 4x GELU MLP),
-        times ``ffn_dim_multiplier``, rounded up to ``multiple_of``."""
+        times ``ffn_dim_multiplier``, rounded up to ``multiple_of`` (or ``ffn_hidden`` when given)."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -75,7 +98,7 @@ FLAVORS: dict[str, Llama3Args] = {
         vocab_size=2048,
         multiple_of=256,
         rope_theta=500000.0,
-        rope_scaling=True,
+        rope_scaling=LLAMA3_1_SCALING,
         max_seq_len=2048,
     ),
     "8B": Llama3Args(
@@ -87,7 +110,7 @@ FLAVORS: dict[str, Llama3Args] = {
         ffn_dim_multiplier=1.3,
         multiple_of=1024,
         rope_theta=500000.0,
-        rope_scaling=True,
+        rope_scaling=LLAMA3_1_SCALING,
         max_seq_len=8192,
     ),
     "70B": Llama3Args(
@@ -99,7 +122,7 @@ FLAVORS: dict[str, Llama3Args] = {
         ffn_dim_multiplier=1.3,
         multiple_of=4096,
         rope_theta=500000.0,
-        rope_scaling=True,
+        rope_scaling=LLAMA3_1_SCALING,
         max_seq_len=8192,
     ),
     "405B": Llama3Args(
@@ -111,14 +134,15 @@ FLAVORS: dict[str, Llama3Args] = {
         ffn_dim_multiplier=1.2,
         multiple_of=4096,
         rope_theta=500000.0,
-        rope_scaling=True,
+        rope_scaling=LLAMA3_1_SCALING,
         max_seq_len=8192,
     ),
 }
 
 
 def num_params(args: Llama3Args, exclude_embedding: bool = False) -> int:
-    """Number of parameters of ``Transformer(args)`` (output projection untied).
+    """Number of parameters of ``Transformer(args)`` (the output projection counted once more
+    unless it is tied to the embedding).
 
     ``exclude_embedding`` leaves out the token embedding table (a lookup, no FLOPs); the
     output projection is a real matmul and is always counted.
@@ -131,7 +155,7 @@ def num_params(args: Llama3Args, exclude_embedding: bool = False) -> int:
     norms = 2 * d  # attention_norm, ffn_norm
     per_layer = attention + feed_forward + norms
     total = args.n_layers * per_layer + d + args.vocab_size * d  # + final norm + output
-    if not exclude_embedding:
+    if not exclude_embedding and not args.tie_embeddings:
         total += args.vocab_size * d
     return total
 
@@ -150,4 +174,4 @@ def flops_per_token(args: Llama3Args, seq_len: int) -> int:
     return 6 * num_params(args, exclude_embedding=True) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
-__all__ = ["FLAVORS", "Llama3Args", "flops_per_token", "num_params"]
+__all__ = ["FLAVORS", "LLAMA3_1_SCALING", "Llama3Args", "RopeScaling", "flops_per_token", "num_params"]

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 
 from models.common import (
     BASE,
@@ -35,40 +36,40 @@ from models.common import (
     run_stack,
     stack_init_rules,
 )
-from models.llama3.flavors import Llama3Args
+from models.llama3.flavors import Llama3Args, RopeScaling
 
 # --------------------------------------------------------------------------------------
 # Rotary position embedding
 
-# LLaMA-3.1 frequency scaling constants (Meta's reference values).
-_SCALE_FACTOR = 8.0
-_LOW_FREQ_FACTOR = 1.0
-_HIGH_FREQ_FACTOR = 4.0
-_ORIGINAL_CONTEXT = 8192
 
-
-def rope_frequencies(head_dim: int, theta: float, scaling: bool) -> torch.Tensor:
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """The ``head_dim // 2`` rotation frequencies (radians per position), float64.
 
-    With ``scaling`` (LLaMA-3.1), long wavelengths (beyond the original context / 1) are
-    slowed down 8x, short ones (below the original context / 4) are kept, and the band
+    With ``scaling`` (LLaMA-3.1's, e.g. factor 8, low_freq_factor 1, high_freq_factor 4, original
+    context 8192), long wavelengths (beyond original context / low_freq_factor) are slowed down
+    ``factor`` times, short ones (below original context / high_freq_factor) are kept, and the band
     in between is interpolated smoothly between the two.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
     freqs = 1.0 / (theta**exponents)
-    if not scaling:
+    if scaling is None:
         return freqs
+    s = scaling
     wavelen = 2 * math.pi / freqs
-    low_freq_wavelen = _ORIGINAL_CONTEXT / _LOW_FREQ_FACTOR
-    high_freq_wavelen = _ORIGINAL_CONTEXT / _HIGH_FREQ_FACTOR
-    smooth = (_ORIGINAL_CONTEXT / wavelen - _LOW_FREQ_FACTOR) / (_HIGH_FREQ_FACTOR - _LOW_FREQ_FACTOR)
-    blended = (1 - smooth) * freqs / _SCALE_FACTOR + smooth * freqs
-    scaled = torch.where(wavelen > low_freq_wavelen, freqs / _SCALE_FACTOR, blended)
+    low_freq_wavelen = s.original_context / s.low_freq_factor
+    high_freq_wavelen = s.original_context / s.high_freq_factor
+    smooth = (s.original_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * freqs / s.factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / s.factor, blended)
     return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
 
 
 def rope_table(
-    head_dim: int, max_seq_len: int, theta: float, scaling: bool, device: torch.device | str | None = None
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    scaling: RopeScaling | None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """``[max_seq_len, head_dim]`` float32 cos | sin table of the LLaMA-3 frequencies (``rotary_table``)."""
     return rotary_table(rope_frequencies(head_dim, theta, scaling), max_seq_len, device)
@@ -136,12 +137,33 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class TiedOutput(nn.Module):
+    """The output projection of a model whose embedding is tied to it: logits from the token
+    embedding's weight (``[vocab, dim]``, as a linear's), the one parameter, which stays the
+    embedding's (its name, its SimpleFSDP gather and gradient reduction; each use gathers it).
+    Under tensor parallel that weight is split over the vocabulary (``Shard(0)``), as an untied
+    column-parallel output projection's: the input is taken as replicated, the logits gathered
+    (``Replicate``), as that projection's plan does."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self._embedding = [embedding]  # not a submodule: its parameter has one name, the embedding's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._embedding[0].weight
+        if not isinstance(weight, DTensor):
+            return F.linear(x, weight)
+        x = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
+        return F.linear(x, weight).redistribute(placements=[Replicate()]).to_local()
+
+
 # --------------------------------------------------------------------------------------
 # The model
 
 
 class Transformer(nn.Module):
-    """LLaMA-3: token embedding, ``n_layers`` blocks, final RMSNorm, untied output projection.
+    """LLaMA-3: token embedding, ``n_layers`` blocks, final RMSNorm, output projection (its own
+    weight, or the embedding's with ``args.tie_embeddings``: ``TiedOutput``).
 
     Buffers: ``rope_cache`` [max_seq_len, head_dim] float32, NON-persistent (not in the
     state dict; it is a pure function of the args): cos of the RoPE angles in
@@ -163,7 +185,10 @@ class Transformer(nn.Module):
         # stages delete blocks without renumbering the rest.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output = TiedOutput(self.tok_embeddings)
+        else:
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope_cache", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
         self.init_buffers()
 
@@ -196,7 +221,7 @@ class Transformer(nn.Module):
         fqn)``, exactly as the trainer does before sharding, then fills the RoPE buffer.
         """
         init_plain_parameters(self, self.init_rules(), seed)
-        self.init_buffers(self.output.weight.device)
+        self.init_buffers(self.tok_embeddings.weight.device)
 
 
 def _block_init_rules(block: nn.Module, deep: InitRule) -> dict[str, InitRule]:
@@ -213,4 +238,4 @@ def _block_init_rules(block: nn.Module, deep: InitRule) -> dict[str, InitRule]:
     }
 
 
-__all__ = ["Attention", "Transformer", "TransformerBlock", "rope_frequencies", "rope_table"]
+__all__ = ["Attention", "TiedOutput", "Transformer", "TransformerBlock", "rope_frequencies", "rope_table"]

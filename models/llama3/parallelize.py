@@ -50,6 +50,11 @@ def validate_parallelism(args: Llama3Args, degrees: dict[str, int]) -> None:
     """Reject degrees the model's shapes cannot be split by."""
     if degrees["ep"] > 1:
         raise ConfigError("parallelism.ep > 1 needs a model with experts; llama3 is dense")
+    if args.tie_embeddings and degrees["pp"] > 1:
+        raise ConfigError(
+            f"parallelism.pp = {degrees['pp']}: this model's output projection is tied to its embedding, "
+            "and pipeline stages would hold the two apart (the first and the last stage); use pp = 1"
+        )
     tp = degrees["tp"]
     n_kv = args.n_kv_heads or args.n_heads
     for what, size in (

@@ -298,7 +298,7 @@ def test_gradient_accumulation_costs_of_reducing_every_microbatch_or_once(layout
     traced, result, _, _ = analyze_job(cfg, 2, D)
     sent, reduced, unreduced = gradient_reduction_costs(traced.gm.graph, result)
     with torch.device("meta"):
-        full = 4 * sum(p.numel() for p in MODEL_SPECS["llama3"].build(model_args(cfg.model)).parameters())
+        full = 4 * sum(p.numel() for p in MODEL_SPECS["llama3"].build(model_args(cfg)).parameters())
     assert unreduced == full  # the whole fp32 gradient, whatever the layout
     if layout == "fsdp2":  # a ring reduce-scatter over 2 ranks sends half its input, keeps half
         assert reduced == full // 2 and sent == full // 2

@@ -109,10 +109,11 @@ def test_every_row_is_a_valid_job(smoke, tmp_path, monkeypatch):
 
 
 def test_chunking_selects_the_modules_holding_a_moe():
+    from graph_trainer.config_loading import load_config
     from models.registry import MODEL_SPECS, model_args
 
     def model():
-        cfg = Namespace(name="deepseek_v3", flavor="debugmodel", n_layers=2)
+        cfg = load_config(["--model.name", "deepseek_v3", "--model.n_layers", "2"])
         with torch.device("meta"):
             return MODEL_SPECS["deepseek_v3"].build(model_args(cfg))
 

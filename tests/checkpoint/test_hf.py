@@ -144,7 +144,7 @@ def test_bf16_folder_loads_exactly_into_fp32_master_weights(tmp_path):
     trainer = Trainer(cfg)
     theirs = load_file(str(folder / "model.safetensors"))
     assert {t.dtype for t in theirs.values()} == {torch.bfloat16}
-    source = sources(model_args(cfg.model))
+    source = sources(model_args(cfg))
     for fqn, ours in model_tensors(trainer.model).items():
         assert ours.dtype == torch.float32, fqn
         for name, value in source[fqn].to_hf(ours).items():
@@ -269,11 +269,11 @@ def test_deepseek_multi_token_prediction_layers_are_skipped_only_when_declared(t
     cfg = load_config(_job("deepseek", folder, tmp_path / "job"))
     config = json.loads((folder / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1
-    weights = open_hf_weights(cfg, model_args(cfg.model))
+    weights = open_hf_weights(cfg, model_args(cfg))
     assert weights.skipped == ["model.layers.3.eh_proj.weight"]
     (folder / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=0)))
     with pytest.raises(ConfigError, match="unexpected model.layers.3.eh_proj.weight"):
-        open_hf_weights(cfg, model_args(cfg.model))
+        open_hf_weights(cfg, model_args(cfg))
 
 
 def _bad_folder(case: str, folder: Path, tmp_path: Path, models) -> tuple[str, list[str], str]:

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from graph_trainer.config import Float8
+from graph_trainer.config_loading import load_config
 from graph_trainer.errors import ConfigError
 from models import float8
 from models.registry import MODEL_SPECS, model_args
@@ -17,7 +18,7 @@ TENSORWISE = Float8(recipe_name="tensorwise")
 
 
 def _meta_model(name: str, n_layers: int = 2) -> nn.Module:
-    cfg = dataclasses.make_dataclass("M", ["name", "flavor", "n_layers"])(name, "debugmodel", n_layers)
+    cfg = load_config(["--model.name", name, "--model.n_layers", str(n_layers)])
     with torch.device("meta"):
         return MODEL_SPECS[name].build(model_args(cfg))
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.common import InitRule, apply_rope, materialize_init, stable_seed
-from models.llama3.flavors import FLAVORS, flops_per_token, num_params
+from models.llama3.flavors import FLAVORS, LLAMA3_1_SCALING, RopeScaling, flops_per_token, num_params
 from models.llama3.model import Transformer, rope_table
 
 EXPECTED_PARAMS = {
@@ -79,9 +79,9 @@ def test_parameter_names_and_init_rules():
 def _reference_freqs(head_dim, theta, scaling):
     """Meta's LLaMA-3.1 recipe, scalar by scalar in Python floats."""
     freqs = [1.0 / theta ** (i / head_dim) for i in range(0, head_dim, 2)]
-    if not scaling:
+    if scaling is None:
         return freqs
-    factor, low, high, old = 8.0, 1.0, 4.0, 8192
+    factor, low, high, old = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_context
     out = []
     for f in freqs:
         wavelen = 2 * math.pi / f
@@ -95,7 +95,9 @@ def _reference_freqs(head_dim, theta, scaling):
     return out
 
 
-@pytest.mark.parametrize("scaling", [False, True])
+@pytest.mark.parametrize(
+    "scaling", [None, LLAMA3_1_SCALING, RopeScaling(factor=32.0)], ids=["none", "llama3.1", "llama3.2"]
+)
 def test_rope_matches_complex_reference(scaling):
     head_dim, seq, theta = 128, 2048, 500000.0
     positions = torch.tensor([0, 1, 5, 300, 2047])
@@ -113,10 +115,11 @@ def test_rope_matches_complex_reference(scaling):
 
     assert ours.dtype == x.dtype
     torch.testing.assert_close(ours.double(), ref, atol=1e-6, rtol=0)
-    if scaling:  # at these positions scaling moves the rotation far beyond the tolerance above,
-        # so that comparison tells a scaled table from an unscaled one
-        unscaled = apply_rope(x, rope_table(head_dim, seq, theta, False)[positions])
-        assert (ours.double() - unscaled.double()).abs().max() > 1e-3
+    if scaling is not None:  # at these positions scaling moves the rotation far beyond the tolerance
+        # above, so that comparison tells a scaled table from an unscaled one (and factor 32 from 8)
+        for other in (None, LLAMA3_1_SCALING if scaling != LLAMA3_1_SCALING else RopeScaling(factor=32.0)):
+            different = apply_rope(x, rope_table(head_dim, seq, theta, other)[positions])
+            assert (ours.double() - different.double()).abs().max() > 1e-3
 
 
 def test_forward_shape_finite_and_causal():

@@ -104,7 +104,7 @@ def test_estimate_of_a_traced_pipeline_splits_the_model_over_its_ranks():
     from models.registry import MODEL_SPECS, model_args
 
     with torch.device("meta"):
-        model = MODEL_SPECS["llama3"].build(model_args(cfg.model))
+        model = MODEL_SPECS["llama3"].build(model_args(cfg))
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     assert whole <= sum(m.moments[0].params for m in estimate.memory.values()) < 1.05 * whole  # (+ buffers)
     assert 0 < estimate.timeline.bubble_fraction < 1

@@ -37,14 +37,16 @@ from graph_trainer.graph.ops import is_view
 from graph_trainer.graph.tags import BACKWARD, FORWARD, FSDP_PARAM, FSDP_ROLE, PHASE, RECOMPUTED, UNSHARD
 
 
-def unshard_chains(graph: fx.Graph) -> dict[str, list[fx.Node]]:
-    """The forward gather-chain nodes of each parameter, in graph order, by ``fsdp_param``."""
-    chains: dict[str, list[fx.Node]] = defaultdict(list)
+def unshard_chains(graph: fx.Graph) -> dict[tuple[str, str], list[fx.Node]]:
+    """The forward gather-chain nodes of each parameter, in graph order, by (``fsdp_param``, the
+    ``module_fqn`` it is gathered for): a parameter two modules compute with (an embedding tied to
+    the output projection) has a chain for each, which are resharded each on their own."""
+    chains: dict[tuple[str, str], list[fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         if tags.get(node, FSDP_ROLE) == UNSHARD and tags.phase(node) == FORWARD:
             if not tags.has(node, FSDP_PARAM):
                 raise PassError(f"reshard_after_forward: gather node {node.name} has no fsdp_param tag")
-            chains[tags.get(node, FSDP_PARAM)].append(node)
+            chains[(tags.get(node, FSDP_PARAM), tags.module_fqn(node))].append(node)
     return chains
 
 

@@ -6,8 +6,10 @@ Reads: ``context.extras["bucket_plan"]``, the model's list of FQN-prefix groups
 (``[["tok_embeddings"], ["layers.0"], ..., ["norm", "output"]]``); and the tags
 (``graph_trainer.graph.tags``) written by ``graph_trainer.distributed.simple_fsdp``, the tracer and
 ``reshard_after_forward``: ``fsdp_role`` (``unshard`` / ``reduce_grad``), ``fsdp_param``, ``phase``, ``module_fqn``,
-``recomputed``. A parameter belongs to the first group with a prefix matching its
-``fsdp_param`` (``p == prefix`` or ``p`` starts with ``prefix + "."``).
+``recomputed``. A collective belongs to the first group with a prefix matching the module it is
+made for, its ``module_fqn`` (``m == prefix`` or ``m`` starts with ``prefix + "."``): the module
+owning its ``fsdp_param``, or, for a parameter two modules compute with (an embedding tied to
+the output projection), the one whose forward gathered it.
 
 Changes: the FSDP collectives, and only those, are merged per group (a *bucket*; the merge itself
 is ``graph_trainer.compiler.passes.bucket_merge``):
@@ -116,12 +118,12 @@ def fsdp_buckets(graph: fx.Graph, plan: list[list[str]]) -> dict[tuple, list[fx.
         kind = collective_kind(node)
         if kind is None:
             continue
-        param = tags.get(node, FSDP_PARAM, "")
-        index = bucket_index(plan, param)
+        module = tags.module_fqn(node)
+        index = bucket_index(plan, module)
         if index is None:
             raise PassError(
-                f"transformer_block_bucketing: parameter {param!r} ({node.name}) is in no group "
-                f"of the bucket plan {plan}"
+                f"transformer_block_bucketing: {node.name} (parameter {tags.get(node, FSDP_PARAM, '')!r}, "
+                f"module {module!r}) is in no group of the bucket plan {plan}"
             )
         only_wait(node)
         if kind in REDUCTIONS:

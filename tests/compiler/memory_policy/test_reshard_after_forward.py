@@ -32,7 +32,7 @@ def test_backward_reads_only_its_own_gathers(extra):
     position = {n: i for i, n in enumerate(kept.graph.nodes)}
     read_in_backward = {
         fqn
-        for fqn, chain in chains.items()
+        for (fqn, _), chain in chains.items()
         if any(_phase(u) == "backward" for n in with_forward_views(chain, position) for u in n.users)
     }
     # Every weight but the embedding table is read again by its backward.

@@ -1,0 +1,204 @@
+"""Any LLaMA-3- or DeepSeek-V3-shaped Hugging Face folder, not only our flavors' shapes
+(``--model.flavor hf``: the model ``config.json`` describes): a GQA model with 4 of 16 kv heads,
+vocabulary 1000 and its own feed-forward size, and a tied-embedding model shaped like LLaMA 3.2
+(RoPE scaling factor 32), against ``transformers``' logits (the bound of tests/checkpoint/test_hf.py)
+on one process, FSDP=2 and TP=2; trained from; exported and reloaded bitwise (tied: one tensor,
+no ``lm_head``); and what such a config cannot be, one line each."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from graph_trainer.config_loading import load_config
+from graph_trainer.errors import ConfigError
+from graph_trainer.validation import validate_config
+from models.deepseek_v3.hf import args_from_config as deepseek_args
+from models.llama3.flavors import LLAMA3_1_SCALING, RopeScaling
+from models.llama3.hf import args_from_config as llama_args
+from models.registry import model_args
+from tests.conftest import ROOT
+from tests.hf_models import deepseek_model, logits, relative_error, save
+from tests.launch import read_losses, run_forked
+
+BOUND = 3e-6
+"""As tests/checkpoint/test_hf.py's (largest logit difference / largest logit, fp32)."""
+HF_JOB = ["--job.config_file", os.path.join(ROOT, "configs/llama3_debug.toml"), "--model.flavor", "hf"]
+COMMON = ["--job.device", "cpu", "--compile.mode", "eager", "--metrics.enable_tensorboard", "False"]
+VOCAB = 1000
+
+
+def _llama(tied: bool):
+    """GQA (4 of 16 kv heads), LLaMA 3.1's RoPE scaling; or (``tied``) LLaMA 3.2's shape: tied
+    embeddings, 2 of 8 kv heads, RoPE scaling factor 32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    scaling = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    heads, kv_heads, factor = (8, 2, 32.0) if tied else (16, 4, 8.0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512 if tied else 384,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        rope_scaling={**scaling, "factor": factor, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(7)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """name -> (transformers model, its folder, tokens, transformers' logits)."""
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name, tied in (("gqa", False), ("tied", True)):
+        model = _llama(tied)
+        folder = save(model, tmp_path_factory.mktemp(name) / "hf", max_shard_size="1MB")
+        out[name] = (model, folder, tokens, logits(model, tokens))
+    return out
+
+
+def _job(folder: Path, dump: Path, *extra: str) -> list[str]:
+    return [*HF_JOB, *COMMON, "--checkpoint.initial_load_hf", str(folder), "--job.dump_folder", str(dump), *extra]
+
+
+def test_the_model_is_the_one_config_json_describes(folders):
+    gqa = model_args(load_config(_job(folders["gqa"][1], Path("unused"))))
+    assert (gqa.dim, gqa.n_heads, gqa.kv_heads, gqa.vocab_size, gqa.ffn_hidden_dim) == (256, 16, 4, VOCAB, 384)
+    assert gqa.rope_scaling == LLAMA3_1_SCALING and not gqa.tie_embeddings
+    tied = model_args(load_config(_job(folders["tied"][1], Path("unused"), "--model.n_layers", "1")))
+    assert tied.tie_embeddings and tied.rope_scaling == RopeScaling(factor=32.0) and tied.n_layers == 1
+    assert tied.head_dim == 32 and tied.max_seq_len == 4096
+
+
+@pytest.mark.parametrize("name", ["gqa", "tied"])
+def test_one_process_computes_transformers_logits(tmp_path, folders, name):
+    from tests.hf_probe import probe
+
+    _, folder, tokens, reference = folders[name]
+    cfg = load_config(_job(folder, tmp_path / "job"))
+    validate_config(cfg)
+    ours, nbytes, local, _ = probe(cfg, tokens)
+    error = relative_error(ours, reference)
+    print(f"{name} one process: largest logit difference / largest logit = {error:.2e}")
+    assert error < BOUND
+    assert nbytes == 4 * local  # every tensor read once: the tied one too
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+def test_tied_embeddings_on_two_ranks_compute_transformers_logits(tmp_path, folders, layout):
+    _, folder, tokens, reference = folders["tied"]
+    torch.save(tokens, tmp_path / "tokens.pt")
+    out = tmp_path / "probe"
+    out.mkdir()
+    degrees = ["--parallelism.dp_shard", "2"] if layout == "fsdp2" else ["--parallelism.dp_shard", "1"]
+    degrees += [] if layout == "fsdp2" else ["--parallelism.tp", "2"]
+    argv = _job(folder, tmp_path / "job", *degrees)
+    run_forked(2, os.path.join(ROOT, "tests", "hf_probe.py"), str(out), str(tmp_path / "tokens.pt"), *argv)
+    error = relative_error(torch.load(out / "logits.pt"), reference)
+    print(f"tied {layout}: largest logit difference / largest logit = {error:.2e}")
+    assert error < BOUND
+
+
+def test_trained_from_and_exported_tied(tmp_path, folders):
+    """A tied folder fine-tuned for 3 steps (graph mode, FSDP=2): losses fall, bitwise the same with
+    each block's collectives bucketed (the output's gather of the embedding in the last bucket); the
+    export holds one embedding tensor, no ``lm_head``, and ``transformers`` reloads it tied."""
+    from transformers import AutoModelForCausalLM
+
+    from graph_trainer.cli import export_hf
+
+    _, folder, tokens, _ = folders["tied"]
+    run = ["--compile.mode", "graph", "--parallelism.dp_shard", "2", "--training.steps", "3"]
+    run += ["--training.seq_len", "32", "--training.local_batch_size", "2", "--checkpoint.interval", "3"]
+    dump, bucketed = tmp_path / "job", tmp_path / "bucketed"
+    run_forked(2, os.path.join(ROOT, "train.py"), *_job(folder, dump, *run))
+    tbb = ["--compile.passes", "transformer_block_bucketing", "--checkpoint.interval", "0"]
+    run_forked(2, os.path.join(ROOT, "train.py"), *_job(folder, bucketed, *run, *tbb))
+    losses = read_losses(dump)
+    assert len(losses) == 3 and losses[-1][1] < losses[0][1], losses
+    assert read_losses(bucketed) == losses
+    out = tmp_path / "exported"
+    assert export_hf.main(["--checkpoint", str(dump / "checkpoint"), "--step", "3", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    assert "lm_head.weight" not in json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    trained = logits(reloaded.eval(), tokens)
+    assert trained.isfinite().all() and not torch.equal(trained, folders["tied"][3])
+
+
+def _config(tied: bool = False) -> dict:
+    return _llama(tied).config.to_dict()
+
+
+def test_what_a_llama_config_cannot_be_is_one_line_each():
+    assert llama_args(_config()).ffn_hidden_dim == 384
+    config = _config()
+    del config["intermediate_size"]
+    with pytest.raises(ConfigError, match="config.json lacks intermediate_size: a LLaMA-3 model cannot be built"):
+        llama_args(config)
+    with pytest.raises(ConfigError, match="cannot represent: head_dim 48"):
+        llama_args(dict(_config(), head_dim=48))
+    with pytest.raises(ConfigError, match="cannot represent: mlp_bias True"):
+        llama_args(dict(_config(), mlp_bias=True))
+    with pytest.raises(ConfigError, match="does not describe a LLaMA-3 model: n_heads .16. must be a multiple"):
+        llama_args(dict(_config(), num_key_value_heads=5))
+
+
+def test_a_deepseek_folder_of_other_shapes_computes_transformers_logits(tmp_path):
+    """DeepSeek-V3 with 4 routed experts of which 2 are chosen, one group: no flavor of ours."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from tests.hf_probe import probe
+
+    config = deepseek_model().config
+    config.update({"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1})
+    torch.manual_seed(3)
+    model = DeepseekV3ForCausalLM(config).eval()
+    folder = save(model, tmp_path / "hf")
+    tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    job = ["--job.config_file", os.path.join(ROOT, "configs/deepseek_v3_debug.toml"), "--model.flavor", "hf"]
+    cfg = load_config([*job, *COMMON, "--checkpoint.initial_load_hf", str(folder), "--job.dump_folder", str(tmp_path)])
+    validate_config(cfg)
+    assert model_args(cfg).n_routed_experts == 4
+    error = relative_error(probe(cfg, tokens)[0], logits(model, tokens))
+    print(f"deepseek (4 experts, 2 chosen) one process: largest logit difference / largest logit = {error:.2e}")
+    assert error < BOUND
+
+
+def test_deepseek_config_builds_its_model_and_refuses_a_tied_one():
+    config = deepseek_model().config.to_dict()
+    args = deepseek_args(config)
+    assert (args.n_routed_experts, args.n_activated_experts, args.q_lora_rank, args.rope_factor) == (8, 3, 128, 40.0)
+    assert args.score_func == "sigmoid" and args.n_dense_layers == 1
+    smaller = deepseek_args(dict(config, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1))
+    assert (
+        dataclasses.replace(args, n_routed_experts=4, n_activated_experts=2, n_expert_groups=1, n_limited_groups=1)
+        == smaller
+    )
+    with pytest.raises(ConfigError, match="cannot represent: tie_word_embeddings True"):
+        deepseek_args(dict(config, tie_word_embeddings=True))
+
+
+def test_refusals_of_the_job():
+    with pytest.raises(ConfigError, match="set checkpoint.initial_load_hf to that folder"):
+        validate_config(load_config(["--model.flavor", "hf"]))
+
+
+def test_tied_embeddings_refuse_pipeline_stages(folders):
+    argv = _job(folders["tied"][1], Path("unused"), "--parallelism.pp", "2", "--parallelism.pp_microbatches", "2")
+    with pytest.raises(ConfigError, match="tied to its embedding, and pipeline stages would hold the two apart"):
+        validate_config(load_config([*argv, "--parallelism.dp_shard", "1"]), world_size=2)
