@@ -216,6 +216,11 @@ def _check_float8(cfg: JobConfig, args, degrees: dict[str, int]) -> None:
         not f.convert_router or cfg.model.name == "deepseek_v3",
         f"float8.convert_router: {cfg.model.name} has no router (only deepseek_v3 has one)",
     )
+    require(
+        not (f.convert_output and getattr(args, "tie_embeddings", False)),
+        "float8.convert_output: this model's output projection computes with its embedding's weight "
+        "(tied), which is no linear to convert",
+    )
     with torch.device("meta"):
         model = MODEL_SPECS[cfg.model.name].build(args)
     select_linears(model, f, degrees["tp"])

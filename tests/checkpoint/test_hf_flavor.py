@@ -198,6 +198,12 @@ def test_refusals_of_the_job():
         validate_config(load_config(["--model.flavor", "hf"]))
 
 
+def test_tied_embeddings_refuse_float8_output(folders):
+    argv = _job(folders["tied"][1], Path("unused"), "--float8.recipe_name", "tensorwise", "--float8.convert_output")
+    with pytest.raises(ConfigError, match="computes with its embedding's weight .tied., which is no linear"):
+        validate_config(load_config(argv))
+
+
 def test_tied_embeddings_refuse_pipeline_stages(folders):
     argv = _job(folders["tied"][1], Path("unused"), "--parallelism.pp", "2", "--parallelism.pp_microbatches", "2")
     with pytest.raises(ConfigError, match="tied to its embedding, and pipeline stages would hold the two apart"):
