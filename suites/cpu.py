@@ -343,6 +343,17 @@ CPU_FLOAT8_CASES = (
     + layout_cases(_DEEPSEEK_FLOAT8_LAYOUTS, DEEPSEEK_DEBUG, rtols=_FLOAT8_BOUNDS, grad_rtols=_FLOAT8_GRAD_BOUNDS)
 )
 
+# An output projection tied to the embedding (``debugmodel_tied``: one parameter, two uses whose
+# gradients add up; grouped-query attention, LLaMA 3.2's RoPE scaling): FSDP (each use gathered
+# and its gradient reduce-scattered) and FSDP x TP (the vocabulary split once for both uses).
+_TIED = ["--model.flavor", "debugmodel_tied"]
+_CPU_TIED_CASES = [Case("tied_single_b4", 1, [*_TIED, *batch(4)])] + layout_cases(
+    {
+        "tied_fsdp2": (2, _TIED, "tied_single_b4"),
+        "tied_fsdp2xtp2": (4, [*_TIED, "--parallelism.tp", "2"], "tied_single_b4"),
+    }
+)
+
 CPU_CASES = (
     _CPU_REFERENCES
     + layout_cases(_CPU_LAYOUTS, rtols={"hsdp2x2": HSDP_RTOL})
@@ -364,4 +375,5 @@ CPU_CASES = (
     + CPU_DEEPSEEK_MEMORY_POLICY_CASES
     + CPU_INDUCTOR_CASES
     + CPU_FLOAT8_CASES
+    + _CPU_TIED_CASES
 )

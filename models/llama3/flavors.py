@@ -24,7 +24,9 @@ class RopeScaling:
 
 
 LLAMA3_1_SCALING = RopeScaling()
-"""The scaling of LLaMA 3.1 (and of our flavors); LLaMA 3.2's 1B and 3B use factor 32."""
+"""The scaling of LLaMA 3.1 (8B, 70B, 405B, and the debug model)."""
+LLAMA3_2_SCALING = RopeScaling(factor=32.0)
+"""The scaling of LLaMA 3.2's 1B and 3B."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,45 @@ FLAVORS: dict[str, Llama3Args] = {
         rope_scaling=LLAMA3_1_SCALING,
         max_seq_len=2048,
     ),
+    # The debug model with its output projection tied to the embedding, grouped-query attention
+    # (4 of 16 kv heads) and LLaMA 3.2's RoPE scaling: the shape of LLaMA 3.2 1B / 3B, small.
+    "debugmodel_tied": Llama3Args(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=4,
+        vocab_size=2048,
+        ffn_hidden=768,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3_2_SCALING,
+        max_seq_len=2048,
+        tie_embeddings=True,
+    ),
+    # LLaMA 3.2 1B and 3B (Meta's published configs): tied embeddings, RoPE scaling factor 32.
+    "1B": Llama3Args(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden=8192,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3_2_SCALING,
+        max_seq_len=131072,
+        tie_embeddings=True,
+    ),
+    "3B": Llama3Args(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden=8192,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3_2_SCALING,
+        max_seq_len=131072,
+        tie_embeddings=True,
+    ),
     "8B": Llama3Args(
         dim=4096,
         n_layers=32,
@@ -174,4 +215,12 @@ def flops_per_token(args: Llama3Args, seq_len: int) -> int:
     return 6 * num_params(args, exclude_embedding=True) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
-__all__ = ["FLAVORS", "LLAMA3_1_SCALING", "Llama3Args", "RopeScaling", "flops_per_token", "num_params"]
+__all__ = [
+    "FLAVORS",
+    "LLAMA3_1_SCALING",
+    "LLAMA3_2_SCALING",
+    "Llama3Args",
+    "RopeScaling",
+    "flops_per_token",
+    "num_params",
+]

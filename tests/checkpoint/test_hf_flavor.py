@@ -208,3 +208,26 @@ def test_tied_embeddings_refuse_pipeline_stages(folders):
     argv = _job(folders["tied"][1], Path("unused"), "--parallelism.pp", "2", "--parallelism.pp_microbatches", "2")
     with pytest.raises(ConfigError, match="tied to its embedding, and pipeline stages would hold the two apart"):
         validate_config(load_config([*argv, "--parallelism.dp_shard", "1"]), world_size=2)
+
+
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3"])
+def test_every_flavor_written_as_config_json_comes_back_as_itself(family):
+    """``args_from_config`` inverts ``hf_config`` for each of our flavors Hugging Face can hold
+    (DeepSeek-V3's sigmoid-routed ones): the same model, field for field (LLaMA's feed-forward
+    size given explicitly instead of from its multiplier)."""
+    from models.registry import MODEL_SPECS
+
+    spec = MODEL_SPECS[family]
+    checked = 0
+    for name, args in spec.flavors.items():
+        if getattr(args, "score_func", "sigmoid") != "sigmoid":
+            continue
+        back = spec.hf.args_from_config(spec.hf.config(args, "bfloat16"))
+        if family == "llama3":
+            assert back.ffn_hidden == args.ffn_hidden_dim, name
+            back = dataclasses.replace(
+                back, ffn_hidden=None, multiple_of=args.multiple_of, ffn_dim_multiplier=args.ffn_dim_multiplier
+            )
+        checked += 1
+        assert back == args, name
+    assert checked >= 2
