@@ -306,9 +306,9 @@ _FLOAT8_BOUNDS = {"float8_fsdp2xtp2": FLOAT8_RTOL, "deepseek_2l_float8_tp2xep2":
 _FLOAT8_GRAD_BOUNDS = dict.fromkeys(_FLOAT8_BOUNDS, FLOAT8_GRAD_RTOL)
 # The weights gathered in float8 (cast on each shard with the whole weight's scale) are bitwise
 # those cast after a gather in the parameter dtype, so the run is bitwise the same: graph (also
-# bucketed per block) and eager on FSDP2 x TP2; on HSDP with bf16 parameters (the cast from fp32
-# master weights to bf16 before float8; the gradient's sum over replicas in the float8 gather's
-# backward) against the same layout gathering in bf16.
+# bucketed per block, and by PyTorch's bucketer) and eager on FSDP2 x TP2; on HSDP with bf16
+# parameters (the cast from fp32 master weights to bf16 before float8; the gradient's sum over
+# replicas in the float8 gather's backward) against the same layout gathering in bf16.
 _FLOAT8_ALL_GATHER = ["--float8.enable_fsdp_float8_all_gather"]
 _FLOAT8_HSDP_BF16 = [
     *_FLOAT8["tensorwise"],
@@ -325,6 +325,7 @@ _CPU_FLOAT8_ALL_GATHER = [
     for suffix, args in (
         ("", []),
         ("_tbb", ["--compile.passes", BUCKETING["tbb"]]),
+        ("_auto", ["--compile.passes", BUCKETING["auto"]]),
         ("_eager", ["--compile.mode", "eager"]),
     )
 ] + [

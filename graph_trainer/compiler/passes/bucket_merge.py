@@ -46,7 +46,11 @@ aten = torch.ops.aten
 
 FORWARD_GATHER, BACKWARD_GATHER = "forward all_gather", "backward all_gather"
 GRAD_REDUCE, GRAD_ALL_REDUCE = "reduce_scatter", "all_reduce"
+AMAX_ALL_REDUCE = "amax all_reduce"
+"""A float8 weight's amax all-reduce (max) in its gather chain (``graph_trainer.distributed.float8_gather``)."""
 REDUCTIONS = (GRAD_REDUCE, GRAD_ALL_REDUCE)
+FLAT_ALL_REDUCES = (GRAD_ALL_REDUCE, AMAX_ALL_REDUCE)
+"""Kinds whose bucket is one all-reduce of the members' flattened concatenation."""
 
 GLOO_MAX_SEGMENT_BYTES = 1 << 20
 """gloo's ``AllreduceOptions::kMaxSegmentSize``: the largest piece its ring all-reduce sends at once."""
@@ -85,6 +89,8 @@ def collective_kind(node: fx.Node) -> str | None:
         return GRAD_REDUCE
     if node.target is ALL_REDUCE and role == REDUCE_GRAD:
         return GRAD_ALL_REDUCE
+    if node.target is ALL_REDUCE and role == UNSHARD:
+        return AMAX_ALL_REDUCE
     return None
 
 
@@ -143,23 +149,25 @@ class _Emitter:
         return created
 
 
-def _cast_chain(collective: fx.Node) -> list[fx.Node]:
-    """The ``unshard`` nodes of the gather's own parameter and phase that it depends on, inputs
-    before users: the mixed-precision cast; for a float8 weight also its amax, the amax's
-    all-reduce, the scale and the cast (``graph_trainer.distributed.float8_gather``). They move
-    with the gather, so that it can be issued early."""
-    key = (tags.get(collective, FSDP_PARAM), tags.phase(collective))
+def _cast_chain(members: list[fx.Node], name: str) -> list[fx.Node]:
+    """The ``unshard`` nodes of the gathers' own parameters (or of their bucket ``name``) and
+    phase that they depend on, inputs before users: the mixed-precision cast; for a float8
+    weight also its amax, the amax's all-reduce (merged per bucket, ``merge_amax_all_reduces``),
+    the scale and the cast (``graph_trainer.distributed.float8_gather``). They move with the
+    bucket's gather, so that it can be issued early."""
+    owners = {tags.get(m, FSDP_PARAM) for m in members} | {name}
+    phase = tags.phase(members[0])
     chain: list[fx.Node] = []
     seen: set[fx.Node] = set()
-    stack: list[tuple[fx.Node, bool]] = [(i, False) for i in reversed(collective.all_input_nodes)]
+    stack: list[tuple[fx.Node, bool]] = [(i, False) for m in reversed(members) for i in reversed(m.all_input_nodes)]
     while stack:  # depth first, each node listed once all its inputs are
         node, inputs_listed = stack.pop()
         if inputs_listed:
             chain.append(node)
             continue
-        if node in seen or tags.get(node, FSDP_ROLE) != UNSHARD:
+        if node in seen or tags.get(node, FSDP_ROLE) != UNSHARD or tags.phase(node) != phase:
             continue
-        if (tags.get(node, FSDP_PARAM), tags.phase(node)) != key:
+        if tags.get(node, FSDP_PARAM) not in owners:
             continue
         seen.add(node)
         stack.append((node, True))
@@ -212,7 +220,7 @@ def merge_all_gathers(graph: fx.Graph, members: list[fx.Node], bucket: int, name
     """Replace the gathers of one bucket (one group) with one gather of their concatenation."""
     first, kind = members[0], collective_kind(members[0])
     group_size, group = first.args[1], first.args[2]
-    casts = [n for m in members for n in _cast_chain(m)]
+    casts = _cast_chain(members, name)
     if len(members) == 1:
         return _unmerged(first, bucket, kind, group, casts, name)
     emit = _Emitter(graph, first, _fake_mode(first))
@@ -241,8 +249,9 @@ def merge_all_gathers(graph: fx.Graph, members: list[fx.Node], bucket: int, name
 
 
 def merge_reductions(graph: fx.Graph, members: list[fx.Node], bucket: int, name: str) -> Merged:
-    """Replace the gradient reductions of one bucket (one kind, group, dtype, op) with one reduction
-    of their concatenation: rank rows side by side for reduce-scatters, flat for all-reduces."""
+    """Replace the reductions of one bucket (one kind, group, dtype, op) with one reduction of their
+    concatenation: rank rows side by side for reduce-scatters, flat for all-reduces (gradients',
+    and float8 weights' amaxes: a max, exact in any grouping)."""
     first, kind = members[0], collective_kind(members[0])
     reduce_op, group = first.args[1], group_name(first)
     if len(members) == 1:
@@ -286,7 +295,9 @@ def _fake_mode(node: fx.Node):
 
 
 __all__ = [
+    "AMAX_ALL_REDUCE",
     "BACKWARD_GATHER",
+    "FLAT_ALL_REDUCES",
     "FORWARD_GATHER",
     "GRAD_ALL_REDUCE",
     "GRAD_REDUCE",

@@ -20,9 +20,12 @@ is ``graph_trainer.compiler.passes.bucket_merge``):
 - the ``reduce_scatter_tensor`` nodes tagged ``reduce_grad`` (FSDP, HSDP's shard dim),
 - the ``all_reduce`` nodes tagged ``reduce_grad`` (DDP, and HSDP's replicate dim, which sums
   the reduce-scattered shard: ``graph_trainer.distributed.simple_fsdp``),
+- the ``all_reduce`` (max) nodes tagged ``unshard``: a float8 weight's amax, before its
+  gather (``graph_trainer.distributed.float8_gather``); the bucket's one all-reduce moves with
+  its gather's casts, ahead of the gather,
 
-each become ONE collective per bucket and process group (for the reductions also per dtype
-and reduce op; a bucket whose parameters live on several groups, e.g. DeepSeek-V3 experts
+each become ONE collective per bucket and process group (for the all-reduces and reductions
+also per dtype and reduce op; a bucket whose parameters live on several groups, e.g. DeepSeek-V3 experts
 sharded over ``efsdp`` beside dense weights over ``dp_shard``, gets one collective per group).
 TP all_reduces (untagged) and EP all_to_alls are left as they are. The merge is
 functional (no ``out=`` mutation): an all-gather bucket is ``cat`` of the flattened shards
@@ -51,7 +54,7 @@ A stable topological sort then restores a valid order moving as few nodes as pos
 (a node placed before an input goes right after it); every node stays exactly once.
 
 Numerics: gathers and reductions see the same elements; the concatenation and split only move
-data. Losses and gradients are bitwise those of the graph without this pass (for the
+data; a max is the same in any grouping. Losses and gradients are bitwise those of the graph without this pass (for the
 reduce-scatter, provided the backend sums each element's contributions in the same order in
 a larger buffer: always true for 2 ranks, and for ring reduce-scatters). Gloo's reduce-scatter
 is not one: it all-reduces the whole buffer with a ring that cuts it into ``world`` chunks of
@@ -84,7 +87,9 @@ from typing import Any
 import torch.fx as fx
 
 from graph_trainer.compiler.passes.bucket_merge import (
+    AMAX_ALL_REDUCE,
     BACKWARD_GATHER,
+    FLAT_ALL_REDUCES,
     FORWARD_GATHER,
     GRAD_ALL_REDUCE,
     GRAD_REDUCE,
@@ -126,7 +131,7 @@ def fsdp_buckets(graph: fx.Graph, plan: list[list[str]]) -> dict[tuple, list[fx.
                 f"module {module!r}) is in no group of the bucket plan {plan}"
             )
         only_wait(node)
-        if kind in REDUCTIONS:
+        if kind in FLAT_ALL_REDUCES or kind == GRAD_REDUCE:
             key = (kind, index, group_name(node), node.meta["val"].dtype, node.args[1])
         else:
             key = (kind, index, group_name(node), None, None)
@@ -259,8 +264,9 @@ def transformer_block_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.
         )
     starts = compute_starts(graph, plan)
     merged: dict[str, list[Merged]] = defaultdict(list)
-    for (kind, index, *_), members in buckets.items():
-        merge = merge_reductions if kind in REDUCTIONS else merge_all_gathers
+    # float8 amax all-reduces first: each gather bucket then moves its merged one with its casts
+    for (kind, index, *_), members in sorted(buckets.items(), key=lambda item: item[0][0] != AMAX_ALL_REDUCE):
+        merge = merge_reductions if kind in (*REDUCTIONS, AMAX_ALL_REDUCE) else merge_all_gathers
         merged[kind].append(merge(graph, members, index, "+".join(plan[index])))
     position = {node: i for i, node in enumerate(graph.nodes)}
     schedule_gathers(merged[FORWARD_GATHER], starts[FORWARD], position)

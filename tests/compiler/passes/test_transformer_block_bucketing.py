@@ -122,6 +122,21 @@ def test_one_all_gather_and_one_reduce_scatter_per_bucket(layout):
     assert any("all_reduce" in sig[2] for sig, _ in others(gm)) == ("tp" in " ".join(extra))  # TP's stay
 
 
+def test_float8_amax_all_reduces_one_per_block_and_group_before_its_gather():
+    """Each block's 7 float8 weights' amaxes: one all-reduce (max) over dp_shard and one over tp
+    per block, not 7 of each, issued before the block's gather (whose casts read them)."""
+    gm = _trace(tuple(LAYOUTS["float8_all_gather"]))
+    plain = _trace(tuple(LAYOUTS["float8_all_gather"]), passes="")
+    amax = [n for n in _fsdp_collectives(gm, "all_reduce", "forward") if tags.get(n, "fsdp_role") == "unshard"]
+    before = [n for n in _fsdp_collectives(plain, "all_reduce", "forward") if tags.get(n, "fsdp_role") == "unshard"]
+    assert len(before) == 6 * 7 * 2 and len(amax) == 6 * 2
+    assert sorted(tags.get(n, "fsdp_bucket") for n in amax) == sorted(NAMES[1:-1] * 2)
+    assert all(n.meta["val"].shape == (7,) for n in amax)
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    gathers = {tags.get(n, "fsdp_bucket"): n for n in _fsdp_collectives(gm, "all_gather_into_tensor", "forward")}
+    assert all(position[n] < position[gathers[tags.get(n, "fsdp_bucket")]] for n in amax)
+
+
 @pytest.mark.parametrize("layout", ["fsdp4", "fsdp2xtp2", "float8_all_gather"])
 def test_gathers_are_prefetched_and_reduce_scatters_deferred(layout):
     gm = _trace(tuple(LAYOUTS[layout]))
