@@ -14,8 +14,8 @@ before the first backward node that reads it, and the backward readers are point
 copy. Scalars of a chain (a float8 weight's amax, its all-reduce and scale:
 ``graph_trainer.distributed.float8_gather``) are not copied: four bytes kept from forward
 instead of a collective run again. The forward copy is then dead after its last forward use,
-so the unsharded parameter is freed after forward instead of living until backward: this is what makes SimpleFSDP
-save memory like FSDP. The copies are tagged ``phase = "backward"``, keep ``fsdp_role``
+so the unsharded parameter is freed after forward instead of living until backward: this is
+what makes SimpleFSDP save memory like FSDP. The copies are tagged ``phase = "backward"``, keep ``fsdp_role``
 and ``fsdp_param``, and get ``recomputed = True``. Graphs without tagged chains (one
 process, or DDP where nothing is gathered) are left as they are.
 

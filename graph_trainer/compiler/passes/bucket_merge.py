@@ -152,8 +152,8 @@ class _Emitter:
 def _cast_chain(members: list[fx.Node], name: str) -> list[fx.Node]:
     """The ``unshard`` nodes of the gathers' own parameters (or of their bucket ``name``) and
     phase that they depend on, inputs before users: the mixed-precision cast; for a float8
-    weight also its amax, the amax's all-reduce (merged per bucket, ``merge_amax_all_reduces``),
-    the scale and the cast (``graph_trainer.distributed.float8_gather``). They move with the
+    weight also its amax, the amax's all-reduce (merged per bucket beforehand by
+    ``merge_reductions``), the scale and the cast (``graph_trainer.distributed.float8_gather``). They move with the
     bucket's gather, so that it can be issued early."""
     owners = {tags.get(m, FSDP_PARAM) for m in members} | {name}
     phase = tags.phase(members[0])
