@@ -231,3 +231,34 @@ def test_every_flavor_written_as_config_json_comes_back_as_itself(family):
         checked += 1
         assert back == args, name
     assert checked >= 2
+
+
+@pytest.mark.parametrize("name", ["gqa", "tied"])
+def test_load_export_round_trip_is_bitwise(tmp_path, folders, name):
+    """Folder -> step-0 checkpoint -> export: every tensor of the folder bitwise, no other (a tied
+    folder has no ``lm_head``, nor has its export); the export's config describes the same model."""
+    from safetensors import safe_open
+
+    from graph_trainer.cli import export_hf
+    from graph_trainer.trainer import Trainer
+    from models.llama3.hf import args_from_config
+
+    _, folder, _, _ = folders[name]
+    cfg = load_config(_job(folder, tmp_path / "job", "--training.steps", "0", "--checkpoint.interval", "1"))
+    validate_config(cfg)
+    assert Trainer(cfg).train() == []
+    out = tmp_path / "exported"
+    assert export_hf.main(["--checkpoint", str(tmp_path / "job" / "checkpoint"), "--step", "0", "--out", str(out)]) == 0
+
+    def tensors(path: Path) -> dict[str, torch.Tensor]:
+        found = {}
+        for file in path.glob("*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                found.update({k: f.get_tensor(k) for k in f.keys()})
+        return found
+
+    original, exported = tensors(folder), tensors(out)
+    assert sorted(original) == sorted(exported) and ("lm_head.weight" in original) == (name == "gqa")
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    config = json.loads((out / "config.json").read_text())
+    assert args_from_config(config) == args_from_config(json.loads((folder / "config.json").read_text()))
