@@ -214,7 +214,7 @@ def test_tied_embeddings_refuse_pipeline_stages(folders):
 def test_every_flavor_written_as_config_json_comes_back_as_itself(family):
     """``args_from_config`` inverts ``hf_config`` for each of our flavors Hugging Face can hold
     (DeepSeek-V3's sigmoid-routed ones): the same model, field for field (LLaMA's feed-forward
-    size given explicitly instead of from its multiplier)."""
+    size comes back given explicitly, where a flavor may compute it from its multiplier)."""
     from models.registry import MODEL_SPECS
 
     spec = MODEL_SPECS[family]
@@ -226,7 +226,10 @@ def test_every_flavor_written_as_config_json_comes_back_as_itself(family):
         if family == "llama3":
             assert back.ffn_hidden == args.ffn_hidden_dim, name
             back = dataclasses.replace(
-                back, ffn_hidden=None, multiple_of=args.multiple_of, ffn_dim_multiplier=args.ffn_dim_multiplier
+                back,
+                ffn_hidden=args.ffn_hidden,
+                multiple_of=args.multiple_of,
+                ffn_dim_multiplier=args.ffn_dim_multiplier,
             )
         checked += 1
         assert back == args, name
