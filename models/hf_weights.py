@@ -201,6 +201,13 @@ def decoder_fields(args) -> dict:
     }
 
 
+def represented(args, problems: list[str], family: str):
+    """``args`` when ``problems`` (its ``config_problems``) is empty; else ``ConfigError`` naming them."""
+    if problems:
+        raise ConfigError(f"config.json has what this {family} cannot represent: " + "; ".join(problems))
+    return args
+
+
 def required_fields(config: dict, fields: Sequence[str], family: str) -> None:
     """``ConfigError`` naming the ``fields`` a ``config.json`` lacks (to build a ``family`` model from it)."""
     missing = [f for f in fields if config.get(f) is None]
@@ -285,6 +292,7 @@ __all__ = [
     "folder_config",
     "hf_names",
     "read_json",
+    "represented",
     "required_fields",
     "rope_parameters",
 ]

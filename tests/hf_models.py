@@ -101,6 +101,17 @@ def save(model, folder: Path, max_shard_size: str = "50GB", dtype: torch.dtype =
     return folder
 
 
+def file_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors files, by name."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    return tensors
+
+
 def logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(tokens).logits.float()

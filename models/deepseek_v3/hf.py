@@ -28,6 +28,7 @@ from models.hf_weights import (
     HFSource,
     Same,
     decoder_config,
+    represented,
     required_fields,
     rope_parameters,
 )
@@ -212,10 +213,7 @@ def args_from_config(config: dict) -> DeepSeekV3Args:
         )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.json does not describe a DeepSeek-V3 model: {e}") from None
-    problems = config_problems(config, args)
-    if problems:
-        raise ConfigError("config.json has what this DeepSeek-V3 cannot represent: " + "; ".join(problems))
-    return args
+    return represented(args, config_problems(config, args), "DeepSeek-V3")
 
 
 ADAPTER = HFAdapter(ARCHITECTURE, MODEL_TYPE, sources, config_problems, hf_config, args_from_config)

@@ -20,6 +20,7 @@ from models.hf_weights import (
     RotaryRows,
     Same,
     decoder_config,
+    represented,
     required_fields,
     rope_parameters,
 )
@@ -126,10 +127,7 @@ def args_from_config(config: dict) -> Llama3Args:
         )
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.json does not describe a LLaMA-3 model: {e}") from None
-    problems = config_problems(config, args)
-    if problems:
-        raise ConfigError("config.json has what this LLaMA-3 cannot represent: " + "; ".join(problems))
-    return args
+    return represented(args, config_problems(config, args), "LLaMA-3")
 
 
 def hf_config(args: Llama3Args, dtype: str) -> dict:

@@ -18,12 +18,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from graph_trainer.errors import ConfigError
 from tests.conftest import ROOT
-from tests.hf_models import DEEPSEEK_JOB, LLAMA_JOB, deepseek_model, llama_model, logits, relative_error, save
+from tests.hf_models import (
+    DEEPSEEK_JOB,
+    LLAMA_JOB,
+    deepseek_model,
+    file_tensors,
+    llama_model,
+    logits,
+    relative_error,
+    save,
+)
 from tests.launch import read_losses, run_forked
 
 COMMON = ["--job.device", "cpu", "--compile.mode", "eager", "--metrics.enable_tensorboard", "False"]
@@ -168,14 +176,6 @@ def _convert_and_export(tmp_path, family: str, folder: Path) -> Path:
     return out
 
 
-def _file_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in folder.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            tensors.update({name: f.get_tensor(name) for name in f.keys()})
-    return tensors
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_load_export_reload_is_bitwise(tmp_path, models, family):
     from transformers import AutoModelForCausalLM
@@ -183,7 +183,7 @@ def test_load_export_reload_is_bitwise(tmp_path, models, family):
     model, folder, tokens, reference = models[family]
     out = _convert_and_export(tmp_path, family, folder)
     assert len(list(out.glob("*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
-    original, exported = _file_tensors(folder), _file_tensors(out)
+    original, exported = file_tensors(folder), file_tensors(out)
     assert sorted(original) == sorted(exported)
     unequal = [n for n in original if not torch.equal(original[n], exported[n])]
     assert not unequal, unequal
@@ -249,7 +249,7 @@ def test_resuming_a_converted_step_0_trains_as_loading_directly(tmp_path, models
     argv = ["--checkpoint", str(tmp_path / "direct" / "checkpoint"), "--step", "3", "--out", str(out)]
     assert export_hf.main([*argv, "--tokenizer", str(tuned), "--dtype", "bfloat16"]) == 0
     assert (out / "tokenizer.json").read_bytes() == (tuned / "tokenizer.json").read_bytes()
-    assert {t.dtype for t in _file_tensors(out).values()} == {torch.bfloat16}
+    assert {t.dtype for t in file_tensors(out).values()} == {torch.bfloat16}
 
 
 def test_deepseek_multi_token_prediction_layers_are_skipped_only_when_declared(tmp_path, models):

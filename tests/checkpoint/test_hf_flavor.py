@@ -23,7 +23,7 @@ from models.llama3.flavors import LLAMA3_1_SCALING, RopeScaling
 from models.llama3.hf import args_from_config as llama_args
 from models.registry import model_args
 from tests.conftest import ROOT
-from tests.hf_models import deepseek_model, logits, relative_error, save
+from tests.hf_models import deepseek_model, file_tensors, logits, relative_error, save
 from tests.launch import read_losses, run_forked
 
 BOUND = 3e-6
@@ -240,8 +240,6 @@ def test_every_flavor_written_as_config_json_comes_back_as_itself(family):
 def test_load_export_round_trip_is_bitwise(tmp_path, folders, name):
     """Folder -> step-0 checkpoint -> export: every tensor of the folder bitwise, no other (a tied
     folder has no ``lm_head``, nor has its export); the export's config describes the same model."""
-    from safetensors import safe_open
-
     from graph_trainer.cli import export_hf
     from graph_trainer.trainer import Trainer
     from models.llama3.hf import args_from_config
@@ -253,14 +251,7 @@ def test_load_export_round_trip_is_bitwise(tmp_path, folders, name):
     out = tmp_path / "exported"
     assert export_hf.main(["--checkpoint", str(tmp_path / "job" / "checkpoint"), "--step", "0", "--out", str(out)]) == 0
 
-    def tensors(path: Path) -> dict[str, torch.Tensor]:
-        found = {}
-        for file in path.glob("*.safetensors"):
-            with safe_open(str(file), "pt") as f:
-                found.update({k: f.get_tensor(k) for k in f.keys()})
-        return found
-
-    original, exported = tensors(folder), tensors(out)
+    original, exported = file_tensors(folder), file_tensors(out)
     assert sorted(original) == sorted(exported) and ("lm_head.weight" in original) == (name == "gqa")
     assert all(torch.equal(original[k], exported[k]) for k in original)
     config = json.loads((out / "config.json").read_text())
