@@ -93,7 +93,7 @@ import torch.fx as fx
 from graph_trainer.distributed.parallel_dims import local_tensor
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import is_wait
-from graph_trainer.graph.ops import aliases_input
+from graph_trainer.graph.ops import aliases_input, mutated_args
 from graph_trainer.graph.sizes import SizeHints
 from graph_trainer.graph.tags import FSDP_ROLE, GATHERED
 
@@ -142,8 +142,9 @@ class MemoryEstimate:
 
 def _aliases_input(node: fx.Node) -> bool:
     """Nodes whose result is (a view of) their first input's memory, not a new allocation: views,
-    ``getitem`` (picks a result) and waits (hand back the collective's buffer)."""
-    return is_wait(node) or aliases_input(node)
+    ``getitem`` (picks a result), waits (hand back the collective's buffer) and in-place ops on
+    their first input (``add_``: a pipeline stage adding its gradients into the step's sums)."""
+    return is_wait(node) or aliases_input(node) or (bool(node.args) and node.args[0] in mutated_args(node))
 
 
 def _graph_outputs(nodes: list[fx.Node]) -> list:

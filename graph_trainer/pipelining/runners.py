@@ -3,8 +3,10 @@
 Both runners keep what a microbatch's backward needs from its forward until that backward (the
 graph runner: the forward graph's saved values; the eager runner: the autograd graph), and
 accumulate the stage's parameter gradients over the step's microbatches in the order the
-schedule runs their backwards (the first one's gradients are the buffer, later ones are added
-in place, as ``loop.gradients.AccumulatedGradients`` does without a pipeline). ``take_grads()`` hands
+schedule runs their backwards (the eager runner: the first one's gradients are the buffer, later
+ones are added in place, as ``loop.gradients.AccumulatedGradients`` does without a pipeline; the
+graph runner: its backward pieces add each gradient into the step's sums in place as soon as it
+is computed, ``split.split_stage``'s ``grads_into_sums``, bitwise the same sums). ``take_grads()`` hands
 the sums over and starts the next step. With weights resident per step (``resident``: a
 ``compiler.resident.GraphResidentStep`` or ``distributed.resident.EagerResidentStep``) a stage's
 first forward of the step gathers its weights, every microbatch differentiates them, the sums are
@@ -53,6 +55,27 @@ class _Accumulator:
         return sums
 
 
+class _GraphSums:
+    """A graph stage's gradient sums for one step: made at its first backward of the step
+    (``StageGraphs.empty_sums``: -0.0, the additive identity of every value, signed zeros
+    included), then added into in place by each backward piece."""
+
+    def __init__(self, graphs: StageGraphs) -> None:
+        self.graphs = graphs
+        self.sums: list[torch.Tensor] | None = None
+
+    def buffers(self, device: torch.device) -> list[torch.Tensor]:
+        if self.sums is None:
+            self.sums = self.graphs.empty_sums(device)
+        return self.sums
+
+    def take(self) -> list[torch.Tensor]:
+        if self.sums is None:
+            raise RuntimeError("no backward ran on this stage in this step")
+        sums, self.sums = self.sums, None
+        return sums
+
+
 class GraphStageRunner:
     """Runs a stage's traced joint graph, cut by ``split.split_stage``, on live tensors.
     ``profiler_ranges``: each piece's nodes as named profiler ranges (``compiler.profiler_ranges``;
@@ -67,14 +90,15 @@ class GraphStageRunner:
     ):
         self.traced, self.module, self.resident = traced, module, resident
         self.num_flat_grads = traced.num_flat_param_grads
-        self.graphs: StageGraphs = split_stage(traced.gm, self.num_flat_grads)
+        self.graphs: StageGraphs = split_stage(traced.gm, self.num_flat_grads, grads_into_sums=True)
         if profiler_ranges:
             graphs = self.graphs
             for piece in (graphs.forward, graphs.backward, graphs.backward_input, graphs.backward_weight):
                 add_profiler_ranges(piece)
         self.saved: dict[int, list[torch.Tensor]] = {}
         self.for_weight: dict[int, list[torch.Tensor]] = {}
-        self.grads = _Accumulator()
+        self.grads = _GraphSums(self.graphs)
+        self.device: torch.device | None = None
 
     def _inputs(self, stage_input: torch.Tensor, labels: torch.Tensor | None) -> list[torch.Tensor]:
         if self.resident is not None:
@@ -89,16 +113,17 @@ class GraphStageRunner:
         with torch.no_grad():
             out, *saved = self.graphs.forward(*self._inputs(stage_input, labels))
         self.saved[microbatch] = saved
+        self.device = stage_input.device
         return out
 
     def _output_grad(self, output_grad: torch.Tensor | None) -> list[torch.Tensor]:
         return [output_grad] if self.graphs.takes_output_grad else []
 
     def backward(self, microbatch: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        sums = self.grads.buffers(self.device)
         with torch.no_grad():
-            outs = self.graphs.backward(*self.saved.pop(microbatch), *self._output_grad(output_grad))
-        self.grads.add(list(outs[: self.num_flat_grads]))
-        return outs[self.num_flat_grads] if self.graphs.has_input_grad else None
+            outs = self.graphs.backward(*self.saved.pop(microbatch), *self._output_grad(output_grad), *sums)
+        return outs[0] if self.graphs.has_input_grad else None
 
     def backward_input(self, microbatch: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
         with torch.no_grad():
@@ -108,9 +133,9 @@ class GraphStageRunner:
         return input_grad
 
     def backward_weight(self, microbatch: int) -> None:
+        sums = self.grads.buffers(self.device)
         with torch.no_grad():
-            grads = self.graphs.backward_weight(*self.saved.pop(microbatch), *self.for_weight.pop(microbatch))
-        self.grads.add(list(grads))
+            self.graphs.backward_weight(*self.saved.pop(microbatch), *self.for_weight.pop(microbatch), *sums)
 
     def take_grads(self) -> list[torch.Tensor]:
         """The step's summed gradients, one per parameter (DTensors rewrapped)."""

@@ -14,6 +14,18 @@ gradients later, in a bubble. ``split_stage`` makes these pieces:
 ``saved`` are the forward values the backward reads (activations, and inputs such as weights),
 in graph order. The first stage has no input gradient: its dI is empty and dW is its backward.
 
+With ``grads_into_sums`` (the graph runner's pieces, and the memory estimate of them) the pieces
+that make parameter gradients take the step's gradient sums as their last inputs instead of
+returning the gradients: each gradient is added into its sum in place (``aten.add_``) right after
+it is computed, so it dies there rather than living to the end of the piece beside the sums (a
+stage's whole gradient set, in the reduce dtype with weights resident per step). ``backward``
+then returns [input gradient?], ``backward_weight`` nothing; ``grad_values`` describes the sums
+(shape, stride, dtype of each gradient). A gradient that is only a narrower value widened exactly
+(bf16 -> fp32) is added as the narrower value: ``add_`` computes in the sum's dtype, bitwise the
+same, without the widened copy. The runner makes the sums once per step, filled with
+-0.0: ``x + -0.0`` is ``x`` for every ``x`` (signed zeros and NaN included), so the sums are bitwise
+those of taking the first microbatch's gradients as the buffer and adding the later ones in place.
+
 Reads: ``phase`` (``graph_trainer.graph.tags``) on every node: FORWARD, LOSS and INPUT nodes
 (bar ``output_grad``) go to the forward; BACKWARD nodes (the memory policy's recomputed copies
 included, so recomputation stays in the backward) and ``output_grad`` to the backward;
@@ -32,10 +44,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from graph_trainer.graph import tags
-from graph_trainer.graph.tags import BACKWARD, INPUT, INPUT_FQN
+from graph_trainer.graph.tags import BACKWARD, CUSTOM, INPUT, INPUT_FQN, PHASE
 
 OUTPUT_GRAD = "output_grad"
 
@@ -56,6 +69,18 @@ class StageGraphs:
     """Whether the stage differentiates its input (every stage but the first)."""
     takes_output_grad: bool
     """Whether the backward takes the next stage's gradient (every stage but the last)."""
+    grad_values: list[torch.Tensor] | None = None
+    """With ``grads_into_sums``: the parameter gradients' (fake) values, in order: what the sums
+    ``backward`` and ``backward_weight`` add into look like. None: the pieces return the gradients."""
+
+    def empty_sums(self, device: torch.device) -> list[torch.Tensor]:
+        """A step's sums before its first backward: each gradient's shape, stride and dtype, -0.0
+        (``x + -0.0`` is ``x`` for every ``x``)."""
+        if self.grad_values is None:
+            raise ValueError("these pieces return their gradients (split_stage without grads_into_sums)")
+        return [
+            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device).fill_(-0.0) for v in self.grad_values
+        ]
 
 
 def _is_output_grad(node: fx.Node) -> bool:
@@ -109,10 +134,56 @@ def _crossing(producers: list[fx.Node], consumers: set[fx.Node]) -> list[fx.Node
     return [p for p in producers if any(u in consumers for u in p.users)]
 
 
-def split_stage(gm: fx.GraphModule, num_param_grads: int) -> StageGraphs:
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+_EXACT_WIDENINGS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.float64)}
+
+
+def _widened_from(grad: fx.Node) -> fx.Node | None:
+    """The narrower value ``grad`` only converts exactly to a wider float dtype (bf16 -> fp32, as
+    gradients become the reduce dtype), when nothing but the piece's output reads ``grad``; else
+    None. ``sum.add_(narrow)`` computes in the sum's dtype, so it adds bitwise what adding the
+    converted copy adds, in one kernel and without the copy."""
+    if grad.op != "call_function" or grad.target not in _CASTS or len(grad.users) != 1:
+        return None
+    if set(grad.kwargs) - {"dtype"} or not isinstance(grad.args[0], fx.Node):
+        return None
+    source = grad.args[0]
+    widening = (source.meta["val"].dtype, grad.meta["val"].dtype)
+    return source if widening in _EXACT_WIDENINGS else None
+
+
+def add_into_sums(piece: fx.GraphModule, num_grads: int) -> fx.GraphModule:
+    """``piece`` taking ``num_grads`` more inputs (the sums, last) and adding its first
+    ``num_grads`` outputs into them in place, each right after it is computed, instead of
+    returning them (module docstring)."""
+    graph = piece.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    grads, rest = list(output.args[0][:num_grads]), list(output.args[0][num_grads:])
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    sums = []
+    for i, grad in enumerate(grads):
+        with graph.inserting_after(anchor):
+            anchor = graph.placeholder(f"grad_sum_{i}")
+        anchor.meta = {"val": grad.meta["val"], CUSTOM: {PHASE: BACKWARD}}
+        sums.append(anchor)
+    added = [_widened_from(g) or g for g in grads]  # (judged while the output still reads them)
+    output.args = (rest,)
+    for grad_sum, grad, value in zip(sums, grads, added, strict=True):
+        with graph.inserting_after(value if value.op != "placeholder" else anchor):
+            add = graph.call_function(torch.ops.aten.add_.Tensor, (grad_sum, value))
+        add.meta = {"val": grad_sum.meta["val"], CUSTOM: {**tags.tags(grad), PHASE: BACKWARD}}
+    for grad in {g for g, value in zip(grads, added, strict=True) if value is not g}:
+        graph.erase_node(grad)  # (a widening only the output read)
+    graph.lint()
+    piece.recompile()
+    return piece
+
+
+def split_stage(gm: fx.GraphModule, num_param_grads: int, grads_into_sums: bool = False) -> StageGraphs:
     """Cut a stage's joint graph (module docstring). ``num_param_grads``: how many of the joint
     graph's outputs after the first are parameter gradients (the flat inner tensors); one more,
-    if present, is the input gradient."""
+    if present, is the input gradient. ``grads_into_sums``: the gradients are added into the
+    step's sums in place (module docstring)."""
     nodes = list(gm.graph.nodes)
     (output_node,) = [n for n in nodes if n.op == "output"]
     outs = list(output_node.args[0])
@@ -143,17 +214,23 @@ def split_stage(gm: fx.GraphModule, num_param_grads: int) -> StageGraphs:
     # (a dI value dW reads, or returns: every parameter gradient is dW's output)
     di_order = [n for n in backward_body if n in di_nodes]
     kept = [n for n in di_order if n in set(param_grads) or any(u in set(dw_nodes) for u in n.users)]
+    backward_gm = extract_graph(gm, backward_body, backward_inputs, grads_out)
+    backward_weight = extract_graph(gm, dw_nodes, [*saved, *output_grads, *kept], param_grads)
+    if grads_into_sums:
+        backward_gm = add_into_sums(backward_gm, num_param_grads)
+        backward_weight = add_into_sums(backward_weight, num_param_grads)
     return StageGraphs(
         forward=extract_graph(gm, forward, placeholders, [stage_out, *saved]),
-        backward=extract_graph(gm, backward_body, backward_inputs, grads_out),
+        backward=backward_gm,
         # (dI takes every backward input, as the full backward does: one calling convention)
         backward_input=extract_graph(gm, di_order, backward_inputs, [*([input_grad] if input_grad else []), *kept]),
-        backward_weight=extract_graph(gm, dw_nodes, [*saved, *output_grads, *kept], param_grads),
+        backward_weight=backward_weight,
         num_saved=len(saved),
         num_kept_for_weight=len(kept),
         has_input_grad=input_grad is not None,
         takes_output_grad=bool(output_grads),
+        grad_values=[g.meta["val"] for g in param_grads] if grads_into_sums else None,
     )
 
 
-__all__ = ["OUTPUT_GRAD", "StageGraphs", "extract_graph", "split_stage"]
+__all__ = ["OUTPUT_GRAD", "StageGraphs", "add_into_sums", "extract_graph", "split_stage"]

@@ -327,7 +327,7 @@ def estimate_pipeline(
     costs = {}
     for stage, traced in stages.items():
         if id(traced) not in by_trace:
-            graphs = split_stage(traced.gm, traced.num_flat_param_grads)
+            graphs = split_stage(traced.gm, traced.num_flat_param_grads, grads_into_sums=True)  # (as the runner)
             once = (resident or {}).get(stage)
             by_trace[id(traced)] = stage_cost(graphs, traced, device, ranks_per_node, once)
         costs[stage] = by_trace[id(traced)]

@@ -7,11 +7,13 @@ import dataclasses
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
+from graph_trainer.analysis.memory import estimate_peak_memory
 from graph_trainer.compiler.tracer import TracedStep, trace_train_step
 from graph_trainer.graph import tags
 from graph_trainer.graph.tags import INPUT_FQN
-from graph_trainer.pipelining.split import split_stage
+from graph_trainer.pipelining.split import add_into_sums, split_stage
 from models.common import keep_stage
 from models.deepseek_v3.model import DeepSeekV3
 from models.llama3.flavors import FLAVORS
@@ -90,3 +92,62 @@ def test_stage_graphs_compute_what_the_whole_step_computes(kind):
         if input_grad is not None:
             assert torch.equal(input_grad, split_input_grad)
     assert not reference, f"no stage holds {sorted(reference)}"
+
+
+@pytest.mark.parametrize("kind", ["llama3", "deepseek_v3"])
+def test_backward_pieces_add_into_the_sums_bitwise_as_returned_gradients_added(kind):
+    """``grads_into_sums``: the backward (and dW) add each gradient into the step's sums in place;
+    from the runner's start (sums of -0.0) one microbatch leaves bitwise its gradients, signed
+    zeros included, two leave bitwise the first plus the second; the backward allocates less."""
+    model = _model(kind)
+    tokens, labels = _batch(model.args.vocab_size)
+    stage = _stages(model)[-1]  # (the last stage: it differentiates its input, the hidden state)
+    hidden = torch.randn(*tokens.shape, model.args.dim, generator=torch.Generator().manual_seed(2))
+    traced = trace_train_step(stage, hidden, labels, grad_scale=0.5)
+    plain = split_stage(traced.gm, len(traced.param_names))
+    summing = split_stage(traced.gm, len(traced.param_names), grads_into_sums=True)
+    _, *saved = summing.forward(*_flat(traced, stage, hidden, labels))
+    *grads, input_grad = plain.backward(*saved)
+    cpu = torch.device("cpu")
+
+    once = summing.empty_sums(cpu)
+    (summed_input_grad,) = summing.backward(*saved, *once)
+    assert torch.equal(summed_input_grad, input_grad)
+    for total, grad in zip(once, grads, strict=True):
+        assert total.dtype == grad.dtype and torch.equal(total, grad)
+        assert torch.equal(torch.signbit(total), torch.signbit(grad))
+    twice = summing.empty_sums(cpu)
+    for _ in range(2):
+        summing.backward(*saved, *twice)
+    assert all(torch.equal(total, grad.clone().add_(grad)) for total, grad in zip(twice, grads, strict=True))
+    _, *kept = summing.backward_input(*saved)
+    weight_sums = summing.empty_sums(cpu)
+    assert summing.backward_weight(*saved, *kept, *weight_sums) == []
+    assert all(torch.equal(total, grad) for total, grad in zip(weight_sums, grads, strict=True))
+
+    def allocated(graphs):
+        return estimate_peak_memory(graphs.backward.graph).peak_activation_bytes
+
+    assert allocated(summing) < allocated(plain)
+
+
+def test_a_widened_gradient_is_added_as_its_narrower_value():
+    """bf16 -> fp32 is exact and ``add_`` computes in the sum's dtype: the widening is left out."""
+
+    def piece(w, x):
+        narrow = (w * x).to(torch.bfloat16)
+        return [narrow.to(torch.float32), w * 2, x.sum()]
+
+    w, x = torch.randn(8), torch.randn(8)
+    gm = make_fx(piece)(w, x)
+    casts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default]
+    assert len(casts) == 2
+    summing = add_into_sums(copy.deepcopy(gm), 2)
+    assert len([n for n in summing.graph.nodes if n.target is torch.ops.aten._to_copy.default]) == 1
+    adds = [n for n in summing.graph.nodes if n.target is torch.ops.aten.add_.Tensor]
+    assert [a.args[1].meta["val"].dtype for a in adds] == [torch.bfloat16, torch.float32]
+    start = torch.tensor([-0.0, 0.0, 1.0, -2.5, 3.0, 0.5, -0.0, 7.0])
+    sums = [start.clone(), start.clone()]
+    assert summing(w, x, *sums) == [x.sum()]
+    widened, doubled, _ = gm(w, x)
+    assert torch.equal(sums[0], start.clone().add_(widened)) and torch.equal(sums[1], start.clone().add_(doubled))
