@@ -279,6 +279,12 @@ class ActivationCheckpoint:
     selective_ops: list[str] = field(default_factory=lambda: list(SELECTIVE_OPS))
     """aten ops (names without overload, comma-separated on the command line) whose outputs
     'selective' saves; the default: matmuls (dense, grouped, scaled) and attention."""
+    full_blocks: int = 0
+    """How many transformer blocks of each pipeline stage (of the model, without pipeline
+    parallel), its first ones by block index, recompute in full whatever ``mode`` says; the others
+    follow ``mode`` ('selective' or 'none'). A step between two modes' memory and time, as
+    Megatron's block recomputation (``--recompute-method block --recompute-num-layers``). 0: every
+    block follows ``mode``."""
 
 
 @dataclass

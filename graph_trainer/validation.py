@@ -195,6 +195,11 @@ def _check_compile(cfg: JobConfig, degrees: dict[str, int]) -> None:
         f"activation_checkpoint.mode = {ac.mode!r} needs compile.mode = 'graph' (the policy rewrites the "
         f"traced graph; eager mode keeps every activation)",
     )
+    require(
+        ac.full_blocks >= 0,
+        f"activation_checkpoint.full_blocks = {ac.full_blocks} must be 0 (every block follows "
+        f"activation_checkpoint.mode) or the number of each stage's first blocks recomputed in full",
+    )
     unknown = [op for op in ac.selective_ops if not hasattr(torch.ops.aten, op)]
     require(
         not unknown,
@@ -330,6 +335,13 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
             "activation_checkpoint.selective_ops",
             ac.mode == "selective",
             f"activation_checkpoint.mode 'selective' (it is {ac.mode!r})",
+        ),
+        _setting(
+            cfg,
+            "activation_checkpoint.full_blocks",
+            ac.mode != "full" and c.mode == "graph",
+            f"activation_checkpoint.mode 'selective' or 'none' and compile.mode 'graph' (they are {ac.mode!r}, "
+            f"{c.mode!r})",
         ),
         *[
             _setting(cfg, f"compile.ep_overlap.{f.name}", "ep_overlap" in c.passes, "'ep_overlap' in compile.passes")

@@ -64,6 +64,7 @@ from graph_trainer.analysis.memory import (
     memory_warning,
 )
 from graph_trainer.analysis.simulator import format_table, simulate
+from graph_trainer.compiler.memory_policy import ac_description
 from graph_trainer.config import JobConfig
 from graph_trainer.config_loading import load_config, normalize_pass_list, take_flag
 from graph_trainer.distributed.parallel_dims import ParallelDims, job_microbatches, resolve_parallel_degrees
@@ -397,7 +398,7 @@ def job_header(command: CommandLine, microbatches: int) -> str:
     return (
         f"{cfg.model.name} {cfg.model.flavor}, world size {command.world_size}, per-rank batch "
         f"{t.local_batch_size}x{t.seq_len}{accumulating}, param dtype {t.mixed_precision_param}, reduce dtype "
-        f"{t.mixed_precision_reduce}, activation checkpointing {cfg.activation_checkpoint.mode}, "
+        f"{t.mixed_precision_reduce}, activation checkpointing {ac_description(cfg.activation_checkpoint)}, "
         f"loss chunks {t.loss_chunks}; simulated on {command.device.name} ({command.ranks_per_node} ranks/node)"
     )
 

@@ -196,6 +196,8 @@ def _ways_to_shrink(cfg: JobConfig, estimate: StepMemoryEstimate) -> list[str]:
             )
         if ac != "full" and cfg.compile.mode == "graph":
             ways.append(f"activation_checkpoint.mode {'selective or full' if ac == 'none' else 'full'}")
+            if ac == "selective":
+                ways.append("activation_checkpoint.full_blocks N (each stage's first N blocks recomputed in full)")
         if t.local_batch_size > 1:
             ways.append("a smaller training.local_batch_size (training.global_batch_size keeps the global batch)")
         if t.loss_chunks == 1:

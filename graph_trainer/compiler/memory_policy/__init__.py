@@ -4,7 +4,8 @@ It runs on the traced graph before the user's passes (``graph_trainer.compiler.c
 passes, in order, each keeping every value bitwise:
 
 1. ``remove_dead_code``: drop nodes nobody reads (collectives and waits are kept: they have effects);
-2. with ``activation_checkpoint.mode`` other than ``none``, or ``training.loss_chunks > 1``:
+2. with ``activation_checkpoint.mode`` other than ``none`` (or ``full_blocks`` > 0), or
+   ``training.loss_chunks > 1``:
    ``tag_activations`` decides save or recompute per transformer block and loss row block, and
    ``recompute_activations`` copies each recomputed value before its first backward use
    (``activation_checkpoint``);
@@ -35,15 +36,23 @@ def remove_dead_code(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule
     return gm
 
 
+def ac_description(ac: Any) -> str:
+    """``activation_checkpoint``'s mode in words, e.g. ``selective (each stage's first 2 blocks full)``."""
+    if ac.full_blocks == 0:
+        return ac.mode
+    return f"{ac.mode} (each stage's first {ac.full_blocks} blocks full)"
+
+
 def memory_policy_passes(config: Any) -> list[PassSpec]:
     """The policy's passes for a job (module docstring); ``config`` None: dead code and resharding only."""
     specs = [PassSpec("remove_dead_code", remove_dead_code, "drop unused pure nodes")]
-    if config is not None and (config.activation_checkpoint.mode != "none" or config.training.loss_chunks > 1):
+    ac = config.activation_checkpoint if config is not None else None
+    if ac is not None and (ac.mode != "none" or ac.full_blocks > 0 or config.training.loss_chunks > 1):
         specs.append(
             PassSpec(
                 "tag_activations",
                 tag_activations,
-                f"activation checkpointing ({config.activation_checkpoint.mode}, "
+                f"activation checkpointing ({ac_description(ac)}, "
                 f"{config.training.loss_chunks} loss chunks): save or recompute",
             )
         )
@@ -66,6 +75,7 @@ def memory_policy_passes(config: Any) -> list[PassSpec]:
 
 
 __all__ = [
+    "ac_description",
     "memory_policy_passes",
     "recompute_activations",
     "remove_dead_code",

@@ -6,10 +6,12 @@ Reads: the tracer's tags on every node (``graph_trainer.graph.tags``): ``phase``
 backward / ...), ``module_fqn`` (transformer blocks are the modules ``layers.<i>``, ``block_of``;
 a backward node carries the FQN of the forward op it differentiates), ``loss_chunk`` (``unit_of``),
 ``fsdp_role`` (SimpleFSDP's gather chains), ``tp_role`` (sequence parallel's gathers); and
-``--activation_checkpoint.mode`` / ``selective_ops``.
+``--activation_checkpoint.mode`` / ``selective_ops`` / ``full_blocks``.
 
 ``tag_activations`` (decides, changes no edge): within each transformer block (and each row
-block of a chunked loss, ``graph_trainer.loss``, which is always recomputed in full), every
+block of a chunked loss, ``graph_trainer.loss``, which is always recomputed in full; and the
+graph's first ``activation_checkpoint.full_blocks`` blocks by index, a pipeline stage's first
+ones, whatever the mode: ``region_modes``), every
 forward value the region's backward reads is tagged ``custom["activation"] = "save"`` or
 ``"recompute"``, and so is every value a recomputation reads:
 
@@ -146,15 +148,26 @@ def decide_region(nodes: list[fx.Node], region: str, mode: str, saved_ops: set[s
     return decision
 
 
+def region_modes(regions: set[str], mode: str, full_blocks: int) -> dict[str, str]:
+    """The mode each region of one graph is decided with: a loss row block ``full``; the first
+    ``full_blocks`` transformer blocks by block index ``full``, the others ``mode``."""
+    blocks = sorted((r for r in regions if not r.startswith(LOSS_CHUNK)), key=lambda r: int(r.rpartition(".")[2]))
+    modes = {r: "full" for r in regions if r.startswith(LOSS_CHUNK)}
+    modes.update({r: "full" if i < full_blocks else mode for i, r in enumerate(blocks)})
+    return modes
+
+
 def tag_activations(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
-    """Tag save / recompute on the activations of every block (by ``activation_checkpoint.mode``)
-    and of every loss row block (always ``full``: their logits are what chunking frees)."""
+    """Tag save / recompute on the activations of every block (by ``activation_checkpoint.mode``,
+    the graph's first ``full_blocks`` blocks ``full``) and of every loss row block (always
+    ``full``: their logits are what chunking frees)."""
     ac = context.config.activation_checkpoint
     nodes = list(gm.graph.nodes)
     regions = {r for n in nodes if (r := unit_of(n)) is not None}
     saved_ops = set(ac.selective_ops)
+    modes = region_modes(regions, ac.mode, ac.full_blocks)
     for region in sorted(regions):
-        mode = "full" if region.startswith(LOSS_CHUNK) else ac.mode
+        mode = modes[region]
         if mode == "none":
             continue
         for node, choice in decide_region(nodes, region, mode, saved_ops).items():
@@ -211,4 +224,4 @@ def recompute_counts(graph: fx.Graph) -> dict[str, dict[str, int]]:
     return dict(counts)
 
 
-__all__ = ["decide_region", "recompute_activations", "recompute_counts", "tag_activations"]
+__all__ = ["decide_region", "recompute_activations", "recompute_counts", "region_modes", "tag_activations"]

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from graph_trainer.analysis.memory import estimate_step_memory
-from graph_trainer.compiler.memory_policy.activation_checkpoint import recompute_counts
+from graph_trainer.compiler.memory_policy.activation_checkpoint import recompute_counts, region_modes
 from graph_trainer.config_loading import load_config
 from graph_trainer.errors import ConfigError
-from graph_trainer.fake_trace import fake_world, trace_job
+from graph_trainer.fake_trace import fake_world, trace_job, trace_pipeline
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts, is_collective
 from graph_trainer.graph.ops import is_attention
@@ -187,6 +187,38 @@ def test_chunked_loss_recomputes_each_chunk_and_lowers_the_peak():
     assert peak(four) < peak(one)
 
 
+def test_full_blocks_recompute_a_graphs_first_blocks_in_full_and_the_others_by_mode():
+    selective = recompute_counts(_graph((*SMALL, *_ac("selective"))).graph)
+    full = recompute_counts(_graph((*SMALL, *_ac("full"))).graph)
+    mixed = recompute_counts(_graph((*SMALL, *_ac("selective"), "--activation_checkpoint.full_blocks", "1")).graph)
+    assert mixed["layers.0"] == full["layers.0"] and mixed["layers.1"] == selective["layers.1"]
+    assert full["layers.0"] != selective["layers.0"]
+    # with mode none the other blocks keep everything, as without the policy
+    first_only = recompute_counts(_graph((*SMALL, "--activation_checkpoint.full_blocks", "1")).graph)
+    assert first_only == {"layers.0": full["layers.0"]}
+    # more than the graph has: every block full
+    assert recompute_counts(_graph((*SMALL, "--activation_checkpoint.full_blocks", "5")).graph) == full
+    # by block index, not by name: layers.10 comes after layers.9
+    assert region_modes({"layers.10", "layers.9", "layers.2", f"{LOSS_CHUNK}.0"}, "none", 2) == {
+        "layers.2": "full",
+        "layers.9": "full",
+        "layers.10": "none",
+        f"{LOSS_CHUNK}.0": "full",
+    }
+
+
+def test_full_blocks_counts_each_pipeline_stages_first_blocks():
+    cfg = load_config(
+        [*SMALL, "--parallelism.pp", "2", "--training.global_batch_size", "8", "--model.n_layers", "4"]
+        + ["--activation_checkpoint.full_blocks", "1"]
+    )
+    validate_config(cfg, 2)
+    with fake_world(2):
+        traced = trace_pipeline(cfg, 2)
+    recomputed = {s: sorted(recompute_counts(t.gm.graph)) for s, t in traced.stages.items()}
+    assert recomputed == {0: ["layers.0"], 1: ["layers.2"]}
+
+
 def test_config_errors():
     with pytest.raises(ConfigError, match="activation_checkpoint.mode = 'some' is not allowed"):
         validate_config(load_config(_ac("some")))
@@ -196,6 +228,11 @@ def test_config_errors():
         validate_config(load_config([*_ac("selective"), "--activation_checkpoint.selective_ops", "mm,matmull"]))
     with pytest.raises(ConfigError, match="training.loss_chunks = 0 must be between 1"):
         validate_config(load_config(["--training.loss_chunks", "0"]))
+    with pytest.raises(ConfigError, match="activation_checkpoint.full_blocks = -1 must be 0"):
+        validate_config(load_config([*_ac("selective"), "--activation_checkpoint.full_blocks", "-1"]))
+    for mode in (["--compile.mode", "eager"], _ac("full")):
+        with pytest.raises(ConfigError, match="activation_checkpoint.full_blocks = 2 means something only with "):
+            validate_config(load_config([*mode, "--activation_checkpoint.full_blocks", "2"]))
     cfg = load_config(["--activation_checkpoint.selective_ops", "mm, bmm"])
     assert cfg.activation_checkpoint.selective_ops == ["mm", "bmm"]
 
