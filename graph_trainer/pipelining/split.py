@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 
 from graph_trainer.graph import tags
-from graph_trainer.graph.tags import BACKWARD, CUSTOM, INPUT, INPUT_FQN, PHASE
+from graph_trainer.graph.tags import BACKWARD, CUSTOM, INPUT, INPUT_FQN, MODULE_FQN, PHASE
 
 OUTPUT_GRAD = "output_grad"
 
@@ -171,7 +171,7 @@ def add_into_sums(piece: fx.GraphModule, num_grads: int) -> fx.GraphModule:
     for grad_sum, grad, value in zip(sums, grads, added, strict=True):
         with graph.inserting_after(value if value.op != "placeholder" else anchor):
             add = graph.call_function(torch.ops.aten.add_.Tensor, (grad_sum, value))
-        add.meta = {"val": grad_sum.meta["val"], CUSTOM: {**tags.tags(grad), PHASE: BACKWARD}}
+        add.meta = {"val": grad_sum.meta["val"], CUSTOM: {PHASE: BACKWARD, MODULE_FQN: tags.module_fqn(grad)}}
     for grad in {g for g, value in zip(grads, added, strict=True) if value is not g}:
         graph.erase_node(grad)  # (a widening only the output read)
     graph.lint()
