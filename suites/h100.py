@@ -91,8 +91,8 @@ H100_INDUCTOR_CASES = [
 # step simulated): the shipped 405B and 671B configs, pipeline parallel with tensor and sequence
 # parallel inside the stages, weights resident for the step (the 405B interleaved with selective
 # checkpointing, each stage's first 2 blocks full; the 671B 1F1B with full checkpointing, experts
-# over ep ranks that include the tp ranks). Other schedules and layouts of both were measured once (docs/performance.md);
-# `graph_trainer.cli.analyze` gives any of them.
+# over ep ranks that include the tp ranks). Other schedules and layouts of both were measured once
+# (docs/performance.md); `graph_trainer.cli.analyze` gives any of them.
 H100_PIPELINE_CASES = [
     Case("deepseek671b_pp8xtp2xfsdp16xep32_1f1b", 256, [], config="configs/deepseek_v3_671b.toml", dry_run_only=True),
     Case("llama3_405b_pp16xtp8xfsdp4_interleaved", 512, [], config="configs/llama3_405b.toml", dry_run_only=True),
