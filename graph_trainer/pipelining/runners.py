@@ -55,25 +55,19 @@ class _Accumulator:
         return sums
 
 
-class _GraphSums:
+class _GraphSums(_Accumulator):
     """A graph stage's gradient sums for one step: made at its first backward of the step
     (``StageGraphs.empty_sums``: -0.0, the additive identity of every value, signed zeros
-    included), then added into in place by each backward piece."""
+    included), then added into in place by each backward piece (``take`` as ``_Accumulator``'s)."""
 
     def __init__(self, graphs: StageGraphs) -> None:
+        super().__init__()
         self.graphs = graphs
-        self.sums: list[torch.Tensor] | None = None
 
     def buffers(self, device: torch.device) -> list[torch.Tensor]:
         if self.sums is None:
             self.sums = self.graphs.empty_sums(device)
         return self.sums
-
-    def take(self) -> list[torch.Tensor]:
-        if self.sums is None:
-            raise RuntimeError("no backward ran on this stage in this step")
-        sums, self.sums = self.sums, None
-        return sums
 
 
 class GraphStageRunner:
