@@ -84,7 +84,7 @@ _ZERO_COST = {
 }
 _GATHER_LIKE = {aten.embedding.default: 1, aten.index_select.default: 2, aten.gather.default: 2, aten.index.Tensor: 1}
 """Ops that read only the rows they output: position of their index argument."""
-_FILLS = {
+FILLS = {
     aten.zeros.default,
     aten.ones.default,
     aten.full.default,
@@ -195,7 +195,7 @@ def node_bytes(node: fx.Node, hints: SizeHints | None = None) -> int:
         return 2 * out + hints.nbytes(
             value_of([i for i in index if i is not None] if isinstance(index, list) else index)
         )
-    if node.target in _FILLS:  # writes its output, reads at most a scalar
+    if node.target in FILLS:  # writes its output, reads at most a scalar
         return out
     if node.target == aten.nll_loss_forward.default:
         # Reads one logit per target (a gather), not the whole (N, vocab) input.
@@ -205,10 +205,10 @@ def node_bytes(node: fx.Node, hints: SizeHints | None = None) -> int:
         # Zero-fills the (N, vocab) gradient and scatters one value per target; never reads
         # ``self`` (the profiled kernels: fill_ 1.27 ms + a 12 us scatter at 8192 x 128256).
         return out + hints.nbytes(value_of(node.args[2]))
-    return out + sum(_read_bytes(t, hints) for a in node.all_input_nodes for t in tensors_in(value_of(a)))
+    return out + sum(read_bytes(t, hints) for a in node.all_input_nodes for t in tensors_in(value_of(a)))
 
 
-def _read_bytes(t: torch.Tensor, hints: SizeHints) -> int:
+def read_bytes(t: torch.Tensor, hints: SizeHints) -> int:
     """Bytes a kernel reads from input ``t``: an expanded (stride 0) dim is read once."""
     n = t.element_size()
     for size, stride in zip(t.shape, t.stride() if t.layout == torch.strided else (1,) * t.dim(), strict=True):
@@ -435,6 +435,7 @@ def traffic_time(traffic: CollectiveTraffic, device: DeviceModel) -> float:
 
 
 __all__ = [
+    "FILLS",
     "CollectiveTraffic",
     "GroupInfo",
     "collective_time",
@@ -445,6 +446,7 @@ __all__ = [
     "node_bytes",
     "node_compute_time",
     "node_flops",
+    "read_bytes",
     "ring_factor",
     "traffic_time",
 ]

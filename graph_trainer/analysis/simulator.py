@@ -38,6 +38,7 @@ from graph_trainer.analysis.cost_model import (
     traffic_time,
 )
 from graph_trainer.analysis.devices import DeviceModel
+from graph_trainer.analysis.fusion import FusionPlan, fuse_kernels
 from graph_trainer.analysis.memory import MemoryEstimate, estimate_peak_memory
 from graph_trainer.graph import collectives, tags
 from graph_trainer.graph.collectives import collective_bytes, group_name, is_collective, is_wait, launch_of
@@ -179,17 +180,20 @@ def simulate(
     ranks_per_node: int = 8,
     group_sizes: dict[str, int] | None = None,
     record_events: bool = True,
+    fused: bool = False,
 ) -> SimulationResult:
     """Simulate ``graph`` on ``device`` (see the module docstring for the model).
 
     ``group_sizes`` overrides the size of process groups by name (for graphs built without a
     live process group); otherwise sizes come from the ops' arguments or the live groups.
-    ``record_events`` keeps every compute kernel's span for ``to_chrome_trace``.
+    ``record_events`` keeps every compute kernel's span for ``to_chrome_trace``. ``fused`` costs the
+    compute as Inductor would fuse it (``analysis.fusion``) instead of op by op.
     """
     if isinstance(graph, fx.GraphModule):
         graph = graph.graph
     hints = SizeHints.from_graph(graph)
-    step = _StepSimulation(device, hints, ranks_per_node, group_sizes or {}, record_events)
+    plan = fuse_kernels(graph, hints) if fused else None
+    step = _StepSimulation(device, hints, ranks_per_node, group_sizes or {}, record_events, plan)
     for node in graph.nodes:
         step.run(node)
     return step.result(estimate_peak_memory(graph, hints))
@@ -207,6 +211,8 @@ class _StepSimulation:
     group_sizes: dict[str, int]
     """Process group sizes by name that override the ops' arguments and the live groups."""
     record_events: bool
+    plan: FusionPlan | None = None
+    """Inductor's kernels as ``analysis.fusion`` models them; None: op by op."""
     now: float = 0.0
     """The compute stream's clock."""
     compute_total: float = 0.0
@@ -282,16 +288,23 @@ class _StepSimulation:
     def _compute(self, node: fx.Node, inputs_ready: float) -> float:
         """Run ``node`` on the compute stream once its inputs are ready, for its compute cost (nodes
         that cost nothing, such as views, do not wait). Returns when its output is ready."""
-        cost = node_compute_time(node, self.device, self.hints)
+        cost, cls = self._cost(node)
         if cost > 0:
             self.now = max(self.now, inputs_ready)
             if self.record_events:
                 self.compute_events.append((node.name, self.now, cost, tags.module_fqn(node)))
             self.now += cost
             self.compute_total += cost
-            cls = kernel_class(node, self.hints)
             self.by_class[cls] = self.by_class.get(cls, 0.0) + cost
         return max(self.now, inputs_ready)
+
+    def _cost(self, node: fx.Node) -> tuple[float, str]:
+        """(seconds, class) of ``node`` on the compute stream: op by op, or as ``plan`` fuses it (a
+        fused kernel's whole cost at its last node, its class prefixed ``fused``)."""
+        fused = self.plan.cost(node, self.device) if self.plan is not None else None
+        if fused is not None:
+            return fused
+        return node_compute_time(node, self.device, self.hints), kernel_class(node, self.hints)
 
     def result(self, memory: MemoryEstimate) -> SimulationResult:
         """The step as simulated so far: it ends when the last stream finishes."""

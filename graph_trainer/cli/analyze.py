@@ -12,8 +12,8 @@ above are taken out first. The job is traced on the fake process group at ``worl
 (``graph_trainer.fake_trace``: fake tensors, nothing allocated, no communication),
 its passes run (``compile.passes``, or each list given to ``--compare``, one trace per list;
 ``none`` is the empty list; with ``--ac_modes``, each list once per activation-checkpointing
-mode), and the graph is simulated with
-``graph_trainer.analysis.simulator`` on the device model. Prints, per pass list, the
+mode), and the graph is simulated with ``graph_trainer.analysis.simulator`` on the device model
+(op by op; an inductor job as ``analysis.fusion`` fuses its kernels). Prints, per pass list, the
 collectives by type, simulated step / compute / communication / exposed communication time
 and the estimated peak memory of one rank with its parts (parameters, gradients, AdamW state,
 activations: ``graph_trainer.analysis.memory.estimate_step_memory``), then the communication
@@ -56,6 +56,7 @@ import time
 from dataclasses import dataclass
 
 from graph_trainer.analysis.devices import DEVICES, DeviceModel
+from graph_trainer.analysis.fusion import fuses
 from graph_trainer.analysis.memory import (
     DEVICE_MEMORY_BYTES,
     adamw_memory,
@@ -103,7 +104,7 @@ def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
         traced = trace_job(cfg, world_size, gpu_attention=device.fused_attention)
         traced_s = time.perf_counter() - start
         # Groups are resolved while the fake process group is alive.
-        result = simulate(traced.gm.graph, device, ranks_per_node=ranks_per_node)
+        result = simulate(traced.gm.graph, device, ranks_per_node=ranks_per_node, fused=fuses(cfg.compile.backend))
     return traced, result, traced_s, time.perf_counter() - start - traced_s
 
 
@@ -117,8 +118,9 @@ def analyze_pipeline(cfg, world_size: int, device, ranks_per_node: int = 8, opti
         traced = trace_pipeline(cfg, world_size, gpu_attention=device.fused_attention)
         traced_s = time.perf_counter() - start
         pipeline = traced.layout.pipeline
+        fused = fuses(cfg.compile.backend)
         estimate = estimate_pipeline(
-            pipeline.plan, traced.stages, device, world_size, ranks_per_node, optimizer, traced.resident
+            pipeline.plan, traced.stages, device, world_size, ranks_per_node, optimizer, traced.resident, fused
         )
     return estimate, pipeline.stage_blocks, traced_s, time.perf_counter() - start - traced_s
 
@@ -395,11 +397,15 @@ def job_header(command: CommandLine, microbatches: int) -> str:
     """The first line: the job as given and the device it is simulated on."""
     cfg, t = command.cfg, command.cfg.training
     accumulating = f" x {microbatches} microbatches" if microbatches > 1 else ""
+    gather = " (float8 all-gather)" if cfg.float8.enable_fsdp_float8_all_gather else ""
+    fp8 = f", float8 {cfg.float8.recipe_name}{gather}" if cfg.float8.recipe_name != "none" else ""
+    compute = "kernels fused as Inductor fuses them (model)" if fuses(cfg.compile.backend) else "op by op"
     return (
         f"{cfg.model.name} {cfg.model.flavor}, world size {command.world_size}, per-rank batch "
         f"{t.local_batch_size}x{t.seq_len}{accumulating}, param dtype {t.mixed_precision_param}, reduce dtype "
         f"{t.mixed_precision_reduce}, activation checkpointing {ac_description(cfg.activation_checkpoint)}, "
-        f"loss chunks {t.loss_chunks}; simulated on {command.device.name} ({command.ranks_per_node} ranks/node)"
+        f"loss chunks {t.loss_chunks}{fp8}; simulated on {command.device.name} ({command.ranks_per_node} ranks/node), "
+        f"{compute}"
     )
 
 

@@ -87,23 +87,14 @@ import torch.fx as fx
 from graph_trainer import torch_compat
 from graph_trainer.config import Backend, InductorScope
 from graph_trainer.graph import tags
-from graph_trainer.graph.collectives import collective_name, collective_order, max_in_flight
-from graph_trainer.graph.ops import ADDMM, SIZE_READS, aliases_input, matmul_count
+from graph_trainer.graph.collectives import collective_order, max_in_flight, stays_outside
+from graph_trainer.graph.ops import ADDMM, aliases_input, matmul_count
 from graph_trainer.graph.tags import FORWARD, INDUCTOR_REGION, MODULE_FQN, PHASE, STEP, unit_of
 
 logger = logging.getLogger("graph_trainer")
 
 BACKENDS = typing.get_args(Backend)
 INDUCTOR_SCOPES = typing.get_args(InductorScope)
-
-
-def stays_outside(node: fx.Node) -> bool:
-    """Whether ``node`` is not part of a compiled region (see the module docstring)."""
-    if node.op != "call_function":
-        return True
-    if collective_name(node) is not None or node.target in SIZE_READS:
-        return True
-    return node.is_impure()
 
 
 def _aliases_only(nodes: list[fx.Node]) -> bool:
@@ -466,5 +457,4 @@ __all__ = [
     "region_post_grad_pass",
     "region_unit",
     "split_addmm",
-    "stays_outside",
 ]

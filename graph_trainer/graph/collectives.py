@@ -15,7 +15,7 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from graph_trainer.graph.ops import named_args
+from graph_trainer.graph.ops import SIZE_READS, named_args
 from graph_trainer.graph.sizes import SizeHints, value_of
 from graph_trainer.torch_compat import is_op_overload, op_name
 
@@ -40,6 +40,17 @@ def collective_name(node: fx.Node) -> str | None:
     if node.op != "call_function" or not is_op_overload(node.target) or node.target.namespace != NAMESPACE:
         return None
     return op_name(node.target)
+
+
+def stays_outside(node: fx.Node) -> bool:
+    """Whether ``node`` stays outside the compiled regions of the regional Inductor backend, and so
+    ends one (``compiler.backend``): placeholders and the output, collectives and their waits,
+    reads of data-dependent sizes, impure ops."""
+    if node.op != "call_function":
+        return True
+    if collective_name(node) is not None or node.target in SIZE_READS:
+        return True
+    return node.is_impure()
 
 
 def is_wait(node: fx.Node) -> bool:

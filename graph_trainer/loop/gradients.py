@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from graph_trainer import torch_compat
 from graph_trainer.analysis.devices import DEVICES
+from graph_trainer.analysis.fusion import fuses
 from graph_trainer.analysis.memory import StepMemoryEstimate, estimate_step_memory
 from graph_trainer.analysis.simulator import simulate
 from graph_trainer.build import JobLayout, pass_context, stage_modules
@@ -236,10 +237,12 @@ class StepPreparation:
         start = time.perf_counter()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        result = simulate(graph, DEVICES[name], ranks_per_node=ranks_per_node, record_events=False)
+        fused = fuses(self.cfg.compile.backend)
+        result = simulate(graph, DEVICES[name], ranks_per_node=ranks_per_node, record_events=False, fused=fused)
         self.metrics.log_event(
             "simulated step",
             device=result.device,
+            kernels="fused as Inductor (model)" if fused else "op by op",
             step_ms=result.step_time * 1e3,
             compute_ms=result.compute_time * 1e3,
             exposed_comm_ms=result.exposed_comm_time * 1e3,

@@ -106,8 +106,10 @@ def _held_output_bytes(gm: fx.GraphModule, skip: int) -> int:
     return sum(size[a] for a in held if a.op != "placeholder" or _is_per_microbatch_input(a))
 
 
-def _seconds(graph: fx.Graph, device: DeviceModel | None, ranks_per_node: int) -> float:
-    return 0.0 if device is None else simulate(graph, device, ranks_per_node, record_events=False).step_time
+def _seconds(graph: fx.Graph, device: DeviceModel | None, ranks_per_node: int, fused: bool = False) -> float:
+    if device is None:
+        return 0.0
+    return simulate(graph, device, ranks_per_node, record_events=False, fused=fused).step_time
 
 
 def _bytes(vals: list[torch.Tensor]) -> int:
@@ -120,11 +122,15 @@ def stage_cost(
     device: DeviceModel | None = None,
     ranks_per_node: int = 8,
     resident: ResidentTrace | None = None,
+    fused: bool = False,
 ) -> StageCost:
     """The costs of one stage (module docstring) from its pieces and its traced joint graph;
     without a ``device`` only the bytes (the seconds are 0: the trainer's memory check).
-    ``resident``: the stage's step on weights resident per step (``traced`` is its step graph)."""
-    seconds = {kind: _seconds(getattr(graphs, attr).graph, device, ranks_per_node) for kind, attr in _PIECES.items()}
+    ``resident``: the stage's step on weights resident per step (``traced`` is its step graph).
+    ``fused``: the pieces' compute costed as Inductor fuses it (``analysis.fusion``)."""
+    seconds = {
+        kind: _seconds(getattr(graphs, attr).graph, device, ranks_per_node, fused) for kind, attr in _PIECES.items()
+    }
     peaks = {
         kind: estimate_peak_memory(getattr(graphs, attr).graph).peak_activation_bytes for kind, attr in _PIECES.items()
     }
@@ -141,8 +147,8 @@ def stage_cost(
     if resident is not None:
         shards = [n.meta["val"] for n in resident.gather.graph.nodes if n.op == "placeholder"]
         params = shards + params
-        once = {"gather": _seconds(resident.gather.graph, device, ranks_per_node)}
-        once["reduce"] = _seconds(resident.reduce.graph, device, ranks_per_node)
+        once = {"gather": _seconds(resident.gather.graph, device, ranks_per_node, fused)}
+        once["reduce"] = _seconds(resident.reduce.graph, device, ranks_per_node, fused)
         reduced = _bytes(grads[len(gathered) :]) + _bytes(shards)  # (the sums come first)
     return StageCost(
         seconds=seconds,
@@ -317,19 +323,21 @@ def estimate_pipeline(
     ranks_per_node: int = 8,
     optimizer=None,
     resident: dict[int, ResidentTrace] | None = None,
+    fused: bool = False,
 ) -> PipelineEstimate:
     """Cut every stage's graph (``split.split_stage``; stages sharing one trace are costed once),
     cost it, replay ``plan`` and estimate every rank's memory (module docstring). ``world_size``
     and ``ranks_per_node`` place the pipeline ranks on nodes (pipeline outermost), which decides
     whether a point-to-point transfer crosses nodes. ``resident``: per stage, its step on weights
-    resident per step (``stages`` holds its step graph)."""
+    resident per step (``stages`` holds its step graph). ``fused``: the pieces' compute costed as
+    Inductor fuses it (``analysis.fusion``), for ``compile.backend`` inductor."""
     by_trace: dict[int, StageCost] = {}
     costs = {}
     for stage, traced in stages.items():
         if id(traced) not in by_trace:
             graphs = split_stage(traced.gm, traced.num_flat_param_grads, grads_into_sums=True)  # (as the runner)
             once = (resident or {}).get(stage)
-            by_trace[id(traced)] = stage_cost(graphs, traced, device, ranks_per_node, once)
+            by_trace[id(traced)] = stage_cost(graphs, traced, device, ranks_per_node, once, fused)
         costs[stage] = by_trace[id(traced)]
     stage_size = world_size // plan.pp
     p2p = {}
