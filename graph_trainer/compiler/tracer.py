@@ -12,6 +12,9 @@ are rebuilt with ``__tensor_unflatten__``, so DTensor dispatch happens during tr
 the graph sees only plain tensors and collectives. Gradients are unwrapped the same way on
 the way out and rewrapped by ``TracedStep.__call__`` (``graph_trainer.compiler.flat_tensors``).
 
+The graph computes each value once: identical computations of one phase and one unit are merged
+(``compiler.cse``; bitwise), as ``torch.compile`` would.
+
 Graph inputs, in order: the inner tensors of every parameter (``named_parameters`` order),
 of every buffer, then ``tokens`` and ``labels``. Outputs: the loss, then the inner tensors of
 every parameter's gradient, in parameter order.
@@ -47,6 +50,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graph_trainer import torch_compat
+from graph_trainer.compiler.cse import eliminate_common_subexpressions
 from graph_trainer.compiler.flat_tensors import FlatTensorSpec, flatten_tensor, split_flat, unflatten_tensor
 from graph_trainer.distributed.simple_fsdp import is_parametrization, owner_fqn
 from graph_trainer.graph import tags
@@ -411,6 +415,7 @@ def trace_train_step(
     ends = [STAGE_INPUT_NAMES[joint.first], STAGE_TARGET_NAMES[joint.last]]
     _finalize_meta(gm, state.input_fqns() + ends)
     _read_collective_sizes_from_waits(gm)
+    eliminate_common_subexpressions(gm)
     gm.graph.lint()
     gm.recompile()
     return TracedStep(
