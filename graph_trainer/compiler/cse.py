@@ -40,6 +40,8 @@ Numerics: bitwise. Each erased node computed exactly the value of the node that 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.fx as fx
 
@@ -84,7 +86,10 @@ def eliminate_common_subexpressions(gm: fx.GraphModule) -> int:
         region += stays_outside(node)
     erased += _erase_unread(graph, orphans, mutated, returned)
     if erased:
-        graph.lint()
+        # A copy of the graph, whose names are only those of its nodes: the erased ones' are free
+        # again, so a pass names what it adds here as it would in any copy of this graph.
+        gm.graph = copy.deepcopy(graph)
+        gm.graph.lint()
         gm.recompile()
     return erased
 
