@@ -78,16 +78,9 @@ _NOT_FUSED = {
     "histc",
     "cumsum",
     "cumprod",
-    "bernoulli",
-    "native_dropout",
-    "rand",
-    "rand_like",
-    "randn",
-    "randn_like",
-    "normal",
-    "uniform",
 }
-"""Ops this model leaves to kernels of their own although their class is a memory class."""
+"""Ops this model leaves to kernels of their own although their class is a memory class (random
+ops too, by their ``nondeterministic_seeded`` tag)."""
 
 
 def fuses(backend: str) -> bool:
@@ -133,6 +126,8 @@ def _fusible(node: fx.Node, hints: SizeHints) -> bool:
     if node.op != "call_function" or is_free(node) or collective_name(node) is not None or is_wait(node):
         return False
     if node.target in SIZE_READS or name_of(node) in _NOT_FUSED or node.is_impure() or mutated_args(node):
+        return False
+    if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
         return False
     if kernel_class(node, hints) not in _FUSIBLE_CLASSES:
         return False

@@ -172,3 +172,10 @@ def test_simulated_forward_backward_against_the_one_gpu_table(row):
     measured = row["forward_backward_ms"]
     print(f"{row['name']}: simulated {result.step_time * 1e3:.1f} ms, measured {measured:.1f} ms")
     assert result.step_time * 1e3 == pytest.approx(measured, rel=0.10)
+
+
+def test_random_ops_stay_kernels_of_their_own():
+    g = _graph(lambda x: torch.nn.functional.dropout(x * 2, 0.5, True) + 1, (64,), dtype=torch.float32)
+    plan = fuse_kernels(g)
+    random = [n for n in g.nodes if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
+    assert random and not any(n in plan.kernel_of or n in plan.inlined for n in random)
