@@ -295,9 +295,25 @@ _FLOAT8_REFERENCES = [
         "deepseek_2l_float8_single_b4", 1, [*_DEEPSEEK_2_LAYERS, *_FLOAT8["rowwise"], *batch(4)], config=DEEPSEEK_DEBUG
     ),
 ]
+# Weights resident per step: each weight's casts run once a step for its two microbatches
+# (compiler/hoist.py), on FSDP2 x TP2 (tensorwise: the amax all-reduced over tp) and in a pipeline
+# (rowwise, weight gradient in high precision: the one process's scales, within CLOSE_RTOL as on
+# FSDP2; docs/numerics.md, "FP8 linears").
+_TWO_MICROBATCHES = [*batch(1), "--training.global_batch_size", "4"]
 _FLOAT8_LAYOUTS = {
     "float8_gw_hp_fsdp2": (2, _FLOAT8["rowwise_with_gw_hp"], "float8_gw_hp_single_b4"),
     "float8_fsdp2xtp2": (4, [*_FLOAT8["tensorwise"], "--parallelism.tp", "2"], "float8_single_b4"),
+    "float8_fsdp2xtp2_accum2_per_step": (
+        4,
+        [*_FLOAT8["tensorwise"], "--parallelism.tp", "2", *_TWO_MICROBATCHES, *_PER_STEP],
+        "float8_single_b4",
+    ),
+    "float8_gw_hp_pp2xfsdp2_zbv": (
+        4,
+        [*_FLOAT8["rowwise_with_gw_hp"], "--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"]
+        + _TWO_MICROBATCHES,
+        "float8_gw_hp_single_b4",
+    ),
 }
 _DEEPSEEK_FLOAT8_LAYOUTS = {
     "deepseek_2l_float8_tp2xep2": (
@@ -306,8 +322,9 @@ _DEEPSEEK_FLOAT8_LAYOUTS = {
         "deepseek_2l_float8_single_b4",
     ),
 }
-_FLOAT8_BOUNDS = {"float8_fsdp2xtp2": FLOAT8_RTOL, "deepseek_2l_float8_tp2xep2": FLOAT8_RTOL}
-_FLOAT8_GRAD_BOUNDS = dict.fromkeys(_FLOAT8_BOUNDS, FLOAT8_GRAD_RTOL)
+_FLOAT8_OTHER_SCALES = ["float8_fsdp2xtp2", "float8_fsdp2xtp2_accum2_per_step", "deepseek_2l_float8_tp2xep2"]
+_FLOAT8_BOUNDS = dict.fromkeys(_FLOAT8_OTHER_SCALES, FLOAT8_RTOL)
+_FLOAT8_GRAD_BOUNDS = dict.fromkeys(_FLOAT8_OTHER_SCALES, FLOAT8_GRAD_RTOL)
 # The weights gathered in float8 (cast on each shard with the whole weight's scale) are bitwise
 # those cast after a gather in the parameter dtype, so the run is bitwise the same: graph (also
 # bucketed per block, and by PyTorch's bucketer) and eager on FSDP2 x TP2; on HSDP with bf16

@@ -95,7 +95,7 @@ from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import is_wait
 from graph_trainer.graph.ops import aliases_input, mutated_args
 from graph_trainer.graph.sizes import SizeHints
-from graph_trainer.graph.tags import FSDP_ROLE, GATHERED
+from graph_trainer.graph.tags import FSDP_ROLE, GATHERED, INPUT_FQN
 
 GIB = float(1 << 30)
 
@@ -231,7 +231,7 @@ def estimate_peak_memory(graph: fx.Graph, sizes: SizeHints | None = None) -> Mem
     owner, size = _allocations(nodes, sizes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     returned = _graph_outputs(nodes)
-    params = placeholders[: max(len(returned) - 1, 0)]
+    params = _parameter_inputs(placeholders, len(returned) - 1)
     grads = {owner[a] for a in returned[1:] if isinstance(a, fx.Node) and a in owner} - set(placeholders)
     pinned = {owner[n] for n in placeholders} | {owner[a] for a in returned if isinstance(a, fx.Node) and a in owner}
     frees_at = _frees(nodes, owner, pinned)
@@ -389,8 +389,17 @@ def _param_tensors(graph: fx.Graph | None, params: Iterable[torch.Tensor] | None
     if graph is None:
         raise ValueError("estimate_step_memory needs a graph or the parameters")
     nodes = list(graph.nodes)
-    n_params = max(len(_graph_outputs(nodes)) - 1, 0)
-    return [n.meta["val"] for n in nodes if n.op == "placeholder"][:n_params]
+    inputs = _parameter_inputs([n for n in nodes if n.op == "placeholder"], len(_graph_outputs(nodes)) - 1)
+    return [n.meta["val"] for n in inputs]
+
+
+def _parameter_inputs(placeholders: list[fx.Node], n_grads: int) -> list[fx.Node]:
+    """The graph's parameter inputs, one parameter per gradient output: the first placeholders, where
+    the gathered inputs (weights resident per step, or values computed once per step from one:
+    ``compiler.hoist``) count for as many parameters as their ``input_fqn`` name."""
+    gathered = [n for n in placeholders if tags.get(n, FSDP_ROLE) == GATHERED]
+    others = [n for n in placeholders if n not in gathered]
+    return gathered + others[: max(n_grads - len({tags.get(n, INPUT_FQN) for n in gathered}), 0)]
 
 
 def _nbytes(t: torch.Tensor) -> int:

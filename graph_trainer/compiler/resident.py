@@ -4,10 +4,12 @@
 runs eagerly (its docstring has the rule and the numerics), as graphs:
 
 - ``gather``: the gathered parameters' flat local shards -> the gathered local tensors (the cast
-  and the all-gathers, tagged ``fsdp_role`` unshard with ``fsdp_param``, ``phase`` forward); run
-  once per step;
+  and the all-gathers, tagged ``fsdp_role`` unshard with ``fsdp_param``, ``phase`` forward), and
+  what the microbatch would compute from them alone (``compiler.hoist``: the float8 weight casts);
+  run once per step;
 - ``step``: a microbatch's joint graph (``tracer.trace_train_step``) whose inputs are the gathered
-  tensors, then the other parameters, buffers, tokens and labels, and whose gradient outputs are
+  tensors (those it still reads after ``compiler.hoist``, then the values moved to ``gather``),
+  then the other parameters, buffers, tokens and labels, and whose gradient outputs are
   the gathered tensors' gradients in the reduce dtype, then the other parameters' (flat); it
   holds no data-parallel collective, so the memory policy's ``reshard_after_forward`` and the
   bucketing passes find nothing of SimpleFSDP's in it; the compile chain and the pipeline's cut
@@ -38,6 +40,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graph_trainer import torch_compat
 from graph_trainer.compiler.flat_tensors import FlatTensorSpec, flatten_tensor, split_flat, unflatten_tensor
+from graph_trainer.compiler.hoist import hoist_invariants
 from graph_trainer.compiler.tracer import FlatState, GraphStep, TracedStep, batch_signature, fake_like, trace_train_step
 from graph_trainer.distributed.resident import ResidentWeights
 from graph_trainer.distributed.simple_fsdp import owner_fqn
@@ -181,6 +184,7 @@ def trace_resident(
     placeholders = [n for n in step.gm.graph.nodes if n.op == "placeholder"]
     for node in placeholders[: len(templates)]:
         tags.update(node, {FSDP_ROLE: GATHERED})
+    hoist_invariants(gather, step.gm)
     sums = [_meta_like(t, rc.mp.reduce_dtype) for t, rc in zip(templates, weights.parametrizations, strict=True)]
     reduce, specs = _reduce_graph(weights, gathered_params, sums, device)
     return ResidentTrace(weights, gather, step, reduce, specs)

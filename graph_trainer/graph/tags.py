@@ -74,7 +74,8 @@ KEYS = (
     KeyDoc(
         (FSDP_ROLE,),
         "SimpleFSDP: UNSHARD on a parameter's cast + gather chain; tracer: REDUCE_GRAD on its backward "
-        "(the gradient reduction); compiler.resident: GATHERED on a step graph's gathered-weight inputs",
+        "(the gradient reduction); compiler.resident: GATHERED on a step graph's gathered-weight inputs "
+        "(compiler.hoist: and on the values computed once per step from them)",
         "reshard_after_forward, memory policy (never recomputed), transformer_block_bucketing, ep_overlap "
         "(not chunked-module nodes), memory estimate and pipeline timeline (GATHERED: resident weights)",
     ),
@@ -128,8 +129,9 @@ UNSHARD = "unshard"
 REDUCE_GRAD = "reduce_grad"
 """FSDP_ROLE of the backward nodes that reduce (and cast) that parameter's gradient."""
 GATHERED = "gathered"
-"""FSDP_ROLE of a step graph's inputs that are gathered weights, resident for the step
-(``graph_trainer.compiler.resident``)."""
+"""FSDP_ROLE of a step graph's inputs that are gathered weights, or values computed once per step
+from one (``input_fqn``: its name), resident for the step (``graph_trainer.compiler.resident``,
+``graph_trainer.compiler.hoist``)."""
 COUNT_EXCHANGE, DISPATCH, COMBINE, EXPERT_COMPUTE = "count_exchange", "dispatch", "combine", "expert_compute"
 """Values of EP_ROLE: the token-count all_to_all, the token all_to_all there, the one back, the local experts."""
 SEQUENCE_GATHER = "sequence_gather"

@@ -127,7 +127,8 @@ def stage_cost(
     """The costs of one stage (module docstring) from its pieces and its traced joint graph;
     without a ``device`` only the bytes (the seconds are 0: the trainer's memory check).
     ``resident``: the stage's step on weights resident per step (``traced`` is its step graph).
-    ``fused``: the pieces' compute costed as Inductor fuses it (``analysis.fusion``)."""
+    ``fused``: the pieces' compute costed as Inductor fuses it (``analysis.fusion``); the gather and
+    reduce graphs run op by op whatever the backend (only the step graph is compiled)."""
     seconds = {
         kind: _seconds(getattr(graphs, attr).graph, device, ranks_per_node, fused) for kind, attr in _PIECES.items()
     }
@@ -147,9 +148,9 @@ def stage_cost(
     if resident is not None:
         shards = [n.meta["val"] for n in resident.gather.graph.nodes if n.op == "placeholder"]
         params = shards + params
-        once = {"gather": _seconds(resident.gather.graph, device, ranks_per_node, fused)}
-        once["reduce"] = _seconds(resident.reduce.graph, device, ranks_per_node, fused)
-        reduced = _bytes(grads[len(gathered) :]) + _bytes(shards)  # (the sums come first)
+        once = {"gather": _seconds(resident.gather.graph, device, ranks_per_node)}
+        once["reduce"] = _seconds(resident.reduce.graph, device, ranks_per_node)
+        reduced = _bytes(grads[len(resident.weights.gathered_index) :]) + _bytes(shards)  # (the sums come first)
     return StageCost(
         seconds=seconds,
         peak_bytes=peaks,
