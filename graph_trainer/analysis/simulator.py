@@ -181,17 +181,20 @@ def simulate(
     group_sizes: dict[str, int] | None = None,
     record_events: bool = True,
     fused: bool = False,
+    hints: SizeHints | None = None,
 ) -> SimulationResult:
     """Simulate ``graph`` on ``device`` (see the module docstring for the model).
 
     ``group_sizes`` overrides the size of process groups by name (for graphs built without a
     live process group); otherwise sizes come from the ops' arguments or the live groups.
     ``record_events`` keeps every compute kernel's span for ``to_chrome_trace``. ``fused`` costs the
-    compute as Inductor would fuse it (``analysis.fusion``) instead of op by op.
+    compute as Inductor would fuse it (``analysis.fusion``) instead of op by op. ``hints``: the
+    data-dependent sizes (default ``SizeHints.from_graph(graph)``); a piece of a graph cut apart
+    (a pipeline stage's backward) takes its whole graph's: the sizes it reads were made elsewhere.
     """
     if isinstance(graph, fx.GraphModule):
         graph = graph.graph
-    hints = SizeHints.from_graph(graph)
+    hints = hints or SizeHints.from_graph(graph)
     plan = fuse_kernels(graph, hints) if fused else None
     step = _StepSimulation(device, hints, ranks_per_node, group_sizes or {}, record_events, plan)
     for node in graph.nodes:

@@ -55,6 +55,7 @@ from graph_trainer.analysis.simulator import simulate
 from graph_trainer.compiler.resident import ResidentTrace
 from graph_trainer.compiler.tracer import BATCH_INPUTS, TracedStep
 from graph_trainer.graph import tags
+from graph_trainer.graph.sizes import SizeHints
 from graph_trainer.graph.tags import FSDP_ROLE, GATHERED, INPUT_FQN
 from graph_trainer.pipelining.schedule import Action, PipelinePlan
 from graph_trainer.pipelining.split import StageGraphs, split_stage
@@ -96,20 +97,26 @@ def _is_per_microbatch_input(node: fx.Node) -> bool:
     return node.op == "placeholder" and tags.get(node, INPUT_FQN) in BATCH_INPUTS
 
 
-def _held_output_bytes(gm: fx.GraphModule, skip: int) -> int:
+def _held_output_bytes(gm: fx.GraphModule, skip: int, hints: SizeHints) -> int:
     """Bytes of the distinct allocations behind ``gm``'s outputs after the first ``skip``, less
     the parameter and buffer inputs (resident anyway): what a runner keeps from this piece."""
     nodes = list(gm.graph.nodes)
-    owner, size = allocation_owners(nodes)
+    owner, size = allocation_owners(nodes, hints)
     outputs = [o for o in nodes[-1].args[0][skip:] if isinstance(o, fx.Node)]
     held = {owner[o] for o in outputs if o in owner}
     return sum(size[a] for a in held if a.op != "placeholder" or _is_per_microbatch_input(a))
 
 
-def _seconds(graph: fx.Graph, device: DeviceModel | None, ranks_per_node: int, fused: bool = False) -> float:
+def _seconds(
+    graph: fx.Graph,
+    device: DeviceModel | None,
+    ranks_per_node: int,
+    fused: bool = False,
+    hints: SizeHints | None = None,
+) -> float:
     if device is None:
         return 0.0
-    return simulate(graph, device, ranks_per_node, record_events=False, fused=fused).step_time
+    return simulate(graph, device, ranks_per_node, record_events=False, fused=fused, hints=hints).step_time
 
 
 def _bytes(vals: list[torch.Tensor]) -> int:
@@ -129,14 +136,17 @@ def stage_cost(
     ``resident``: the stage's step on weights resident per step (``traced`` is its step graph).
     ``fused``: the pieces' compute costed as Inductor fuses it (``analysis.fusion``); the gather and
     reduce graphs run op by op whatever the backend (only the step graph is compiled)."""
+    hints = SizeHints.from_graph(traced.gm.graph)  # (the pieces' data-dependent sizes are made in the forward)
     seconds = {
-        kind: _seconds(getattr(graphs, attr).graph, device, ranks_per_node, fused) for kind, attr in _PIECES.items()
+        kind: _seconds(getattr(graphs, attr).graph, device, ranks_per_node, fused, hints)
+        for kind, attr in _PIECES.items()
     }
     peaks = {
-        kind: estimate_peak_memory(getattr(graphs, attr).graph).peak_activation_bytes for kind, attr in _PIECES.items()
+        kind: estimate_peak_memory(getattr(graphs, attr).graph, hints).peak_activation_bytes
+        for kind, attr in _PIECES.items()
     }
-    saved = _held_output_bytes(graphs.forward, 1)
-    kept = _held_output_bytes(graphs.backward_input, 1 if graphs.has_input_grad else 0)
+    saved = _held_output_bytes(graphs.forward, 1, hints)
+    kept = _held_output_bytes(graphs.backward_input, 1 if graphs.has_input_grad else 0, hints)
     joint = list(traced.gm.graph.nodes)
     placeholders = [n for n in joint if n.op == "placeholder"]
     stage_out = joint[-1].args[0][0].meta["val"]

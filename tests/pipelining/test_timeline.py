@@ -124,3 +124,30 @@ def test_weights_resident_per_step_gather_with_the_first_action_and_reduce_after
     # the last rank starts after every stage's gather and its predecessors' first forwards
     assert timeline.step_seconds == pytest.approx((m + pp - 1) * (F + B) + pp * gather + reduce)
     assert all(busy == pytest.approx(m * (F + B) + gather + reduce) for busy in timeline.busy_seconds.values())
+
+
+def test_a_stage_backward_is_costed_with_the_sizes_its_forward_made():
+    """Expert parallel's token counts are data (unbacked sizes) that the forward's all_to_all
+    defines; the backward piece reads them as saved values, so only the joint graph says what they
+    are: the pieces are costed with its hints, not with the fallback of a graph that lacks them."""
+    from graph_trainer.analysis.simulator import simulate
+    from graph_trainer.graph.sizes import SizeHints, tensors_in, value_of
+    from graph_trainer.pipelining.split import split_stage
+    from graph_trainer.pipelining.timeline import stage_cost
+
+    cfg = load_config(
+        ["--job.config_file", "configs/deepseek_v3_debug.toml", "--model.n_layers", "3", "--parallelism.pp", "2"]
+        + ["--parallelism.ep", "2", "--training.local_batch_size", "1", "--training.global_batch_size", "4"]
+    )
+    device = DEVICES["h100"]
+    with fake_world(4):
+        traced = trace_pipeline(cfg, 4).stages[1]  # (MoE blocks)
+        graphs = split_stage(traced.gm, traced.num_flat_param_grads, grads_into_sums=True)
+        joint, alone = SizeHints.from_graph(traced.gm.graph), SizeHints.from_graph(graphs.backward.graph)
+        sizes = [s for n in graphs.backward.graph.nodes for t in tensors_in(value_of(n)) for s in t.shape]
+        symbolic = [s for s in sizes if isinstance(s, torch.SymInt)]
+        assert any(not alone.resolved(s) for s in symbolic) and all(joint.resolved(s) for s in symbolic)
+        cost = stage_cost(graphs, traced, device)
+        with_joint = simulate(graphs.backward.graph, device, record_events=False, hints=joint).step_time
+        without = simulate(graphs.backward.graph, device, record_events=False).step_time
+    assert cost.seconds["B"] == pytest.approx(with_joint) and with_joint > without
