@@ -1,7 +1,10 @@
 """FP8 linears against bf16 over a training run: the loss curves of each recipe on the same data.
 
     python -m benchmarks.float8_curves OUT [--steps 300] [--models llama3,deepseek_v3]
-        [--recipes tensorwise,rowwise,rowwise_with_gw_hp] [--parallel 2]
+        [--recipes tensorwise,rowwise,rowwise_with_gw_hp,experts] [--parallel 2]
+
+(``experts``: rowwise_with_gw_hp with DeepSeek-V3's routed experts in FP8 too,
+``--float8.convert_routed_experts``; DeepSeek-V3 only.)
 
 For each model's debug config it trains one bf16 job (``training.mixed_precision_param
 bfloat16``, fp32 master weights, the linears in bf16) and one job per FP8 recipe
@@ -27,7 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"llama3": "configs/llama3_debug.toml", "deepseek_v3": "configs/deepseek_v3_debug.toml"}
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "experts")
+FLAGS = {"experts": ["--float8.recipe_name", "rowwise_with_gw_hp", "--float8.convert_routed_experts"]}
+"""The float8 flags of a recipe that is not a ``float8.recipe_name`` alone."""
 
 
 def job(out: Path, model: str, recipe: str, steps: int) -> list[str]:
@@ -38,7 +43,7 @@ def job(out: Path, model: str, recipe: str, steps: int) -> list[str]:
         *("--job.config_file", CONFIGS[model], "--job.device", "cpu"),
         *("--job.dump_folder", str(out / f"{model}_{recipe}")),
         *("--training.steps", str(steps), "--training.mixed_precision_param", "bfloat16"),
-        *("--float8.recipe_name", recipe),
+        *FLAGS.get(recipe, ["--float8.recipe_name", recipe]),
         *("--metrics.log_freq", "50", "--metrics.enable_tensorboard", "False", "--checkpoint.interval", "0"),
     ]
 
@@ -72,7 +77,7 @@ def main() -> None:
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--models", default="llama3,deepseek_v3")
-    parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--recipes", default=",".join(RECIPES[:3]))
     parser.add_argument("--parallel", type=int, default=2)
     opts = parser.parse_args()
     models, recipes = opts.models.split(","), opts.recipes.split(",")
@@ -81,6 +86,8 @@ def main() -> None:
             parser.error(f"{name}: {', '.join(bad)} not one of {', '.join(allowed)}")
     out = opts.output_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if "experts" in recipes and models != ["deepseek_v3"]:
+        parser.error("--recipes experts: only deepseek_v3 has routed experts (pass --models deepseek_v3)")
     runs = [(m, r) for m in models for r in ("none", *recipes)]
     start = time.perf_counter()
     with ThreadPoolExecutor(opts.parallel) as pool:

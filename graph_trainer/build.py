@@ -185,6 +185,8 @@ def build_job_model(
         if cfg.float8.recipe_name != "none":  # the whole model's linears: every filter must match one
             choices = float8.convert_linears(m, cfg.float8, layout.dims.tp)
             logger.info("float8 (%s): %s", cfg.float8.recipe_name, float8.summary(choices))
+        if cfg.float8.convert_routed_experts:
+            logger.info("float8: the routed experts of %d MoE layers too", float8.convert_routed_experts(m))
         if pipeline is not None:  # this rank's stages only, before anything is sharded or allocated
             m = keep_stage(m, pipeline.rank_blocks(), pipeline.holds_first(), pipeline.holds_last())
         return spec.parallelize(m, layout.mesh, layout.dims, layout.mp)

@@ -260,6 +260,11 @@ class Float8:
     convert_router: bool = False
     """Also compute DeepSeek-V3's router gate (``moe.router.gate``) in FP8; kept in high precision
     by default (its scores choose the experts)."""
+    convert_routed_experts: bool = False
+    """Also compute DeepSeek-V3's routed experts in FP8: their forward and input-gradient matmuls
+    with rowwise scales, one ``_scaled_mm`` per local expert, the weight gradient in high precision
+    (``models/float8.py``). Needs recipe 'rowwise_with_gw_hp' (a float8 weight gradient of an
+    expert would need its tokens padded to multiples of 16: not built)."""
     enable_fsdp_float8_all_gather: bool = False
     """SimpleFSDP gathers the float8 linears' weights in float8 (one byte per element instead of
     bf16's two): each rank casts its shard with the whole weight's scale (one small all-reduce of

@@ -24,7 +24,7 @@ from graph_trainer.config import JobConfig, Parallelism, weights_per_step
 from graph_trainer.config_loading import choices, field_types, not_allowed
 from graph_trainer.distributed.parallel_dims import job_microbatches, resolve_parallel_degrees
 from graph_trainer.errors import ConfigError, require
-from models.float8 import select_linears, torchao_float8
+from models.float8 import EXPERTS_RECIPE, SCALED_MM_MULTIPLE, select_linears, torchao_float8
 from models.registry import HF_FLAVOR, MODEL_SPECS, model_args
 
 
@@ -200,7 +200,10 @@ def _check_compile(cfg: JobConfig, degrees: dict[str, int]) -> None:
         f"activation_checkpoint.full_blocks = {ac.full_blocks} must be 0 (every block follows "
         f"activation_checkpoint.mode) or the number of each stage's first blocks recomputed in full",
     )
-    unknown = [op for op in ac.selective_ops if not hasattr(torch.ops.aten, op)]
+    # (our own ops, such as models.float8's float8_grouped_mm, live in the graph_trainer namespace)
+    unknown = [
+        op for op in ac.selective_ops if not hasattr(torch.ops.aten, op) and not hasattr(torch.ops.graph_trainer, op)
+    ]
     require(
         not unknown,
         f"activation_checkpoint.selective_ops: {', '.join(unknown)} is not an aten op name (e.g. mm, addmm, bmm)",
@@ -229,6 +232,27 @@ def _check_float8(cfg: JobConfig, args, degrees: dict[str, int]) -> None:
     with torch.device("meta"):
         model = MODEL_SPECS[cfg.model.name].build(args)
     select_linears(model, f, degrees["tp"])
+    if f.convert_routed_experts:
+        _check_float8_experts(cfg, args)
+
+
+def _check_float8_experts(cfg: JobConfig, args) -> None:
+    name = "float8.convert_routed_experts"
+    require(
+        cfg.float8.recipe_name == EXPERTS_RECIPE,
+        f"{name} computes the experts' weight gradients in high precision: it needs float8.recipe_name "
+        f"{EXPERTS_RECIPE!r} (it is {cfg.float8.recipe_name!r})",
+    )
+    require(
+        getattr(args, "n_routed_experts", 0) > 0,
+        f"{name}: {cfg.model.name} ({cfg.model.flavor}) has no routed experts",
+    )
+    for what in ("dim", "moe_inter_dim"):
+        size = getattr(args, what)
+        require(
+            size % SCALED_MM_MULTIPLE == 0,
+            f"{name}: the experts' {what} ({size}) is not a multiple of {SCALED_MM_MULTIPLE}, as _scaled_mm needs",
+        )
 
 
 def _check_float8_all_gather(cfg: JobConfig, degrees: dict[str, int]) -> None:
@@ -326,7 +350,7 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
         _setting(cfg, "parallelism.pp_schedule", p.pp > 1, pipeline),
         *[
             _setting(cfg, f"float8.{name}", fp8, "float8.recipe_name")
-            for name in ("filter_fqns", "convert_output", "convert_router")
+            for name in ("filter_fqns", "convert_output", "convert_router", "convert_routed_experts")
         ],
         _setting(cfg, "compile.cache_dir", c.backend == "inductor", inductor),
         _setting(cfg, "compile.once_per_node", c.backend == "inductor", inductor),

@@ -22,17 +22,33 @@ Which linears (``select_linears``; each decision logged by the caller):
   (``_scaled_mm``'s requirement: in and out features each a multiple of ``16 * tp``, whichever
   of them tensor parallel splits).
 
+DeepSeek-V3's routed experts (``settings.convert_routed_experts``, recipe ``rowwise_with_gw_hp``):
+``convert_routed_experts`` gives each ``GroupedExperts`` module ``float8_grouped_linear`` as its
+matmul. Its forward and input-gradient matmuls cast as a ``Float8Linear`` of that recipe casts
+(torchao's ``tensor_to_scale`` and ``to_fp8_saturated``: one scale per token row, per weight row
+along the summed dim, rounded down to a power of 2) and run one ``torch._scaled_mm`` per local
+expert on its block of rows, inside one op (``graph_trainer::float8_grouped_mm``: the graph sees
+one node, whose block sizes are data; a traced per-expert ``_scaled_mm`` would specialise on
+them); the weight gradient is each expert's rows' product in high precision. Expert by expert
+this is what a ``Float8Linear`` of the recipe computes on that expert's rows (bitwise:
+``tests/models/test_float8_experts.py``). Not built: torch's ``_scaled_grouped_mm`` (all experts
+in one kernel; no CPU kernel to check it against) and a float8 weight gradient (it sums over each
+expert's tokens, which ``_scaled_mm`` takes only in multiples of 16: torchao pads each expert's
+rows for it).
+
 Numerics: float8 rounds both operands of every matmul (e4m3: 3 mantissa bits; the tensorwise
 recipe's output gradient e5m2: 2), a relative error of a few percent per product against the
 parameter dtype's; how far a training run moves is measured in docs/numerics.md. torchao is
 imported here only (and only when a recipe is chosen).
 
 Failure: ``ConfigError`` when torchao is missing, this torch or device has no scaled matmul
-(``check_scaled_mm``), or a filter names no linear.
+(``check_scaled_mm``), or a filter names no linear; the routed experts' settings are checked by
+``graph_trainer.validation``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -148,6 +164,101 @@ def convert_linears(model: nn.Module, settings: Float8, tp: int = 1) -> list[Lin
     return choices
 
 
+EXPERTS_RECIPE = "rowwise_with_gw_hp"
+"""The recipe the routed experts compute in float8 with (module docstring)."""
+
+
+@torch.library.custom_op("graph_trainer::float8_grouped_mm", mutates_args=())
+def float8_grouped_mm(
+    a: torch.Tensor,
+    a_inverse_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_inverse_scale: torch.Tensor,
+    counts: torch.Tensor,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    """Row block ``e`` of ``a`` [M, K] (its ``counts[e]`` rows, in order) times ``b[e]``ᵀ
+    ([E, N, K] float8, row-major per expert), one ``torch._scaled_mm`` each: rowwise scales
+    ``a_inverse_scale`` [M, 1] and ``b_inverse_scale`` [E, 1, N] (reciprocals of the cast scales)."""
+    blocks = zip(a.split(counts.tolist()), a_inverse_scale.split(counts.tolist()), b, b_inverse_scale, strict=True)
+    outs = [
+        torch._scaled_mm(rows, w.t(), s, sw, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+        for rows, s, w, sw in blocks
+    ]
+    return torch.cat(outs) if outs else a.new_empty((0, b.shape[1]), dtype=out_dtype)
+
+
+@float8_grouped_mm.register_fake
+def _(a, a_inverse_scale, b, b_inverse_scale, counts, out_dtype, use_fast_accum):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _cast_rows(t: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``t`` in float8 with one scale per row of its last dim, the inverse scales), as a
+    ``Float8Linear`` of ``EXPERTS_RECIPE`` casts (scales rounded down to powers of 2)."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    scale = tensor_to_scale(
+        t,
+        float8_dtype,
+        scaling_granularity=ScalingGranularity.AXISWISE,
+        axiswise_dim=-1,
+        round_scales_to_power_of_2=True,
+    )
+    return to_fp8_saturated(t.to(torch.float32) * scale, float8_dtype), scale.reciprocal()
+
+
+class _Float8GroupedLinear(torch.autograd.Function):
+    """``x`` [M, K] rows sorted by expert, ``w`` [E, N, K], ``counts`` [E] -> each block of rows
+    times its expert's ``w[e]``ᵀ (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, w, counts, float8_dtype, fast_accum):
+        ctx.save_for_backward(x, w, counts)
+        ctx.float8_dtype, ctx.fast_accum = float8_dtype, fast_accum
+        x8, x_inverse = _cast_rows(x, float8_dtype)
+        w8, w_inverse = _cast_rows(w, float8_dtype)
+        return float8_grouped_mm(x8, x_inverse, w8, w_inverse.transpose(-2, -1), counts, x.dtype, fast_accum[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w, counts = ctx.saved_tensors
+        g8, g_inverse = _cast_rows(grad_out, ctx.float8_dtype)
+        wt8, wt_inverse = _cast_rows(w.transpose(-2, -1), ctx.float8_dtype)
+        wt8 = wt8.contiguous()  # (row-major per expert: its transpose is the column-major operand)
+        grad_x = float8_grouped_mm(
+            g8, g_inverse, wt8, wt_inverse.transpose(-2, -1), counts, grad_out.dtype, ctx.fast_accum[1]
+        )
+        sizes = counts.tolist()
+        grad_w = torch.stack([g.t() @ rows for g, rows in zip(grad_out.split(sizes), x.split(sizes), strict=True)])
+        return grad_x, grad_w, None, None, None
+
+
+def float8_grouped_linear(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, float8_dtype: torch.dtype, fast_accum: tuple[bool, bool]
+) -> torch.Tensor:
+    """Each block of ``x``'s rows (``counts`` per expert) times its expert's ``w[e]``ᵀ, the forward
+    and input-gradient matmuls in float8 (module docstring); ``fast_accum``: theirs."""
+    return _Float8GroupedLinear.apply(x, w, counts, float8_dtype, fast_accum)
+
+
+def convert_routed_experts(model: nn.Module) -> int:
+    """Give every routed-experts module of ``model`` (a ``float8_matmul`` attribute, None before)
+    ``float8_grouped_linear`` under ``EXPERTS_RECIPE``; returns how many modules."""
+    ao_float8 = torchao_float8()
+    config = ao_float8.Float8LinearConfig.from_recipe_name(EXPERTS_RECIPE)
+    fast = (config.gemm_config_output.use_fast_accum, config.gemm_config_grad_input.use_fast_accum)
+    matmul = functools.partial(
+        float8_grouped_linear, float8_dtype=config.cast_config_input.target_dtype, fast_accum=fast
+    )
+    experts = [m for m in model.modules() if hasattr(m, "float8_matmul")]
+    for module in experts:
+        module.float8_matmul = matmul
+    return len(experts)
+
+
 def summary(choices: list[LinearChoice]) -> str:
     """One log line: how many linears compute in float8, and each kept one with its reason."""
     kept = [c for c in choices if not c.converted]
@@ -162,4 +273,15 @@ def summary(choices: list[LinearChoice]) -> str:
     return f"{converted} of {len(choices)} linears compute in float8" + ("; " + "; ".join(parts) if parts else "")
 
 
-__all__ = ["LinearChoice", "check_scaled_mm", "convert_linears", "select_linears", "summary", "torchao_float8"]
+__all__ = [
+    "EXPERTS_RECIPE",
+    "LinearChoice",
+    "check_scaled_mm",
+    "convert_linears",
+    "convert_routed_experts",
+    "float8_grouped_linear",
+    "float8_grouped_mm",
+    "select_linears",
+    "summary",
+    "torchao_float8",
+]

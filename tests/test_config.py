@@ -115,6 +115,16 @@ def _main(capsys, monkeypatch, *args) -> tuple[int, list[str]]:
         (["--float8.filter_fqns", "output"], "float8.filter_fqns = ['output'] means something only with float8"),
         (["--float8.recipe_name", "rowwise", "--float8.convert_router"], "llama3 has no router"),
         (
+            ["--float8.recipe_name", "rowwise_with_gw_hp", "--float8.convert_routed_experts"],
+            "float8.convert_routed_experts: llama3 (debugmodel) has no routed experts",
+        ),
+        (
+            ["--job.config_file", "configs/deepseek_v3_debug.toml"]
+            + ["--float8.recipe_name", "rowwise", "--float8.convert_routed_experts"],
+            "needs float8.recipe_name 'rowwise_with_gw_hp' (it is 'rowwise')",
+        ),
+        (["--float8.convert_routed_experts"], "float8.convert_routed_experts = True means something only with"),
+        (
             ["--float8.recipe_name", "tensorwise", "--float8.filter_fqns", "wq,attention.wz"],
             "float8.filter_fqns: 'attention.wz' matches no linear of the model",
         ),

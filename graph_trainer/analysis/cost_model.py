@@ -2,8 +2,8 @@
 
 Compute nodes follow a roofline: ``max(flops / (peak(dtype) * e_flops), bytes /
 (hbm_bandwidth * e_bytes)) + launch_overhead``. FLOPs are counted only for matmuls (``mm``,
-``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``, fp8 ``_scaled_mm``: ``2 * out.numel() * K``, at
-the peak of the first operand's dtype) and scaled-dot-product
+``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``, fp8 ``_scaled_mm`` and ``float8_grouped_mm``:
+``2 * out.numel() * K``, at the peak of the first operand's dtype) and scaled-dot-product
 attention (forward ``2*B*H*Sq*Sk*(Dqk+Dv)`` = ``4*B*H*S*S*D``, halved when causal; backward
 2.5x the forward). Everything else is memory-bound: bytes are the logical sizes of the tensor
 outputs plus inputs from ``node.meta["val"]``, an expanded (stride 0) input dim counted once;
@@ -57,6 +57,7 @@ from graph_trainer.graph.collectives import collective_bytes, collective_name, g
 from graph_trainer.graph.ops import (
     ATTENTION_PREFIX,
     DENSE_MATMULS,
+    FLOAT8_GROUPED_MM,
     GROUPED_MM,
     SCALED_MM,
     is_view,
@@ -181,6 +182,9 @@ def node_flops(node: fx.Node, hints: SizeHints | None = None) -> tuple[float, to
         if node.target == GROUPED_MM and a.dim() == 2 and b.dim() == 2:
             numel //= max(1, hints.concrete(out.shape[0]))  # (G, M, N) out; K is split over groups
         return 2.0 * numel * k, a.dtype
+    if name_of(node) == FLOAT8_GROUPED_MM:  # (each row block against one expert's [N, K])
+        a, b = value_of(node.args[0]), value_of(node.args[2])
+        return 2.0 * hints.numel(out) * hints.concrete(b.shape[-1]), a.dtype
     attention = _attention_flops(node, hints)
     return attention if attention is not None else (0.0, None)
 
@@ -234,6 +238,8 @@ def kernel_class(node: fx.Node, hints: SizeHints | None = None) -> str:
         return "matmul"
     if target == GROUPED_MM:
         return "grouped_mm"
+    if name_of(node) == FLOAT8_GROUPED_MM:  # (one rowwise _scaled_mm per expert)
+        return "scaled_mm_rowwise"
     if target == SCALED_MM:
         scale_a = value_of(node.args[2])
         rowwise = isinstance(scale_a, torch.Tensor) and (hints or SizeHints()).numel(scale_a) > 1

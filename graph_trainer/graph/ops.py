@@ -15,8 +15,11 @@ from graph_trainer.torch_compat import is_op_overload, is_view_op, op_name, op_s
 
 aten = torch.ops.aten
 
-MATMUL_OP_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm")
-"""aten matmul ops by name (any overload): dense, grouped (MoE experts) and scaled (fp8)."""
+FLOAT8_GROUPED_MM = "float8_grouped_mm"
+"""The routed experts' float8 matmul (``models.float8``: ``graph_trainer::float8_grouped_mm``, a
+``_scaled_mm`` per expert's row block): (a [M, K], a's scales, b [E, N, K], b's scales, counts, ...)."""
+MATMUL_OP_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", FLOAT8_GROUPED_MM)
+"""Matmul ops by name (any overload): dense, grouped (MoE experts) and scaled (fp8)."""
 DENSE_MATMULS = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1, aten.baddbmm.default: 1}
 """Dense matmul overloads -> position of their first matrix argument (``addmm``'s 0 is the addend)."""
 GROUPED_MM = aten._grouped_mm.default

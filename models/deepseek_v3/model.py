@@ -27,6 +27,7 @@ Choices made for tracing and sharding (as in models/llama3/model.py; ``RMSNorm``
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -231,6 +232,9 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.float8_matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        """``(rows, w, counts) -> rows @ w[e]ᵀ per expert`` in float8 (``models.float8.convert_routed_experts``);
+        None: the parameter dtype's matmuls."""
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` [N, dim] rows sorted by local expert, ``counts`` [E_local] rows per expert -> [N, dim]."""
@@ -240,6 +244,8 @@ class GroupedExperts(nn.Module):
                 f"got token counts for {counts.shape[0]} experts, but this module holds {w1.shape[0]} (local) experts"
             )
         with annotate({EP_ROLE: EXPERT_COMPUTE}):
+            if self.float8_matmul is not None:
+                return _swiglu(functools.partial(self.float8_matmul, counts=counts), x, w1, w2, w3)
             if x.dtype == torch.bfloat16:  # what CUDA runs; PyTorch's CPU kernel takes bf16 too
                 return _grouped_mm_swiglu(x, counts, w1, w2, w3)
             return _looped_swiglu(x, counts, w1, w2, w3)
@@ -256,6 +262,11 @@ def _looped_swiglu(
     for rows, a, b, c in zip(torch.split(x, counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0), strict=True):
         outs.append(F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, c), b))
     return torch.cat(outs)
+
+
+def _swiglu(matmul: Callable, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of every expert on its rows, with ``matmul(rows, w)`` = each block times its ``w[e]``ᵀ."""
+    return matmul(F.silu(matmul(x, w1)) * matmul(x, w3), w2)
 
 
 def _grouped_mm_swiglu(

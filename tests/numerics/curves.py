@@ -75,6 +75,17 @@ CURVES: dict[str, tuple[int, list[str]]] = {
             "rowwise",
         ],
     ),
+    # ... and DeepSeek-V3's routed experts in float8 (models/float8.py's grouped matmul)
+    "deepseek_v3_debug_float8_experts": (
+        1,
+        [
+            "--job.config_file",
+            os.path.join(ROOT, "configs", "deepseek_v3_debug.toml"),
+            "--float8.recipe_name",
+            "rowwise_with_gw_hp",
+            "--float8.convert_routed_experts",
+        ],
+    ),
 }
 
 
