@@ -57,6 +57,7 @@ import torch.nn as nn
 
 from graph_trainer.config import Float8
 from graph_trainer.errors import ConfigError
+from graph_trainer.torch_compat import scaled_mm
 
 OUTPUT_FQN = "output"
 """The output projection (vocabulary logits), kept unless ``convert_output``."""
@@ -143,7 +144,7 @@ def check_scaled_mm(device: torch.device | str) -> None:
     try:
         a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
         one = torch.ones((), device=device)
-        torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.bfloat16)
+        scaled_mm(a, a.t(), one, one, out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError, AttributeError) as error:
         first = str(error).splitlines()[0][:160]
         raise ConfigError(
@@ -183,8 +184,7 @@ def float8_grouped_mm(
     ``a_inverse_scale`` [M, 1] and ``b_inverse_scale`` [E, 1, N] (reciprocals of the cast scales)."""
     blocks = zip(a.split(counts.tolist()), a_inverse_scale.split(counts.tolist()), b, b_inverse_scale, strict=True)
     outs = [
-        torch._scaled_mm(rows, w.t(), s, sw, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
-        for rows, s, w, sw in blocks
+        scaled_mm(rows, w.t(), s, sw, out_dtype=out_dtype, use_fast_accum=use_fast_accum) for rows, s, w, sw in blocks
     ]
     return torch.cat(outs) if outs else a.new_empty((0, b.shape[1]), dtype=out_dtype)
 

@@ -3,7 +3,7 @@
 Everything here reaches below PyTorch's public surface, grouped by area: ``versions`` (which torch
 this is, ``private_api``), ``fx`` (tracing metadata hooks, autograd node sequence numbers,
 ``OpOverload.is_view`` / ``_opname`` / ``_schema``, SymInt internals the cost model reads, fake
-tensor modes, ``torch._grouped_mm``), ``distributed`` (``_StridedShard``, the dp-over-tp placement
+tensor modes, ``torch._grouped_mm``, ``torch._scaled_mm``), ``distributed`` (``_StridedShard``, the dp-over-tp placement
 SimpleFSDP needs; mesh flattening; process groups by name and their timeouts; the fake process
 group's store; functional all_to_all; gloo's worker-thread count), ``checkpoint`` (DCP internals:
 the classes a checkpoint's metadata pickle holds, a reader that unpickles it safely),
@@ -50,6 +50,7 @@ from graph_trainer.torch_compat.fx import (
     new_fake_mode,
     op_name,
     op_schema,
+    scaled_mm,
     sym_expr,
     sym_has_hint,
     sym_hint,
@@ -113,6 +114,7 @@ __all__ = [
     "fuse_partitions",
     "fx_graph_cache_enabled",
     "grouped_mm",
+    "scaled_mm",
     "has_side_effects",
     "inductor_compile",
     "inductor_counters",

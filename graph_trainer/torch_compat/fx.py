@@ -134,6 +134,15 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return kernel(a, b, offs=offs)
 
 
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``torch._scaled_mm``: float8 ``a @ b`` (``b`` column-major on CUDA), each output element times
+    its row's ``scale_a`` and column's ``scale_b`` (one value each, or one per row / column);
+    ``kwargs``: ``out_dtype``, ``use_fast_accum``."""
+    with private_api("torch._scaled_mm"):
+        kernel = torch._scaled_mm
+    return kernel(a, b, scale_a, scale_b, **kwargs)
+
+
 def fake_mode_of_nodes(nodes):
     """The ``FakeTensorMode`` of the first of ``nodes`` whose ``meta["val"]`` is a fake tensor, else None."""
     for node in nodes:

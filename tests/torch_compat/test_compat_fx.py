@@ -231,6 +231,18 @@ def test_fake_mode_functional_all_to_all_and_grouped_mm_entries():
     torch.testing.assert_close(out.float(), torch.cat([a[:2] @ b[0], a[2:] @ b[1]]).float(), rtol=2e-2, atol=2e-2)
 
 
+def test_scaled_mm_scales_each_row_and_column_of_the_float8_product():
+    from graph_trainer.torch_compat import scaled_mm
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 16, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(8, 16, generator=g).to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(4, 1, generator=g) + 0.5, torch.rand(1, 8, generator=g) + 0.5
+    out = scaled_mm(a, b.t(), sa, sb, out_dtype=torch.float32)
+    expected = (a.float() @ b.float().t()) * sa * sb  # (float8 products are exact in float32)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_side_effects_leave_random_ops_to_the_caller():
     # activation checkpointing recomputes attention without dropout: fx's purity check must be
     # able to leave random ops out (Node.is_impure(impure_random=False)) and still flag mutation.
