@@ -182,7 +182,8 @@ def float8_grouped_mm(
     """Row block ``e`` of ``a`` [M, K] (its ``counts[e]`` rows, in order) times ``b[e]``ᵀ
     ([E, N, K] float8, row-major per expert), one ``torch._scaled_mm`` each: rowwise scales
     ``a_inverse_scale`` [M, 1] and ``b_inverse_scale`` [E, 1, N] (reciprocals of the cast scales)."""
-    blocks = zip(a.split(counts.tolist()), a_inverse_scale.split(counts.tolist()), b, b_inverse_scale, strict=True)
+    sizes = counts.tolist()
+    blocks = zip(a.split(sizes), a_inverse_scale.split(sizes), b, b_inverse_scale, strict=True)
     outs = [
         scaled_mm(rows, w.t(), s, sw, out_dtype=out_dtype, use_fast_accum=use_fast_accum) for rows, s, w, sw in blocks
     ]

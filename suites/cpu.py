@@ -288,11 +288,12 @@ CPU_INDUCTOR_CASES = [
 # FLOAT8_RTOL / FLOAT8_GRAD_RTOL; the weight gradient in high precision on FSDP has the same
 # scales, so it keeps the fp32 bounds.
 _FLOAT8 = {r: ["--float8.recipe_name", r] for r in ("tensorwise", "rowwise", "rowwise_with_gw_hp")}
-# DeepSeek-V3's routed experts in float8 too (rowwise_with_gw_hp): on one process and on FSDP2 x
-# EP2, whose experts' weights and tokens are split but whose scales are the one process's (per
-# token row, per weight row): the step-1 gradients within GRAD_RTOL; the losses within FLOAT8_RTOL,
-# as the reductions' last-bit differences in later steps' weights move values across float8
-# rounding boundaries (docs/numerics.md, "FP8 linears").
+# DeepSeek-V3's routed experts in float8 too (rowwise_with_gw_hp): on one process, on FSDP2 x EP2
+# and in a pipeline over FSDP2 (weights resident: the experts' casts once a step), whose experts'
+# weights and tokens are split but whose scales are the one process's (per token row, per weight
+# row): the step-1 gradients within GRAD_RTOL; the losses within FLOAT8_RTOL, as the reductions'
+# last-bit differences in later steps' weights move values across float8 rounding boundaries
+# (docs/numerics.md, "FP8 linears").
 _FLOAT8_EXPERTS = [*_DEEPSEEK_2_LAYERS, *_FLOAT8["rowwise_with_gw_hp"], "--float8.convert_routed_experts"]
 _FLOAT8_REFERENCES = [
     Case("float8_single_b4", 1, [*_FLOAT8["tensorwise"], *batch(4)]),
@@ -328,6 +329,11 @@ _DEEPSEEK_FLOAT8_LAYOUTS = {
         [*_FLOAT8_EXPERTS, "--parallelism.ep", "2", *batch(1)],
         "deepseek_2l_float8_experts_single_b4",
     ),
+    "deepseek_2l_float8_experts_pp2xfsdp2": (
+        4,
+        [*_FLOAT8_EXPERTS, "--parallelism.pp", "2", *_TWO_MICROBATCHES],
+        "deepseek_2l_float8_experts_single_b4",
+    ),
     "deepseek_2l_float8_tp2xep2": (
         4,
         [*_TP2, "--parallelism.ep", "2", *_FLOAT8["rowwise"]],
@@ -335,10 +341,8 @@ _DEEPSEEK_FLOAT8_LAYOUTS = {
     ),
 }
 _FLOAT8_OTHER_SCALES = ["float8_fsdp2xtp2", "float8_fsdp2xtp2_accum2_per_step", "deepseek_2l_float8_tp2xep2"]
-_FLOAT8_BOUNDS = {
-    **dict.fromkeys(_FLOAT8_OTHER_SCALES, FLOAT8_RTOL),
-    "deepseek_2l_float8_experts_fsdp2xep2": FLOAT8_RTOL,
-}
+_FLOAT8_SAME_SCALES = ["deepseek_2l_float8_experts_fsdp2xep2", "deepseek_2l_float8_experts_pp2xfsdp2"]
+_FLOAT8_BOUNDS = dict.fromkeys(_FLOAT8_OTHER_SCALES + _FLOAT8_SAME_SCALES, FLOAT8_RTOL)
 _FLOAT8_GRAD_BOUNDS = dict.fromkeys(_FLOAT8_OTHER_SCALES, FLOAT8_GRAD_RTOL)
 # The weights gathered in float8 (cast on each shard with the whole weight's scale) are bitwise
 # those cast after a gather in the parameter dtype, so the run is bitwise the same: graph (also

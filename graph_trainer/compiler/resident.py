@@ -184,7 +184,9 @@ def trace_resident(
     placeholders = [n for n in step.gm.graph.nodes if n.op == "placeholder"]
     for node in placeholders[: len(templates)]:
         tags.update(node, {FSDP_ROLE: GATHERED})
-    hoist_invariants(gather, step.gm)
+    moved = hoist_invariants(gather, step.gm)
+    if moved:
+        logger.info("computed once per step from the gathered weights alone (compiler.hoist): %d values", moved)
     sums = [_meta_like(t, rc.mp.reduce_dtype) for t, rc in zip(templates, weights.parametrizations, strict=True)]
     reduce, specs = _reduce_graph(weights, gathered_params, sums, device)
     return ResidentTrace(weights, gather, step, reduce, specs)
