@@ -59,7 +59,7 @@ from graph_trainer.analysis.cost_model import FILLS, is_free, kernel_class, read
 from graph_trainer.analysis.devices import DeviceModel
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_name, is_wait, stays_outside
-from graph_trainer.graph.ops import SIZE_READS, aliases_input, mutated_args, name_of, named_args
+from graph_trainer.graph.ops import SIZE_READS, aliases_input, is_random, mutated_args, name_of, named_args
 from graph_trainer.graph.sizes import SizeHints, tensors_in, value_of
 
 aten = torch.ops.aten
@@ -127,7 +127,7 @@ def _fusible(node: fx.Node, hints: SizeHints) -> bool:
         return False
     if node.target in SIZE_READS or name_of(node) in _NOT_FUSED or node.is_impure() or mutated_args(node):
         return False
-    if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+    if is_random(node):
         return False
     if kernel_class(node, hints) not in _FUSIBLE_CLASSES:
         return False

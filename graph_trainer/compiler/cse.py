@@ -47,7 +47,7 @@ import torch.fx as fx
 
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import is_collective, is_wait, stays_outside
-from graph_trainer.graph.ops import aliases_input, mutated_args, name_of
+from graph_trainer.graph.ops import aliases_input, is_random, mutated_args, name_of
 
 _ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 _COPIES = {"_to_copy", "clone", "copy", "_unsafe_view", "expand_copy", "permute_copy", "transpose_copy"}
@@ -175,7 +175,7 @@ def _may_merge(node: fx.Node, mutated: set[fx.Node], returned: set[fx.Node]) -> 
         return False
     if is_collective(node) and any(not is_wait(u) or u in returned for u in node.users):
         return False
-    if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) or name_of(node) in _ALLOCATIONS:
+    if is_random(node) or name_of(node) in _ALLOCATIONS:
         return False
     return not any(arg in mutated for arg in node.all_input_nodes)
 

@@ -51,7 +51,7 @@ import torch.fx as fx
 
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import is_wait
-from graph_trainer.graph.ops import is_view, mutated_args
+from graph_trainer.graph.ops import is_random, is_view, mutated_args
 from graph_trainer.graph.tags import FORWARD, FSDP_ROLE, GATHERED, INPUT, INPUT_FQN, MODULE_FQN, PHASE
 from graph_trainer.torch_compat import is_op_overload
 
@@ -67,7 +67,7 @@ def _pure(node: fx.Node) -> bool:
         return False
     if mutated_args(node) or (node.is_impure() and not is_wait(node)):
         return False
-    return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+    return not is_random(node)
 
 
 def _bytes(node: fx.Node) -> int:

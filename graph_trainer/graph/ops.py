@@ -61,6 +61,11 @@ def is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and is_view_op(node)
 
 
+def is_random(node: fx.Node) -> bool:
+    """Whether ``node`` calls an op that draws random numbers (torch's ``nondeterministic_seeded`` tag)."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
 def aliases_input(node: fx.Node) -> bool:
     """A view of its input or a ``getitem`` of a multi-output op: no memory, no compute of its own."""
     return node.target is operator.getitem or is_view(node)

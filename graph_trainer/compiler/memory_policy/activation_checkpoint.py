@@ -61,7 +61,7 @@ import torch.fx as fx
 from graph_trainer.compiler.passes.registry import PassContext
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_name
-from graph_trainer.graph.ops import SCALAR_READ, aliases_input, is_attention, is_matmul, name_of, named_args
+from graph_trainer.graph.ops import SCALAR_READ, aliases_input, is_attention, is_matmul, is_random, name_of, named_args
 from graph_trainer.graph.tags import (
     ACTIVATION,
     BACKWARD,
@@ -101,7 +101,7 @@ def _may_run_twice(node: fx.Node) -> bool:
     if is_op_overload(node.target):
         if op_schema(node.target).is_mutable:
             return False
-        if torch.Tag.nondeterministic_seeded in node.target.tags and not _draws_no_random_numbers(node):
+        if is_random(node) and not _draws_no_random_numbers(node):
             return False
     return node.target is operator.getitem or is_op_overload(node.target)
 
