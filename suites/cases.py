@@ -200,9 +200,13 @@ EP_OVERLAP = {
 
 
 def ep_overlap_cases(
-    layouts: dict[str, tuple[int, list[str], str]], plan: list[tuple[str, str, str]], config: str
+    layouts: dict[str, tuple[int, list[str], str]],
+    plan: list[tuple[str, str, str]],
+    config: str,
+    rtol: float = CLOSE_RTOL,
 ) -> list[Case]:
-    """Per (layout, selection, FSDP passes): the chunked reference and the scheduled case bitwise equal to it."""
+    """Per (layout, selection, FSDP passes): the chunked reference (within ``rtol`` of the layout's
+    reference) and the scheduled case bitwise equal to it."""
     cases = []
     for layout, selection, fsdp_passes in plan:
         nproc, args, reference = layouts[layout]
@@ -214,6 +218,7 @@ def ep_overlap_cases(
             nproc,
             [*args, *EP_OVERLAP[selection], "--compile.passes", passes, "--compile.ep_overlap.reorder", "False"],
             close_to=reference,
+            rtol=rtol,
             config=config,
         )
         cases += [

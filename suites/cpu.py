@@ -209,6 +209,15 @@ CPU_EP_OVERLAP_CASES: list[Case] = ep_overlap_cases(
 ) + ep_overlap_cases(  # (sequence parallel: each tp rank's chunks route its own tokens)
     _CPU_DEEPSEEK_TP_LAYOUTS, [("deepseek_2l_tp2xep2", "blocks", "")], DEEPSEEK_DEBUG
 )
+# The 671B's layout in small: a pipeline stage of MoE blocks with weights resident per step, tensor
+# parallel with sequence parallel, each tp rank's sequence chunks exchanged over ep, recomputed in full.
+_PP_TP_EP = _CPU_DEEPSEEK_PIPELINE_LAYOUTS["deepseek_2l_pp2xtp2xep2"]
+CPU_PIPELINE_EP_OVERLAP_CASES: list[Case] = ep_overlap_cases(
+    {"deepseek_2l_pp2xtp2xep2_ac_full": (_PP_TP_EP[0], [*_PP_TP_EP[1], *ac_flags("full")], _PP_TP_EP[2])},
+    [("deepseek_2l_pp2xtp2xep2_ac_full", "moe_seq", "")],
+    DEEPSEEK_DEBUG,
+    rtol=ACCUMULATION_RTOL,
+)
 
 # ---- the memory policy (activation checkpointing) and the chunked loss: bitwise the same
 # graph without them, with the passes they must compose with.
@@ -412,6 +421,7 @@ CPU_CASES = (
     + CPU_ACCUMULATION_CASES
     + CPU_PIPELINE_CASES
     + CPU_EP_OVERLAP_CASES
+    + CPU_PIPELINE_EP_OVERLAP_CASES
     + CPU_MEMORY_POLICY_CASES
     + CPU_DEEPSEEK_MEMORY_POLICY_CASES
     + CPU_INDUCTOR_CASES

@@ -10,7 +10,9 @@ which tags every node with ``chunked_module`` and ``chunk_id``.
 Reads: ``chunked_module``, ``chunk_id``, ``phase`` and ``ep_role`` (``graph_trainer.distributed.expert_parallel``)
 of each node; the ``all_to_all_single`` launches of a chunked module and their ``wait_tensor``
 nodes. Nodes tagged ``fsdp_role`` (parameter gathers and gradient reductions) are FSDP's, not the
-chunked module's: this pass leaves them where they are.
+chunked module's: this pass leaves them where they are; so are nodes that feed only the graph's
+output (under weights resident per step, each gradient's cast to the reduction dtype, made after
+the whole backward).
 
 The pass schedules each chunked module in each phase (forward, backward) on its own
 (``ChunkedModule``). Its token exchanges, per chunk in graph order, are its *rounds* (forward:
@@ -45,7 +47,8 @@ so the losses are bitwise those of the chunked graph in traced order
 Errors (config validation, one line): expert parallelism off (``parallelism.ep`` 1, or a dense
 model), a chunk dimension whose size is odd or < 2, an unknown ``chunk_dim``; when the model is
 built: ``seq`` chunks of modules that are not MoE layers (attention mixes positions), a
-``module_fqn`` that selects no module holding an expert-parallel MoE.
+``module_fqn`` that selects no module holding an expert-parallel MoE. Under pipeline parallelism a
+rank whose stages hold only dense blocks has nothing to chunk: its graphs pass unchanged.
 """
 
 from __future__ import annotations
@@ -105,12 +108,19 @@ def _wait_of(launch: fx.Node) -> fx.Node:
         raise PassError(f"{NAME}: {e}") from None
 
 
+def _only_returned(node: fx.Node) -> bool:
+    """Whether ``node`` feeds nothing but the graph's output (e.g. a gradient cast to the reduction
+    dtype after the whole backward): the step's result, not the module's work, so it keeps its
+    place; planning it with the module would stretch the module's slots to the end of the graph."""
+    return bool(node.users) and all(user.op == "output" for user in node.users)
+
+
 def find_chunked_modules(graph: fx.Graph) -> list[ChunkedModule]:
     """The chunked modules of ``graph``, each in its forward and its backward, with their all_to_all launches."""
     found: dict[tuple[str, str], ChunkedModule] = {}
     for node in graph.nodes:
         fqn, phase = tags.get(node, CHUNKED_MODULE), tags.phase(node)
-        if fqn is None or phase not in PHASE_CHUNK_ORDER or tags.has(node, FSDP_ROLE):
+        if fqn is None or phase not in PHASE_CHUNK_ORDER or tags.has(node, FSDP_ROLE) or _only_returned(node):
             continue
         module = found.setdefault((fqn, phase), ChunkedModule(fqn, phase))
         module.nodes.append(node)
@@ -315,6 +325,9 @@ def schedule_chunked_modules(gm: fx.GraphModule, modules: list[ChunkedModule]) -
 
 def ep_overlap(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
     modules = find_chunked_modules(gm.graph)
+    if not modules and not any(tags.has(n, EP_ROLE) for n in gm.graph.nodes):
+        logger.info("%s: no expert-parallel MoE in this graph (a pipeline stage of dense blocks)", NAME)
+        return gm
     if not modules:
         raise PassError(
             f"{NAME}: the graph has no chunked modules (the model was not prepared with ep_overlap's chunking)"
@@ -378,7 +391,10 @@ def check_config(cfg: Any, degrees: dict[str, int]) -> None:
 def chunk_selected_modules(model: nn.Module, settings: Any, is_moe: Callable, what: str) -> list[str]:
     """Install two-chunk execution on the modules ``settings.module_fqn`` selects that hold a MoE
     layer (``is_moe``; ``what`` names such a layer in errors); their FQNs. ``seq`` chunks only MoE
-    layers themselves: attention mixes positions."""
+    layers themselves: attention mixes positions. A pipeline rank whose stages hold no such layer
+    (DeepSeek-V3's dense first blocks) has nothing to chunk: none."""
+    if not any(is_moe(m) for m in model.modules()):
+        return []
     matched = match_modules(model, settings.module_fqn)
     selected = [fqn for fqn, module in matched if any(is_moe(m) for m in module.modules())]
     if not selected:
@@ -401,9 +417,8 @@ def prepare_model(model: nn.Module, cfg: Any) -> None:
     """Install two-chunk execution on the selected modules holding an expert-parallel MoE (before tracing)."""
     settings = cfg.compile.ep_overlap
     selected = chunk_selected_modules(model, settings, is_ep_moe, "an expert-parallel MoE")
-    logger.info(
-        "%s: %d modules run as 2 chunks along %s (%s ...)", NAME, len(selected), settings.chunk_dim, selected[0]
-    )
+    where = f" ({selected[0]} ...)" if selected else " (this pipeline rank holds no MoE layer)"
+    logger.info("%s: %d modules run as 2 chunks along %s%s", NAME, len(selected), settings.chunk_dim, where)
 
 
 EP_OVERLAP = PassSpec(

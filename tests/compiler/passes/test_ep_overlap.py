@@ -15,10 +15,10 @@ import pytest
 from graph_trainer.compiler.passes.ep_overlap import find_chunked_modules, verify_schedule
 from graph_trainer.config_loading import load_config
 from graph_trainer.errors import ConfigError
-from graph_trainer.fake_trace import fake_world, trace_job
+from graph_trainer.fake_trace import fake_world, trace_job, trace_pipeline
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts, collective_name, group_name
-from graph_trainer.graph.tags import CHUNK_ID, COMBINE, COUNT_EXCHANGE, DISPATCH
+from graph_trainer.graph.tags import CHUNK_ID, CHUNKED_MODULE, COMBINE, COUNT_EXCHANGE, DISPATCH, RECOMPUTED
 from graph_trainer.validation import validate_config
 from models.registry import MODEL_SPECS
 from tests.conftest import ROOT
@@ -120,6 +120,33 @@ def test_every_node_kept_once(selection):
     assert node_multiset(scheduled.graph) == node_multiset(traced_order.graph)
     assert node_signatures(scheduled.graph) != node_signatures(traced_order.graph)
     scheduled.graph.lint()
+
+
+def test_pipeline_stage_with_resident_weights_keeps_modules_in_block_order():
+    """Under pp the weights are resident per step and each gradient is cast to the reduction dtype
+    after the whole backward, at the end of the graph, with its module's tags. Those casts keep
+    their place: were they planned with their module, its slots would reach the end of the graph
+    and a wait (with every later block's backward after it) would land there, behind the
+    recomputation of all the blocks below (each block's recomputed activations held at once)."""
+    cfg = load_config(
+        [*DEEPSEEK, "--model.n_layers", "4", "--parallelism.pp", "2", "--parallelism.ep", "2", *_args("moe_seq")]
+        + ["--training.local_batch_size", "1", "--training.global_batch_size", "4"]
+        + ["--activation_checkpoint.mode", "full", "--training.mixed_precision_param", "bfloat16"]
+        + ["--training.mixed_precision_reduce", "float32"]
+    )
+    validate_config(cfg, 4)
+    with fake_world(4):
+        gm = trace_pipeline(cfg, 4).stages[1].gm  # (blocks 2 and 3: MoE)
+    pos = _position(gm)
+    modules = [m for m in find_chunked_modules(gm.graph) if m.phase == "backward"]
+    assert sorted(m.fqn for m in modules) == ["layers.2.moe", "layers.3.moe"]
+    last_of_later = max(pos[n] for m in modules if m.fqn == "layers.3.moe" for n in m.nodes)
+    recomputed_earlier = [
+        n for n in gm.graph.nodes if (tags.unit_of(n) or "").startswith("layers.2") and tags.get(n, RECOMPUTED)
+    ]
+    assert recomputed_earlier and last_of_later < min(pos[n] for n in recomputed_earlier)
+    casts = [n for n in gm.graph.nodes if tags.get(n, CHUNKED_MODULE) and all(u.op == "output" for u in n.users)]
+    assert casts and all(n not in m.nodes for m in modules for n in casts)
 
 
 def test_chunking_keeps_fsdp_collectives_and_doubles_all_to_alls():
