@@ -101,6 +101,50 @@ def block_bucket_plan(model: nn.Module) -> list[list[str]]:
 
 
 # --------------------------------------------------------------------------------------
+# Rows in a routed order (MoE token sorting, expert-parallel regrouping)
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inverse[order[i]] = i``: the permutation that undoes ``order`` (a scatter, not a sort)."""
+    positions = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
+    return torch.empty_like(order).scatter_(0, order, positions)
+
+
+class _SortedCopies(torch.autograd.Function):
+    """Forward ``x.index_select(0, order // copies)``; backward a gather and a sum, not a scatter.
+
+    Autograd's backward of ``index_select`` adds every row of the gradient into a zeroed tensor
+    (``index_add``: atomics on a GPU, nondeterministic, and a slow kernel class). Here ``order`` is
+    a permutation of the ``n * copies`` slots (slot ``i * copies + j`` is copy ``j`` of row ``i``),
+    so the gradient is put back in slot order by a gather with the inverse permutation and the
+    ``copies`` rows of each input row are summed: the same sum, its terms added in copy order."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, copies: int, inverse: torch.Tensor | None):
+        ctx.copies = copies
+        ctx.save_for_backward(inverse_permutation(order) if inverse is None else inverse)
+        return x.index_select(0, order // copies if copies > 1 else order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        in_slot_order = grad.index_select(0, inverse)
+        if ctx.copies > 1:
+            in_slot_order = in_slot_order.view(-1, ctx.copies, *grad.shape[1:]).sum(dim=1)
+        return in_slot_order, None, None, None
+
+
+def sorted_copies(
+    x: torch.Tensor, order: torch.Tensor, copies: int = 1, inverse: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each row of ``x`` repeated ``copies`` times, the ``len(x) * copies`` slots then taken in
+    ``order`` (a permutation of them; ``copies`` 1: a permutation of the rows). ``inverse``:
+    ``inverse_permutation(order)`` when the caller has it. Values as ``x.index_select(0, order //
+    copies)``; the backward gathers (``_SortedCopies``)."""
+    return _SortedCopies.apply(x, order, copies, inverse)
+
+
+# --------------------------------------------------------------------------------------
 # Pipeline stages
 
 
@@ -369,6 +413,7 @@ __all__ = [
     "feed_forward_plan",
     "gather_sequence",
     "init_plain_parameters",
+    "inverse_permutation",
     "keep_sequence_piece",
     "keep_stage",
     "materialize_init",
@@ -376,6 +421,7 @@ __all__ = [
     "rotary_table",
     "run_stack",
     "sequence_parallel_norms",
+    "sorted_copies",
     "split_vocabulary",
     "stage_view",
     "stable_seed",

@@ -27,8 +27,9 @@ Metadata contract (read by graph passes such as ``ep_overlap``; keys and values 
 
 The tracer copies ``ep_role`` and ``moe_fqn`` onto the backward nodes that differentiate
 these (the backward of a dispatch is an all_to_all tagged ``dispatch``, phase ``backward``).
-Regrouping is an exact permutation (``index_select`` both ways), so expert parallelism
-changes no value: only where the rows are computed.
+Regrouping is an exact permutation (``models.common.sorted_copies`` both ways: a row gather in
+the forward and, with the inverse permutation, in the backward), so expert parallelism changes no
+value: only where the rows are computed.
 """
 
 from __future__ import annotations
@@ -40,12 +41,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from graph_trainer.graph.tags import COMBINE, COUNT_EXCHANGE, DISPATCH, EP_ROLE, MOE_FQN, annotate
 from graph_trainer.torch_compat import all_to_all_single, all_to_all_single_autograd
+from models.common import inverse_permutation, sorted_copies
 
 
 @dataclass
 class _DispatchContext:
     order: torch.Tensor
     """Received rows in local-expert order: ``x_local = x_received[order]``."""
+    back_to_received: torch.Tensor
+    """Its inverse: ``x_received = x_local[back_to_received]``."""
     send_splits: list
     receive_splits: list
 
@@ -82,16 +86,16 @@ class ExpertParallelDispatcher:
             block_expert = torch.arange(self.num_local, device=counts.device).repeat(self.ep)
             row_expert = torch.repeat_interleave(block_expert, received.flatten(), output_size=x_received.shape[0])
             order = torch.argsort(row_expert, stable=True)
-            x_local = x_received.index_select(0, order)
+            back_to_received = inverse_permutation(order)
+            x_local = sorted_copies(x_received, order, inverse=back_to_received)
             local_counts = received.sum(dim=0)
-        return x_local, local_counts, _DispatchContext(order, send_splits, receive_splits)
+        return x_local, local_counts, _DispatchContext(order, back_to_received, send_splits, receive_splits)
 
     def combine(self, y_local: torch.Tensor, ctx: _DispatchContext) -> torch.Tensor:
         """The expert outputs back on the ranks their tokens came from, sorted by global expert."""
         group = self.ep_mesh.get_group()
         with annotate(self._tags(COMBINE)):
-            back_to_received = torch.argsort(ctx.order)
-            y_received = y_local.index_select(0, back_to_received)
+            y_received = sorted_copies(y_local, ctx.back_to_received, inverse=ctx.order)
             return all_to_all_single_autograd(y_received, ctx.send_splits, ctx.receive_splits, group)
 
 

@@ -48,6 +48,7 @@ from models.common import (
     init_plain_parameters,
     rotary_table,
     run_stack,
+    sorted_copies,
     stack_init_rules,
 )
 from models.deepseek_v3.flavors import DeepSeekV3Args
@@ -324,7 +325,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         order = torch.argsort(slot_expert, stable=True)  # sorted position -> slot
-        x_sorted = tokens.index_select(0, order // top_k)  # [T*k, dim]
+        x_sorted = sorted_copies(tokens, order, top_k)  # [T*k, dim]: tokens.index_select(0, order // top_k)
         # 3. experts (through the dispatcher: the identity here, all_to_all under EP)
         y_sorted = self.experts_in_place(x_sorted, counts)
         # 4. un-sort into slot order, weight the k slots of each token and sum them
