@@ -1,10 +1,12 @@
 """FP8 linears against bf16 over a training run: the loss curves of each recipe on the same data.
 
     python -m benchmarks.float8_curves OUT [--steps 300] [--models llama3,deepseek_v3]
-        [--recipes tensorwise,rowwise,rowwise_with_gw_hp,experts] [--parallel 2]
+        [--recipes tensorwise,rowwise,rowwise_with_gw_hp,experts,experts_dispatch] [--parallel 2]
 
 (``experts``: rowwise_with_gw_hp with DeepSeek-V3's routed experts in FP8 too,
-``--float8.convert_routed_experts``; DeepSeek-V3 only.)
+``--float8.convert_routed_experts``; ``experts_dispatch``: the same on two processes with expert
+parallel sending the experts' rows in float8, ``--parallelism.ep 2 --float8.dispatch_in_float8``,
+half the batch each: the one process's global batch. DeepSeek-V3 only.)
 
 For each model's debug config it trains one bf16 job (``training.mixed_precision_param
 bfloat16``, fp32 master weights, the linears in bf16) and one job per FP8 recipe
@@ -28,21 +30,40 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import tomli
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"llama3": "configs/llama3_debug.toml", "deepseek_v3": "configs/deepseek_v3_debug.toml"}
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "experts")
-FLAGS = {"experts": ["--float8.recipe_name", "rowwise_with_gw_hp", "--float8.convert_routed_experts"]}
-"""The float8 flags of a recipe that is not a ``float8.recipe_name`` alone."""
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "experts", "experts_dispatch")
+_EXPERTS = ["--float8.recipe_name", "rowwise_with_gw_hp", "--float8.convert_routed_experts"]
+FLAGS = {
+    "experts": _EXPERTS,
+    "experts_dispatch": [*_EXPERTS, "--float8.dispatch_in_float8", "--parallelism.ep", "2"],
+}
+"""The flags of a recipe that is not a ``float8.recipe_name`` alone."""
+PROCESSES = {"experts_dispatch": 2}
+"""Processes of a recipe's job where more than one; each takes its share of the global batch."""
+ONLY_DEEPSEEK = ("experts", "experts_dispatch")
+
+
+def config_batch(model: str) -> int:
+    """The model's debug config's ``training.local_batch_size``: its curves' global batch."""
+    return tomli.loads((ROOT / CONFIGS[model]).read_text())["training"]["local_batch_size"]
 
 
 def job(out: Path, model: str, recipe: str, steps: int) -> list[str]:
     """The train.py command of one curve (recipe 'none': bf16 linears)."""
+    processes = PROCESSES.get(recipe, 1)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    split = ["--training.local_batch_size", str(config_batch(model) // processes)] if processes > 1 else []
     return [
         sys.executable,
+        *(launcher if processes > 1 else []),
         str(ROOT / "train.py"),
         *("--job.config_file", CONFIGS[model], "--job.device", "cpu"),
         *("--job.dump_folder", str(out / f"{model}_{recipe}")),
         *("--training.steps", str(steps), "--training.mixed_precision_param", "bfloat16"),
+        *split,
         *FLAGS.get(recipe, ["--float8.recipe_name", recipe]),
         *("--metrics.log_freq", "50", "--metrics.enable_tensorboard", "False", "--checkpoint.interval", "0"),
     ]
@@ -86,14 +107,15 @@ def main() -> None:
             parser.error(f"{name}: {', '.join(bad)} not one of {', '.join(allowed)}")
     out = opts.output_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if "experts" in recipes and models != ["deepseek_v3"]:
-        parser.error("--recipes experts: only deepseek_v3 has routed experts (pass --models deepseek_v3)")
+    if set(ONLY_DEEPSEEK) & set(recipes) and models != ["deepseek_v3"]:
+        only = ", ".join(ONLY_DEEPSEEK)
+        parser.error(f"--recipes {only}: only deepseek_v3 has routed experts (pass --models deepseek_v3)")
     runs = [(m, r) for m in models for r in ("none", *recipes)]
     start = time.perf_counter()
     with ThreadPoolExecutor(opts.parallel) as pool:
         list(pool.map(lambda mr: run(job(out, *mr, opts.steps), out / f"{mr[0]}_{mr[1]}.log"), runs))
     result = {"steps": opts.steps, "wall_s": time.perf_counter() - start, "models": {}}
-    print(f"FP8 linears vs bf16, {opts.steps} steps, CPU, one process each ({result['wall_s']:.0f} s)")
+    print(f"FP8 linears vs bf16, {opts.steps} steps, CPU, the config's batch each step ({result['wall_s']:.0f} s)")
     print("| model | recipe | final loss | final gap | last-10% mean gap | largest step gap after 10% |")
     print("|---|---|---|---|---|---|")
     for model in models:

@@ -136,6 +136,7 @@ def build_layout(cfg: JobConfig, world_size: int, device_type: str, args=None) -
         param_dtype=getattr(torch, t.mixed_precision_param),
         reduce_dtype=getattr(torch, t.mixed_precision_reduce),
         float8_all_gather=cfg.float8.enable_fsdp_float8_all_gather,
+        float8_dispatch=cfg.float8.dispatch_in_float8,
     )
     microbatches = microbatches_per_step(
         t.global_batch_size, t.local_batch_size, dims.dp_size, cfg.parallelism.pp_microbatches

@@ -265,6 +265,14 @@ class Float8:
     with rowwise scales, one ``_scaled_mm`` per local expert, the weight gradient in high precision
     (``models/float8.py``). Needs recipe 'rowwise_with_gw_hp' (a float8 weight gradient of an
     expert would need its tokens padded to multiples of 16: not built)."""
+    dispatch_in_float8: bool = False
+    """Expert parallel's forward dispatch sends each routed expert its tokens in float8 (one byte
+    per element and a float32 scale per row, instead of bf16's two bytes per element), as
+    DeepSeek-V3 trained; the combine and the backward's exchanges keep the parameter dtype. The
+    rows are cast as the experts cast them (one power-of-2 scale per row), so the experts' float8
+    matmuls compute with the same values as without it; the weight gradients of their first
+    matmuls (w1, w3), in high precision, read the rows as they arrived (float8, scaled back)
+    instead of as they were sent. Needs convert_routed_experts and parallelism.ep > 1."""
     enable_fsdp_float8_all_gather: bool = False
     """SimpleFSDP gathers the float8 linears' weights in float8 (one byte per element instead of
     bf16's two): each rank casts its shard with the whole weight's scale (one small all-reduce of

@@ -213,7 +213,8 @@ def _check_compile(cfg: JobConfig, degrees: dict[str, int]) -> None:
 def _check_float8(cfg: JobConfig, args, degrees: dict[str, int]) -> None:
     """FP8 linears: torchao importable, the router setting only for a model with a router, every
     ``filter_fqns`` entry matching a linear of the model (built on meta: no memory), the float8
-    all-gather only where there is a gather per microbatch to make float8."""
+    all-gather only where there is a gather per microbatch to make float8, the float8 dispatch
+    only where tokens are dispatched (expert parallel)."""
     f = cfg.float8
     if f.enable_fsdp_float8_all_gather:
         _check_float8_all_gather(cfg, degrees)
@@ -234,6 +235,11 @@ def _check_float8(cfg: JobConfig, args, degrees: dict[str, int]) -> None:
     select_linears(model, f, degrees["tp"])
     if f.convert_routed_experts:
         _check_float8_experts(cfg, args)
+        require(
+            not f.dispatch_in_float8 or degrees["ep"] > 1,
+            f"float8.dispatch_in_float8 sends expert parallel's tokens in float8: it needs parallelism.ep > 1 "
+            f"(it is {degrees['ep']}; no token is sent)",
+        )
 
 
 def _check_float8_experts(cfg: JobConfig, args) -> None:
@@ -352,6 +358,12 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
             _setting(cfg, f"float8.{name}", fp8, "float8.recipe_name")
             for name in ("filter_fqns", "convert_output", "convert_router", "convert_routed_experts")
         ],
+        _setting(
+            cfg,
+            "float8.dispatch_in_float8",
+            cfg.float8.convert_routed_experts,
+            "float8.convert_routed_experts (the experts' float8 rows are what it sends)",
+        ),
         _setting(cfg, "compile.cache_dir", c.backend == "inductor", inductor),
         _setting(cfg, "compile.once_per_node", c.backend == "inductor", inductor),
         _setting(

@@ -36,6 +36,14 @@ in one kernel; no CPU kernel to check it against) and a float8 weight gradient (
 expert's tokens, which ``_scaled_mm`` takes only in multiples of 16: torchao pads each expert's
 rows for it).
 
+Expert parallel's tokens in float8 (``settings.dispatch_in_float8``): ``rows_to_float8_bytes``
+casts rows exactly as the experts' forward and input-gradient casts do and packs each row's
+float8 values with its scale, ``float8_bytes_to_rows`` turns them back into rows of the
+parameter dtype (exactly the float8 values times their scales); ``graph_trainer.distributed.
+expert_parallel`` sends the packed bytes. A per-row cast commutes with moving rows, so the experts
+cast the rows they receive to the float8 values that were sent; only the weight gradients of
+their first matmuls (high precision) see the rows as float8 rather than as they were.
+
 Numerics: float8 rounds both operands of every matmul (e4m3: 3 mantissa bits; the tensorwise
 recipe's output gradient e5m2: 2), a relative error of a few percent per product against the
 parameter dtype's; how far a training run moves is measured in docs/numerics.md. torchao is
@@ -167,6 +175,9 @@ def convert_linears(model: nn.Module, settings: Float8, tp: int = 1) -> list[Lin
 
 EXPERTS_RECIPE = "rowwise_with_gw_hp"
 """The recipe the routed experts compute in float8 with (module docstring)."""
+EXPERTS_FLOAT8_DTYPE = torch.float8_e4m3fn
+"""The float8 dtype of the experts' operands: ``EXPERTS_RECIPE`` casts inputs, weights and output
+gradients to e4m3."""
 
 
 @torch.library.custom_op("graph_trainer::float8_grouped_mm", mutates_args=())
@@ -211,6 +222,28 @@ def _cast_rows(t: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor
     return to_fp8_saturated(t.to(torch.float32) * scale, float8_dtype), scale.reciprocal()
 
 
+ROW_SCALE_BYTES = 4
+"""Bytes of the float32 inverse scale a float8 row carries on a wire (``rows_to_float8_bytes``)."""
+
+
+def rows_to_float8_bytes(t: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
+    """``t`` [N, D] cast as the routed experts cast their rows (``_cast_rows``), packed for a wire:
+    [N, D + 4] bytes, each row's float8 values followed by its float32 inverse scale."""
+    t8, inverse = _cast_rows(t, float8_dtype)
+    return torch.cat([t8.view(torch.uint8), inverse.view(torch.uint8)], dim=1)
+
+
+def float8_bytes_to_rows(packed: torch.Tensor, float8_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """The rows ``rows_to_float8_bytes`` packed, in ``dtype``: each float8 value times its row's
+    inverse scale, a power of 2, so the product is exact (bf16 holds every e4m3 value so scaled).
+    ``_cast_rows`` of the result gives the same float8 values again, or where a row's largest value
+    rounded down to half the float8 range, twice them with half the inverse scale: the same products."""
+    d = packed.shape[1] - ROW_SCALE_BYTES
+    values = packed[:, :d].view(float8_dtype)
+    inverse = packed[:, d:].contiguous().view(torch.float32)
+    return (values.to(torch.float32) * inverse).to(dtype)
+
+
 class _Float8GroupedLinear(torch.autograd.Function):
     """``x`` [M, K] rows sorted by expert, ``w`` [E, N, K], ``counts`` [E] -> each block of rows
     times its expert's ``w[e]``ᵀ (module docstring)."""
@@ -251,9 +284,7 @@ def convert_routed_experts(model: nn.Module) -> int:
     ao_float8 = torchao_float8()
     config = ao_float8.Float8LinearConfig.from_recipe_name(EXPERTS_RECIPE)
     fast = (config.gemm_config_output.use_fast_accum, config.gemm_config_grad_input.use_fast_accum)
-    matmul = functools.partial(
-        float8_grouped_linear, float8_dtype=config.cast_config_input.target_dtype, fast_accum=fast
-    )
+    matmul = functools.partial(float8_grouped_linear, float8_dtype=EXPERTS_FLOAT8_DTYPE, fast_accum=fast)
     experts = [m for m in model.modules() if hasattr(m, "float8_matmul")]
     for module in experts:
         module.float8_matmul = matmul
@@ -275,13 +306,17 @@ def summary(choices: list[LinearChoice]) -> str:
 
 
 __all__ = [
+    "EXPERTS_FLOAT8_DTYPE",
     "EXPERTS_RECIPE",
+    "ROW_SCALE_BYTES",
     "LinearChoice",
     "check_scaled_mm",
     "convert_linears",
     "convert_routed_experts",
     "float8_grouped_linear",
+    "float8_bytes_to_rows",
     "float8_grouped_mm",
+    "rows_to_float8_bytes",
     "select_linears",
     "summary",
     "torchao_float8",

@@ -204,9 +204,11 @@ def ep_overlap_cases(
     plan: list[tuple[str, str, str]],
     config: str,
     rtol: float = CLOSE_RTOL,
+    grad_rtol: float = 0.0,
 ) -> list[Case]:
     """Per (layout, selection, FSDP passes): the chunked reference (within ``rtol`` of the layout's
-    reference) and the scheduled case bitwise equal to it."""
+    reference, its step-1 gradients within ``grad_rtol``: 0 is ``GRAD_RTOL``) and the scheduled
+    case bitwise equal to it."""
     cases = []
     for layout, selection, fsdp_passes in plan:
         nproc, args, reference = layouts[layout]
@@ -219,6 +221,7 @@ def ep_overlap_cases(
             [*args, *EP_OVERLAP[selection], "--compile.passes", passes, "--compile.ep_overlap.reorder", "False"],
             close_to=reference,
             rtol=rtol,
+            grad_rtol=grad_rtol,
             config=config,
         )
         cases += [

@@ -343,13 +343,23 @@ _DEEPSEEK_FLOAT8_LAYOUTS = {
         [*_FLOAT8_EXPERTS, "--parallelism.pp", "2", *_TWO_MICROBATCHES],
         "deepseek_2l_float8_experts_single_b4",
     ),
+    "deepseek_2l_float8_dispatch_ep2": (
+        2,
+        [*_FLOAT8_EXPERTS, "--parallelism.ep", "2", "--float8.dispatch_in_float8", *batch(2)],
+        "deepseek_2l_float8_experts_single_b4",
+    ),
     "deepseek_2l_float8_tp2xep2": (
         4,
         [*_TP2, "--parallelism.ep", "2", *_FLOAT8["rowwise"]],
         "deepseek_2l_float8_single_b4",
     ),
 }
-_FLOAT8_OTHER_SCALES = ["float8_fsdp2xtp2", "float8_fsdp2xtp2_accum2_per_step", "deepseek_2l_float8_tp2xep2"]
+_FLOAT8_OTHER_SCALES = [
+    "float8_fsdp2xtp2",
+    "float8_fsdp2xtp2_accum2_per_step",
+    "deepseek_2l_float8_tp2xep2",
+    "deepseek_2l_float8_dispatch_ep2",
+]
 _FLOAT8_SAME_SCALES = ["deepseek_2l_float8_experts_fsdp2xep2", "deepseek_2l_float8_experts_pp2xfsdp2"]
 _FLOAT8_BOUNDS = dict.fromkeys(_FLOAT8_OTHER_SCALES + _FLOAT8_SAME_SCALES, FLOAT8_RTOL)
 _FLOAT8_GRAD_BOUNDS = dict.fromkeys(_FLOAT8_OTHER_SCALES, FLOAT8_GRAD_RTOL)
@@ -386,11 +396,21 @@ _CPU_FLOAT8_ALL_GATHER = [
         same_as="float8_hsdp2x2_bf16",
     ),
 ]
+# The float8 dispatch with each MoE layer's sequence halves overlapped (the 671B config's pass):
+# the scheduled graph bitwise its chunked twin, which is within the float8 bounds of one process.
+_FLOAT8_DISPATCH_EP_OVERLAP = ep_overlap_cases(
+    {"deepseek_2l_float8_dispatch_ep2": _DEEPSEEK_FLOAT8_LAYOUTS["deepseek_2l_float8_dispatch_ep2"]},
+    [("deepseek_2l_float8_dispatch_ep2", "moe_seq", "")],
+    DEEPSEEK_DEBUG,
+    rtol=FLOAT8_RTOL,
+    grad_rtol=FLOAT8_GRAD_RTOL,
+)
 CPU_FLOAT8_CASES = (
     _FLOAT8_REFERENCES
     + layout_cases(_FLOAT8_LAYOUTS, rtols=_FLOAT8_BOUNDS, grad_rtols=_FLOAT8_GRAD_BOUNDS)
     + _CPU_FLOAT8_ALL_GATHER
     + layout_cases(_DEEPSEEK_FLOAT8_LAYOUTS, DEEPSEEK_DEBUG, rtols=_FLOAT8_BOUNDS, grad_rtols=_FLOAT8_GRAD_BOUNDS)
+    + _FLOAT8_DISPATCH_EP_OVERLAP
 )
 
 # An output projection tied to the embedding (``debugmodel_tied``: one parameter, two uses whose

@@ -125,6 +125,16 @@ def _main(capsys, monkeypatch, *args) -> tuple[int, list[str]]:
         ),
         (["--float8.convert_routed_experts"], "float8.convert_routed_experts = True means something only with"),
         (
+            ["--job.config_file", "configs/deepseek_v3_debug.toml", "--float8.recipe_name", "rowwise_with_gw_hp"]
+            + ["--float8.dispatch_in_float8"],
+            "float8.dispatch_in_float8 = True means something only with float8.convert_routed_experts",
+        ),
+        (
+            ["--job.config_file", "configs/deepseek_v3_debug.toml", "--float8.recipe_name", "rowwise_with_gw_hp"]
+            + ["--float8.convert_routed_experts", "--float8.dispatch_in_float8"],
+            "float8.dispatch_in_float8 sends expert parallel's tokens in float8: it needs parallelism.ep > 1 (it is 1",
+        ),
+        (
             ["--float8.recipe_name", "tensorwise", "--float8.filter_fqns", "wq,attention.wz"],
             "float8.filter_fqns: 'attention.wz' matches no linear of the model",
         ),

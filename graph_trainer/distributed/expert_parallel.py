@@ -27,6 +27,12 @@ Metadata contract (read by graph passes such as ``ep_overlap``; keys and values 
 
 The tracer copies ``ep_role`` and ``moe_fqn`` onto the backward nodes that differentiate
 these (the backward of a dispatch is an all_to_all tagged ``dispatch``, phase ``backward``).
+With ``float8_dtype`` (``float8.dispatch_in_float8``) the forward's dispatch sends its rows in
+float8, each row cast as the experts cast it (``models.float8.rows_to_float8_bytes``: float8
+values and a float32 scale per row, one ``all_to_all`` of bytes), scaled back to the parameter
+dtype on arrival; the other three exchanges (the combine, and both in the backward) move the
+parameter dtype. What it changes numerically: ``config.Float8.dispatch_in_float8``.
+
 Regrouping is an exact permutation (``models.common.sorted_copies`` both ways: a row gather in
 the forward and, with the inverse permutation, in the backward), so expert parallelism changes no
 value: only where the rows are computed.
@@ -42,6 +48,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from graph_trainer.graph.tags import COMBINE, COUNT_EXCHANGE, DISPATCH, EP_ROLE, MOE_FQN, annotate
 from graph_trainer.torch_compat import all_to_all_single, all_to_all_single_autograd
 from models.common import inverse_permutation, sorted_copies
+from models.float8 import float8_bytes_to_rows, rows_to_float8_bytes
+
+
+class _Float8Dispatch(torch.autograd.Function):
+    """An all_to_all of rows sent in float8 and scaled back on arrival; the reverse exchange of
+    their gradients in their own dtype (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, rows, receive_splits, send_splits, group, float8_dtype):
+        ctx.reverse = (send_splits, receive_splits, group)
+        packed = all_to_all_single(rows_to_float8_bytes(rows, float8_dtype), receive_splits, send_splits, group)
+        return float8_bytes_to_rows(packed, float8_dtype, rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_single(grad.contiguous(), *ctx.reverse), None, None, None, None
 
 
 @dataclass
@@ -57,7 +79,7 @@ class _DispatchContext:
 class ExpertParallelDispatcher:
     """Token dispatcher over the ``ep`` mesh (see the module docstring for the contract)."""
 
-    def __init__(self, ep_mesh: DeviceMesh, num_experts: int, moe_fqn: str):
+    def __init__(self, ep_mesh: DeviceMesh, num_experts: int, moe_fqn: str, float8_dtype: torch.dtype | None = None):
         if ep_mesh.ndim != 1:
             raise ValueError("the expert-parallel mesh must be 1-D")
         self.ep_mesh = ep_mesh
@@ -67,6 +89,8 @@ class ExpertParallelDispatcher:
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep
         self.moe_fqn = moe_fqn
+        self.float8_dtype = float8_dtype
+        """Rows to the experts travel in this float8 dtype (module docstring); None: as they are."""
 
     def _tags(self, role: str) -> dict:
         return {EP_ROLE: role, MOE_FQN: self.moe_fqn}
@@ -80,7 +104,10 @@ class ExpertParallelDispatcher:
             send_splits = counts.view(self.ep, self.num_local).sum(dim=1).tolist()
             receive_splits = received.sum(dim=1).tolist()
         with annotate(self._tags(DISPATCH)):
-            x_received = all_to_all_single_autograd(x_sorted, receive_splits, send_splits, group)
+            if self.float8_dtype is None:
+                x_received = all_to_all_single_autograd(x_sorted, receive_splits, send_splits, group)
+            else:
+                x_received = _Float8Dispatch.apply(x_sorted, receive_splits, send_splits, group, self.float8_dtype)
             # Rows arrive grouped by source rank, then expert; the experts want them grouped by
             # expert. A stable sort of each row's expert id gives that order.
             block_expert = torch.arange(self.num_local, device=counts.device).repeat(self.ep)

@@ -67,6 +67,8 @@ class MixedPrecision:
     float8_all_gather: bool = False
     """Gather the weights of tensorwise float8 linears in float8 (``float8_gather``), cast from
     ``param_dtype`` on each shard with the whole weight's scale."""
+    float8_dispatch: bool = False
+    """Send expert parallel's rows to the routed experts in float8 (``expert_parallel``)."""
 
 
 class ReplicateComputation(nn.Module):

@@ -76,6 +76,7 @@ from models.common import (
     split_vocabulary,
 )
 from models.deepseek_v3.flavors import DeepSeekV3Args
+from models.float8 import EXPERTS_FLOAT8_DTYPE
 
 
 def tp_split_sizes(args: DeepSeekV3Args) -> list[tuple[str, int]]:
@@ -182,6 +183,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims
     expert_dims = expert_dp_mesh_dims(dims)
     expert_dp_mesh = mesh[expert_dims] if expert_dims else None
     full_mesh = mesh[(*expert_dims, "ep")]
+    float8_dtype = EXPERTS_FLOAT8_DTYPE if mp.float8_dispatch else None
     for name, block in model.layers.items():
         if not block.is_moe:
             continue
@@ -191,7 +193,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims
                 torch.empty(param.shape, dtype=param.dtype, device="meta"), ep_mesh, [Shard(0)], src_data_rank=None
             )
             experts.register_parameter(param_name, nn.Parameter(split, requires_grad=param.requires_grad))
-        block.moe.token_dispatcher = ExpertParallelDispatcher(ep_mesh, block.moe.num_experts, f"layers.{name}.moe")
+        block.moe.token_dispatcher = ExpertParallelDispatcher(
+            ep_mesh, block.moe.num_experts, f"layers.{name}.moe", float8_dtype
+        )
         data_parallel(
             experts,
             expert_dp_mesh,

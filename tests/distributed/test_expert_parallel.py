@@ -7,6 +7,7 @@ are cases of the cpu suite (``integration_tests.py``).
 from collections import Counter
 
 import pytest
+import torch
 
 from graph_trainer.config_loading import load_config
 from graph_trainer.errors import ConfigError
@@ -14,6 +15,7 @@ from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.graph import tags
 from graph_trainer.graph.tags import COMBINE, COUNT_EXCHANGE, DISPATCH
 from graph_trainer.validation import validate_config
+from models.float8 import ROW_SCALE_BYTES
 from tests.conftest import ROOT
 
 DEEPSEEK = [
@@ -26,15 +28,25 @@ DEEPSEEK = [
 ]
 
 
-def test_every_all_to_all_is_tagged_per_moe_layer():
-    cfg = load_config([*DEEPSEEK, "--parallelism.ep", "2"])
+FLOAT8_DISPATCH = [
+    *["--float8.recipe_name", "rowwise_with_gw_hp"],
+    *["--float8.convert_routed_experts", "--float8.dispatch_in_float8"],
+]
+
+
+def _traced_all_to_alls(*flags: str) -> list:
+    cfg = load_config([*DEEPSEEK, "--parallelism.ep", "2", *flags])
     with fake_world(4):
         gm = trace_job(cfg, 4).gm
-    a2a = [
+    return [
         n
         for n in gm.graph.nodes
         if n.target.__class__.__name__ == "OpOverload" and n.target.name() == "_c10d_functional::all_to_all_single"
     ]
+
+
+def test_every_all_to_all_is_tagged_per_moe_layer():
+    a2a = _traced_all_to_alls()
     launches = [tags.tags(n) for n in a2a]
     assert all(t.get("ep_role") in (COUNT_EXCHANGE, DISPATCH, COMBINE) and t.get("moe_fqn") for t in launches)
     moe_layers = sorted({t["moe_fqn"] for t in launches})
@@ -52,6 +64,21 @@ def test_every_all_to_all_is_tagged_per_moe_layer():
     for node in a2a:
         (wait,) = node.users
         assert tags.get(wait, "ep_role") == tags.get(node, "ep_role")
+
+
+def test_float8_dispatch_sends_the_rows_to_the_experts_as_bytes():
+    """The forward's dispatch carries float8 values with a float32 scale per row; the combine and
+    the backward's exchanges keep the rows' dtype."""
+    plain = [n.args[0].meta["val"] for n in _traced_all_to_alls() if tags.get(n, "ep_role") == DISPATCH]
+    (dim,), (dtype,) = {t.shape[1] for t in plain}, {t.dtype for t in plain}
+    to_experts = {("forward", DISPATCH)}
+    for node in _traced_all_to_alls(*FLOAT8_DISPATCH):
+        where = (tags.get(node, "phase"), tags.get(node, "ep_role"))
+        rows = node.args[0].meta["val"]
+        if where in to_experts:
+            assert rows.dtype == torch.uint8 and rows.shape[1] == dim + ROW_SCALE_BYTES, where
+        elif where[1] != COUNT_EXCHANGE:
+            assert rows.dtype == dtype and rows.shape[1] == dim, where
 
 
 @pytest.mark.parametrize(
