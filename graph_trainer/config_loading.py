@@ -10,7 +10,8 @@ field, the value and what is allowed (``train.py`` prints it and exits with code
 involve several fields are ``graph_trainer.validation``'s.
 
 A bool flag given bare means True (``--checkpoint.move_aside``) and ``--section.no_key`` means
-``--section.key False``, as tyro's own boolean flags read; ``--section.key True|False`` works too.
+``--section.key False``, as tyro's own boolean flags read; ``--section.key True|False`` works too,
+in any case (TOML's ``true``/``false`` as well: ``--section.key=false`` alike).
 
 ``config_to_toml(cfg)`` writes a whole config (every field, defaults included) as a job file that
 ``--job.config_file`` reads back into the same config: the trainer leaves it in the dump folder.
@@ -193,6 +194,8 @@ def normalize_pass_list(passes: list[str]) -> list[str]:
 
 _BOOLS = ("True", "False")
 """The spellings tyro accepts for a bool flag's value."""
+_BOOL_SPELLINGS = {b.lower(): b for b in _BOOLS}
+"""A bool flag's value in any case -> tyro's spelling (``expand_bool_flags``)."""
 
 
 def _flag_types(cls: type = JobConfig, prefix: str = "") -> dict[str, Any]:
@@ -246,19 +249,25 @@ def _check_flag_value(name: str, value: str, typ: Any) -> None:
 
 def expand_bool_flags(argv: list[str]) -> list[str]:
     """``argv`` (canonical spelling) with every bare bool flag (the last argument, or followed by
-    another flag) followed by ``True``, and every ``--section.no_key`` of a bool field replaced by
+    another flag) followed by ``True``, every bool flag's value in tyro's spelling (``false``,
+    ``FALSE`` -> ``False``), and every ``--section.no_key`` of a bool field replaced by
     ``--section.key False``."""
     types = _flag_types()
     out, i = [], 0
     while i < len(argv):
         arg, i = argv[i], i + 1
-        name = arg[2:] if arg.startswith("--") and "=" not in arg else ""
+        name, equals, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
         section, _, key = name.rpartition(".")
         negated = f"{section}.{key[3:]}" if key.startswith("no_") and name not in types else ""
-        if types.get(name) is bool and (i >= len(argv) or argv[i].startswith("--")):
+        if types.get(name) is bool and equals:
+            out.append(f"--{name}={_BOOL_SPELLINGS.get(value.lower(), value)}")
+        elif types.get(name) is bool and (i >= len(argv) or argv[i].startswith("--")):
             out += [arg, "True"]
-        elif negated and types.get(negated) is bool:
-            if i < len(argv) and argv[i] in _BOOLS:
+        elif types.get(name) is bool:
+            out += [arg, _BOOL_SPELLINGS.get(argv[i].lower(), argv[i])]
+            i += 1
+        elif negated and types.get(negated) is bool and not equals:
+            if i < len(argv) and argv[i].lower() in _BOOL_SPELLINGS:
                 raise ConfigError(f"--{name} takes no value: it means --{negated} False")
             out += [f"--{negated}", "False"]
         else:

@@ -315,6 +315,21 @@ def test_a_bare_bool_flag_means_true_and_no_means_false():
         load_config(["--training.no_steps"])  # (steps is no bool)
 
 
+@pytest.mark.parametrize("false, true", [("false", "true"), ("FALSE", "TRUE"), ("False", "True")])
+def test_a_bool_flag_takes_tomls_spelling_and_any_case(false, true):
+    assert load_config(["--compile.ep_overlap.reorder", false]).compile.ep_overlap.reorder is False
+    assert load_config([f"--compile.ep_overlap.reorder={false}"]).compile.ep_overlap.reorder is False
+    assert load_config(["--checkpoint.move_aside", true, "--training.steps", "3"]).checkpoint.move_aside is True
+    assert load_config([f"--checkpoint.move-aside={true}"]).checkpoint.move_aside is True
+
+
+def test_a_bool_flag_refuses_other_words():
+    with pytest.raises(ConfigError, match=r"checkpoint.move_aside = 'yes' is not allowed; choose one of: True, False"):
+        load_config(["--checkpoint.move_aside", "yes"])
+    with pytest.raises(ConfigError, match=r"^--checkpoint.no_move_aside takes no value"):
+        load_config(["--checkpoint.no_move_aside", "false"])
+
+
 @pytest.mark.parametrize("config", [None, *sorted(os.listdir(os.path.join(ROOT, "configs")))])
 def test_the_written_config_reads_back_as_the_same_config(tmp_path, config):
     flags = ["--training.lr", "2.5e-05", "--compile.passes", "auto_bucketing", "--compile.ep_overlap.chunk_dim", "seq"]
