@@ -24,7 +24,9 @@ first step: nothing half-loaded trains.
 ``export_hf(folder, step, out, dtype, max_shard_bytes)`` (one process, no process group) writes a
 checkpoint ``<folder>/step-<N>`` (verified against its manifest first) as a Hugging Face folder,
 one shard at a time: DCP loads only the tensors of the shard being written, so the export holds
-about one shard in memory, never the model; the tokenizer files of a folder are copied beside.
+about one shard in memory, never the model; the tokenizer files of a folder are copied beside, and
+the ``config.json`` fields of a folder that do not describe the architecture (token ids,
+generation settings) are carried over, provided that folder describes the same model.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from graph_trainer.config import JobConfig
 from graph_trainer.distributed.comm import agree
 from graph_trainer.errors import ConfigError, some_names
 from graph_trainer.loop.guards import first_non_finite
-from models.hf_weights import HFAdapter, HFSource, hf_names
+from models.hf_weights import CONFIG_FILE, HFAdapter, HFSource, hf_names, read_json
 from models.registry import HF_FLAVOR, MODEL_SPECS, recorded_args
 
 logger = logging.getLogger("graph_trainer")
@@ -210,11 +212,41 @@ def _shards(keys: list[str], shapes: dict[str, list[int]], max_bytes: int, items
         yield group
 
 
+NOT_CARRIED = ("quantization_config",)
+"""Fields of a ``config_from`` folder's ``config.json`` an export leaves out: its weights are
+written dequantized (a float8 release's block scales describe the folder's files, not ours)."""
+
+
+def carried_config(ours: dict, config_from: str, adapter: HFAdapter, args) -> dict:
+    """``ours`` (the checkpoint's ``config.json``) with the fields of the Hugging Face folder
+    ``config_from``'s that ours does not write (token ids, generation settings, ...), except
+    ``NOT_CARRIED``; ours win where both have one. ``ConfigError`` when the result describes
+    another model than ``args`` (the folder is not the model this checkpoint was trained from)."""
+    theirs = read_json(os.path.join(config_from, CONFIG_FILE), "Hugging Face config")
+    merged = {**{k: v for k, v in theirs.items() if k not in NOT_CARRIED}, **ours}
+    if "dtype" in merged:  # (newer transformers' name of torch_dtype)
+        merged["dtype"] = ours["torch_dtype"]
+    problems = adapter.config_problems(merged, args)
+    if theirs.get("model_type") != ours["model_type"]:
+        problems.insert(0, f"model_type {theirs.get('model_type')!r}, not {ours['model_type']!r}")
+    if problems:
+        what = f"{config_from}/{CONFIG_FILE}"
+        raise ConfigError(f"{what} describes another model than the checkpoint: " + "; ".join(problems))
+    return merged
+
+
 def export_hf(
-    checkpoint_folder: str, step: int, out: str, dtype: torch.dtype, max_shard_bytes: int, tokenizer: str = ""
+    checkpoint_folder: str,
+    step: int,
+    out: str,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    tokenizer: str = "",
+    config_from: str = "",
 ) -> list[str]:
     """Write ``<checkpoint_folder>/step-<step>`` as a Hugging Face folder at ``out`` (module docstring),
-    with the tokenizer files of the folder ``tokenizer`` when given."""
+    with the tokenizer files of the folder ``tokenizer`` and the other ``config.json`` fields of the
+    folder ``config_from`` (``carried_config``) when given."""
     copies = tokenizer_files(tokenizer) if tokenizer else []
     folder = os.path.join(checkpoint_folder, f"step-{step}")
     if not os.path.isfile(os.path.join(folder, manifest.MANIFEST_FILE)):
@@ -256,9 +288,20 @@ def export_hf(
             yield hf
 
     dtype_name = str(dtype).removeprefix("torch.")
-    files = write_folder(out, spec.hf.config(args, dtype_name), shards(), copies)
+    config = spec.hf.config(args, dtype_name)
+    if config_from:
+        config = carried_config(config, config_from, spec.hf, args)
+    files = write_folder(out, config, shards(), copies)
     logger.info("exported %s (%s %s, %d layers) to %s: %d files", folder, name, flavor, n_layers, out, len(files))
     return files
 
 
-__all__ = ["HFStorageReader", "HFWeights", "export_hf", "load_hf_weights", "open_hf_weights"]
+__all__ = [
+    "NOT_CARRIED",
+    "HFStorageReader",
+    "HFWeights",
+    "carried_config",
+    "export_hf",
+    "load_hf_weights",
+    "open_hf_weights",
+]

@@ -195,6 +195,33 @@ def test_load_export_reload_is_bitwise(tmp_path, models, family):
     assert torch.equal(logits(reloaded.eval(), tokens), reference)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_an_export_keeps_the_other_config_fields_of_the_folder_it_came_from(tmp_path, models, family):
+    """``--config_from``: the folder's fields we do not write (token ids, ...) carried over, ours
+    as without it; a float8 release's quantization_config and dtype are not the export's."""
+    from graph_trainer.checkpoint.hf import carried_config
+    from graph_trainer.cli import export_hf
+    from models.registry import MODEL_SPECS
+
+    _, folder, _, _ = models[family]
+    plain = json.loads((_convert_and_export(tmp_path, family, folder) / "config.json").read_text())
+    out = tmp_path / "carried"
+    argv = ["--checkpoint", str(tmp_path / "job" / "checkpoint"), "--step", "0", "--out", str(out)]
+    assert export_hf.main([*argv, "--config_from", str(folder)]) == 0
+    theirs, carried = json.loads((folder / "config.json").read_text()), json.loads((out / "config.json").read_text())
+    assert {"bos_token_id", "eos_token_id"} <= theirs.keys() - plain.keys()
+    assert carried == {**theirs, **plain}
+
+    release = tmp_path / "release"
+    release.mkdir()
+    quantized = {**theirs, "quantization_config": {"quant_method": "fp8"}, "dtype": "float8_e4m3fn"}
+    (release / "config.json").write_text(json.dumps(quantized))
+    (spec,) = [s for s in MODEL_SPECS.values() if s.hf.model_type == plain["model_type"]]
+    args = spec.hf.args_from_config(plain)
+    kept = carried_config(plain, str(release), spec.hf, args)
+    assert "quantization_config" not in kept and kept["dtype"] == plain["torch_dtype"] == "float32"
+
+
 def test_export_mistakes_are_one_line_exit_2(tmp_path, models, capsys):
     from graph_trainer.cli import export_hf
 
@@ -207,6 +234,12 @@ def test_export_mistakes_are_one_line_exit_2(tmp_path, models, capsys):
         (
             ["--checkpoint", checkpoint, "--step", "0", "--out", str(tmp_path / "x"), "--tokenizer", str(tmp_path)],
             f"error: tokenizer folder {tmp_path} holds no tokenizer.json",
+        ),
+        (
+            ["--checkpoint", checkpoint, "--step", "0", "--out", str(tmp_path / "x")]
+            + ["--config_from", str(models["deepseek"][1])],
+            f"error: {models['deepseek'][1]}/config.json describes another model than the checkpoint: "
+            "model_type 'deepseek_v3', not 'llama'",
         ),
         (["--checkpoint", checkpoint, "--step", "zero", "--out", "x"], "error: argument --step: invalid int value"),
         (["--checkpoint", checkpoint, "--out", "x"], "error: the following arguments are required: --step"),
