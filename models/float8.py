@@ -39,10 +39,11 @@ rows for it).
 Expert parallel's tokens in float8 (``settings.dispatch_in_float8``): ``rows_to_float8_bytes``
 casts rows exactly as the experts' forward and input-gradient casts do and packs each row's
 float8 values with its scale, ``float8_bytes_to_rows`` turns them back into rows of the
-parameter dtype (exactly the float8 values times their scales); ``graph_trainer.distributed.
-expert_parallel`` sends the packed bytes. A per-row cast commutes with moving rows, so the experts
-cast the rows they receive to the float8 values that were sent; only the weight gradients of
-their first matmuls (high precision) see the rows as float8 rather than as they were.
+parameter dtype (exactly the float8 values times their scales); expert parallel's dispatcher
+(``graph_trainer.distributed.expert_parallel``) sends the packed bytes. A per-row cast commutes
+with moving rows, so the experts cast the rows they receive to the float8 values that were sent;
+only the weight gradients of their first matmuls (high precision) see the rows as float8 rather
+than as they were.
 
 Numerics: float8 rounds both operands of every matmul (e4m3: 3 mantissa bits; the tensorwise
 recipe's output gradient e5m2: 2), a relative error of a few percent per product against the
