@@ -4,6 +4,7 @@ EP=2 and FSDP2xEP2 training (graph vs eager bitwise, close to one process, gradi
 are cases of the cpu suite (``integration_tests.py``).
 """
 
+import functools
 from collections import Counter
 
 import pytest
@@ -34,7 +35,9 @@ FLOAT8_DISPATCH = [
 ]
 
 
+@functools.cache
 def _traced_all_to_alls(*flags: str) -> list:
+    """The all_to_all nodes of the debug model's step on EP=2 (traced once per flag set)."""
     cfg = load_config([*DEEPSEEK, "--parallelism.ep", "2", *flags])
     with fake_world(4):
         gm = trace_job(cfg, 4).gm
