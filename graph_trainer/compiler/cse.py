@@ -15,9 +15,17 @@ Reads: every node's target, arguments and tags. Two nodes compute the same value
   makes a node unique);
 - their tags are equal except ``module_fqn`` (which of the modules the node computed for: the
   kept node's says one of them), and so are their units (``graph.tags.unit_of``: block or loss
-  chunk): nothing is shared between phases, blocks or loss chunks, where sharing would hold a
-  value longer (more memory), nor between what the memory policy or a pass tells apart
-  (recomputation, ``ep_overlap`` chunks, collective roles).
+  chunk): nothing is shared between blocks or loss chunks, nor between phases, where sharing
+  would hold a value longer (more memory), unless the value is one number (a 0-d tensor: the
+  backward holding the forward's costs nothing), nor between what the memory policy or a pass
+  tells apart (recomputation, ``ep_overlap`` chunks, collective roles);
+- a whole tensor's ``max`` (or ``min``) stands for the same value whenever it reads the same
+  elements: of one tensor, of reshapes or transposes of it, or of ``abs`` of either. It depends
+  on the set of elements alone and rounds nothing. A tensorwise float8 cast's amax is one: the
+  forward casts a linear's input and weight, the backward casts them again (a 2-d view of the
+  input for the weight gradient, the transposed weight for the input gradient), and would
+  compute the same amaxes (one more pass over each, and under tensor parallel one more
+  all-reduce) unless it reads the forward's.
 
 Changes: a node whose value an earlier node computes is replaced by it and erased, and what only
 it read is erased after it, unless sharing would cost more than computing again: a pointwise op
@@ -47,11 +55,23 @@ import torch.fx as fx
 
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import is_collective, is_wait, stays_outside
-from graph_trainer.graph.ops import aliases_input, is_random, mutated_args, name_of
+from graph_trainer.graph.ops import aliases_input, is_one_number, is_random, mutated_args, name_of
 
 _ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 _COPIES = {"_to_copy", "clone", "copy", "_unsafe_view", "expand_copy", "permute_copy", "transpose_copy"}
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "norm", "linalg_vector_norm"}
+_ORDER_FREE = {torch.ops.aten.max.default, torch.ops.aten.min.default}
+"""Reductions of a whole tensor to one value that depend only on its elements, not on their
+order or shape, and round nothing."""
+_SAME_ELEMENTS = {
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default,
+}
+"""Views holding every element of their input, in another shape or order."""
 
 
 class _Incomparable(Exception):
@@ -100,11 +120,24 @@ def _value_key(node: fx.Node, value: dict, mutated: set[fx.Node], returned: set[
     if not _may_merge(node, mutated, returned):
         return None
     try:
-        args = _key(node.args, value)
+        if node.target in _ORDER_FREE and not node.kwargs:
+            args = _elements_key(node.args[0], value)
+        else:
+            args = _key(node.args, value)
         kwargs = _key(tuple(sorted(node.kwargs.items())), value)
     except _Incomparable:
         return None
-    return (node.target, args, kwargs, _tag_key(node))
+    return (node.target, args, kwargs, _tag_key(node, phase=not is_one_number(node)))
+
+
+def _elements_key(arg, value: dict) -> tuple:
+    """A stand-in for the elements of ``arg`` whatever their shape and order: a reshape or
+    transpose of a tensor has its elements, and ``abs`` of one the elements of ``abs`` of the tensor."""
+    if isinstance(arg, fx.Node) and arg.target in _SAME_ELEMENTS:
+        return _elements_key(arg.args[0], value)
+    if isinstance(arg, fx.Node) and arg.target is torch.ops.aten.abs.default:
+        return ("abs", _elements_key(arg.args[0], value))
+    return _key(arg, value)
 
 
 def _holder_to_share(node: fx.Node, holders: list[fx.Node], region_of: dict, region: int) -> fx.Node | None:
@@ -196,8 +229,9 @@ def _key(arg, value: dict):
     return (type(arg).__name__, arg)
 
 
-def _tag_key(node: fx.Node) -> tuple:
-    kept = sorted((k, repr(v)) for k, v in tags.tags(node).items() if k != tags.MODULE_FQN)
+def _tag_key(node: fx.Node, phase: bool = True) -> tuple:
+    ignored = {tags.MODULE_FQN} if phase else {tags.MODULE_FQN, tags.PHASE}
+    kept = sorted((k, repr(v)) for k, v in tags.tags(node).items() if k not in ignored)
     return tags.unit_of(node), tuple(kept)
 
 

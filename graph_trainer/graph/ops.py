@@ -66,6 +66,13 @@ def is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
+def is_one_number(node: fx.Node) -> bool:
+    """Whether ``node``'s value is a 0-d tensor (one number, as a tensorwise float8 scale's amax):
+    holding it longer costs a few bytes."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() == 0
+
+
 def aliases_input(node: fx.Node) -> bool:
     """A view of its input or a ``getitem`` of a multi-output op: no memory, no compute of its own."""
     return node.target is operator.getitem or is_view(node)
@@ -115,6 +122,7 @@ __all__ = [
     "aliases_input",
     "is_attention",
     "is_matmul",
+    "is_one_number",
     "is_view",
     "matmul_count",
     "mutated_args",

@@ -103,6 +103,11 @@ def test_a_float8_step_casts_each_shared_input_once_bitwise_eager(recipe):
     # wq, wk and wv share their input, w1 and w3 theirs: one cast per distinct input (those two,
     # wo's, w2's) and one per weight; 7 + 7 without sharing
     assert forward == {"wq": 2, "wk": 1, "wv": 1, "wo": 2, "w1": 2, "w3": 1, "w2": 2}
+    if recipe == "tensorwise":
+        # The backward computes the amax of each output gradient (7) and reads the forward's for
+        # the inputs and weights it casts again, transposed (11 more without).
+        maxes = Counter(tags.phase(n) for n in traced.gm.graph.nodes if name_of(n) == "max")
+        assert maxes == {tags.FORWARD: 11, tags.BACKWARD: 7}
     loss, grads = traced(list(model.parameters()), list(model.buffers()), tokens, labels)
     ref_loss, ref_grads = eager_step(model, tokens, labels)
     assert torch.equal(loss, ref_loss)
@@ -125,6 +130,27 @@ def _two_all_reduces(return_waits: bool) -> fx.GraphModule:
     scaled = [g.call_function(aten.mul.Tensor, (x, w)) for w in waits]
     g.output(tuple(waits) if return_waits else g.call_function(aten.add.Tensor, tuple(scaled)))
     return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_a_whole_tensor_max_is_shared_across_phases_and_views():
+    """``max(abs(x))`` in the forward and ``max(abs(x.view(..)))`` / of ``x.t()`` in the backward
+    are one value (one number: the backward reads the forward's); a per-row ``amax`` or a sum is not."""
+
+    def step(x):
+        return x.abs().max() * 2, x.view(-1).abs().max() + 1, x.t().abs().max() + 3, x.view(-1).abs().amax(dim=0)
+
+    gm = make_fx(step)(torch.randn(4, 8))
+    phases = [tags.FORWARD, tags.BACKWARD, tags.BACKWARD]
+    for node, phase in zip((n for n in gm.graph.nodes if name_of(n) == "max"), phases, strict=True):
+        tags.update(node, {tags.PHASE: phase})
+    x = torch.randn(4, 8)
+    before = gm(x)
+    assert eliminate_common_subexpressions(gm) > 0
+    assert _names(gm).count("max") == 1 and _names(gm).count("amax") == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, gm(x), strict=True))
+    gm = make_fx(lambda x: ((x * 2).sum() + 1, (x * 2).view(-1).sum() + 2))(torch.randn(4, 2))
+    eliminate_common_subexpressions(gm)
+    assert _names(gm).count("sum") == 2  # a sum rounds in its order: not shared through a view
 
 
 def test_a_collective_is_merged_with_its_wait_or_not_at_all():

@@ -26,8 +26,11 @@ forward value the region's backward reads is tagged ``custom["activation"] = "sa
   (a fused attention kernel with ``dropout_p`` 0 draws no random numbers: it is recomputed),
   reads of data-dependent sizes (``_local_scalar_dense``), non-tensor values, SimpleFSDP's
   gather chains (``reshard_after_forward``, which runs after this, re-gathers parameters for
-  every backward reader, recomputations included: one gather per block for backward), and
-  values read outside their region (a block's output is the next block's saved input).
+  every backward reader, recomputations included: one gather per block for backward),
+  values read outside their region (a block's output is the next block's saved input), and
+  values of one number (0-d: a tensorwise float8 cast's amax and scale; a few bytes kept against,
+  for the amax, one more pass over the whole input recomputed; torchtitan's selective policy
+  keeps the amaxes too).
   One exception to the collectives: sequence parallel's all-gather of a region's input
   (``tp_role`` sequence_gather, with its wait) is recomputed like any op: its input is this
   rank's piece of the sequence, 1/tp of what it gathers, so a block keeps the piece and gathers
@@ -61,7 +64,16 @@ import torch.fx as fx
 from graph_trainer.compiler.passes.registry import PassContext
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_name
-from graph_trainer.graph.ops import SCALAR_READ, aliases_input, is_attention, is_matmul, is_random, name_of, named_args
+from graph_trainer.graph.ops import (
+    SCALAR_READ,
+    aliases_input,
+    is_attention,
+    is_matmul,
+    is_one_number,
+    is_random,
+    name_of,
+    named_args,
+)
 from graph_trainer.graph.tags import (
     ACTIVATION,
     BACKWARD,
@@ -124,6 +136,8 @@ def decide_region(nodes: list[fx.Node], region: str, mode: str, saved_ops: set[s
             return True
         if mode == "selective" and name_of(node) in saved_ops:
             return True
+        if is_one_number(node):
+            return True  # (kept: a few bytes; recomputed: a launch, and for an amax a pass over its input)
         # Read outside its region (another block, the loss): the region's boundary is saved.
         return any(unit_of(u) != region for u in node.users)
 

@@ -22,8 +22,17 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.fake_trace import fake_world, trace_job, trace_pipeline
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts, is_collective
-from graph_trainer.graph.ops import is_attention
-from graph_trainer.graph.tags import ACTIVATION, FSDP_ROLE, LOSS_CHUNK, RECOMPUTE, RECOMPUTED, SEQUENCE_GATHER, TP_ROLE
+from graph_trainer.graph.ops import is_attention, name_of
+from graph_trainer.graph.tags import (
+    ACTIVATION,
+    FSDP_ROLE,
+    LOSS_CHUNK,
+    RECOMPUTE,
+    RECOMPUTED,
+    SAVE,
+    SEQUENCE_GATHER,
+    TP_ROLE,
+)
 from graph_trainer.validation import validate_config
 from models.registry import MODEL_SPECS
 from tests.conftest import ROOT
@@ -119,6 +128,17 @@ def test_full_recomputes_more_than_selective_and_the_tags_are_the_decision():
     # exactly the tagged values were copied (an original only the backward read is gone: dead after the copy)
     names = {n.name for n in gm.graph.nodes}
     assert {n.name for n in tagged} == copies & names
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_a_float8_casts_amax_is_kept_in_every_mode(mode):
+    """A tensorwise float8 cast's amax is one number: kept, it costs nothing; recomputed, one more
+    pass over the whole input. Every mode keeps it."""
+    gm = _graph((*SMALL, *_ac(mode), "--float8.recipe_name", "tensorwise"))
+    amaxes = [n for n in gm.graph.nodes if name_of(n) == "max" and tags.phase(n) == tags.FORWARD]
+    assert amaxes and all(tags.get(n, ACTIVATION) == SAVE for n in amaxes if tags.has(n, ACTIVATION))
+    assert any(tags.has(n, ACTIVATION) for n in amaxes)  # the backward reads them
+    assert not [n for n in gm.graph.nodes if name_of(n) == "max" and tags.get(n, RECOMPUTED)]
 
 
 @pytest.mark.parametrize("gpu_attention", [False, True], ids=["cpu_flash", "cudnn"])
