@@ -16,8 +16,10 @@ import pytest
 
 from tests.numerics.curves import (
     ASSETS,
+    COMPARABLE_STEPS,
     CURVE_RTOL,
     CURVES,
+    STEPS,
     curve_path,
     deviation,
     final_state_hashes,
@@ -72,17 +74,18 @@ def test_losses_match_the_stored_curve(name, runs, machine):
     losses, _ = runs(name)[0]
     curve_set = set_for(machine)
     if curve_set is None:
-        stored = curve_path(name).read_text()
-        worst, step = deviation(losses, stored)
+        stored, steps = curve_path(name).read_text(), COMPARABLE_STEPS[name]
+        worst, step = deviation(losses, stored, steps)
         differs = sorted(k for k in machine if machine[k] != recorded_on(ASSETS).get(k))
         assert worst <= CURVE_RTOL, (
             f"{name}: losses deviate {worst:.1e} (> {CURVE_RTOL:.0e}) from {curve_path(name)} at step {step}; "
-            f"this machine differs from the recording one in {', '.join(differs)}, so only the bound applies"
+            f"this machine differs from the recording one in {', '.join(differs)}, so only the bound applies "
+            f"(over the first {steps} steps)"
         )
         warnings.warn(
-            f"{name}: no stored curves for this machine (it differs in {', '.join(differs)}): compared "
-            f"within {CURVE_RTOL:.0e} (largest deviation {worst:.1e}), not bitwise; to record this "
-            f"machine's set: python -m tests.numerics.regenerate --add-machine",
+            f"{name}: no stored curves for this machine (it differs in {', '.join(differs)}): its first "
+            f"{steps} steps compared within {CURVE_RTOL:.0e} (largest deviation {worst:.1e}), not bitwise; "
+            f"to record this machine's set: python -m tests.numerics.regenerate --add-machine",
             stacklevel=2,
         )
         return
@@ -97,6 +100,11 @@ def test_losses_match_the_stored_curve(name, runs, machine):
             f"fingerprint) from step {first.split(' ')[0] or '?'} (intended numeric change? regenerate: "
             f"python -m tests.numerics.regenerate {name})\n{diff}"
         )
+
+
+def test_every_curve_says_how_many_steps_another_machine_reproduces():
+    assert COMPARABLE_STEPS.keys() == CURVES.keys()
+    assert all(1 <= steps <= STEPS for steps in COMPARABLE_STEPS.values())
 
 
 @pytest.mark.parametrize("name", TWICE)
