@@ -103,8 +103,9 @@ machine's kernels into another rounding or another expert, two machines' curves 
 steps. Measured between the two recorded machines (AMD EPYC, Intel Xeon; same code, same pinned
 kernels), the first step over the bound: 15 of DeepSeek-V3's bf16 curve, 7 of LLaMA-3's float8
 tensorwise, 9 of DeepSeek-V3's float8 rowwise, 4 of its float8 experts (the steps before all
-within 1e-6); LLaMA-3's bf16 curves stayed under 3e-7 at every step. A real change (a learning
-rate 0.1% higher) leaves the bound within the first steps."""
+within 1e-6); LLaMA-3's bf16 curves stayed under 3e-7 at every step. A small real change (a
+learning rate 0.1% higher) left the bound of LLaMA-3's curve within a few steps
+(docs/performance.md, "Numerics deviations")."""
 
 
 def curve_path(name: str, curve_set: Path = ASSETS) -> Path:

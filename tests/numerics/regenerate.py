@@ -12,8 +12,7 @@ reason in the message; never to make a failing test pass without knowing why the
 ``--add-machine`` records every curve on this machine into ``machines/<key>/`` when its
 fingerprint matches no stored set, and only if every curve's first steps (``COMPARABLE_STEPS``)
 are within ``CURVE_RTOL`` of the reference set (a bigger difference is not the machine: find out
-what it is). See docs/testing.md,
-"Numerics regression suite".
+what it is). See docs/testing.md, "Numerics regression suite".
 """
 
 from __future__ import annotations
