@@ -376,6 +376,7 @@ def _make_fx(joint: _JointStep, inputs: list[torch.Tensor], fake_device: torch.d
         torch.fx.traceback.preserve_node_meta(),
         annotate_module_fqns(joint.model),
         torch.autograd.set_multithreading_enabled(False),  # keep backward on this thread
+        torch_compat.lazy_graph_modules(),  # (each pass recompiles: the code is made where it runs)
         fake_mode,
     ):
         return make_fx(joint, record_stack_traces=False)(*fake_inputs)

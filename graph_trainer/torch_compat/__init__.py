@@ -3,15 +3,15 @@
 Everything here reaches below PyTorch's public surface, grouped by area: ``versions`` (which torch
 this is, ``private_api``), ``fx`` (tracing metadata hooks, autograd node sequence numbers,
 ``OpOverload.is_view`` / ``_opname`` / ``_schema``, SymInt internals the cost model reads, fake
-tensor modes, ``torch._grouped_mm``, ``torch._scaled_mm``), ``distributed`` (``_StridedShard``, the dp-over-tp placement
-SimpleFSDP needs; mesh flattening; process groups by name and their timeouts; the fake process
-group's store; functional all_to_all; gloo's worker-thread count), ``checkpoint`` (DCP internals:
-the classes a checkpoint's metadata pickle holds, a reader that unpickles it safely),
-``pipelining`` (the action order of PyTorch's pipeline schedules), ``profiler`` (the record-function
-ops a graph can call, the CUDA allocator's history and snapshots), and
-``inductor`` (the overlap scheduler, whose compute estimate, torch 2.13's roofline or 2.11's
-benchmark, is swapped for ours inside one context manager, and its counters; partition fusing;
-standalone compilation; its logs and caches).
+tensor modes, lazily recompiled graph modules, ``torch._grouped_mm``, ``torch._scaled_mm``),
+``distributed`` (``_StridedShard``, the dp-over-tp placement SimpleFSDP needs; mesh flattening;
+process groups by name and their timeouts; the fake process group's store; functional all_to_all;
+gloo's worker-thread count), ``checkpoint`` (DCP internals: the classes a checkpoint's metadata
+pickle holds, a reader that unpickles it safely), ``pipelining`` (the action order of PyTorch's
+pipeline schedules), ``profiler`` (the record-function ops a graph can call, the CUDA allocator's
+history and snapshots), and ``inductor`` (the overlap scheduler, whose compute estimate, torch
+2.13's roofline or 2.11's benchmark, is swapped for ours inside one context manager, and its
+counters; partition fusing; standalone compilation; its logs and caches).
 Import them from this package; the import-linter contract in pyproject.toml keeps every other
 module away from private torch modules. ``tests/torch_compat/`` checks each entry against the
 installed PyTorch so that an upgrade that changes one fails loudly there, not deep inside a
@@ -47,6 +47,7 @@ from graph_trainer.torch_compat.fx import (
     has_side_effects,
     is_op_overload,
     is_view_op,
+    lazy_graph_modules,
     new_fake_mode,
     op_name,
     op_schema,
@@ -122,6 +123,7 @@ __all__ = [
     "inductor_output_files",
     "is_op_overload",
     "is_view_op",
+    "lazy_graph_modules",
     "new_fake_mode",
     "op_name",
     "op_schema",

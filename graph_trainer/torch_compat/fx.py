@@ -127,6 +127,20 @@ def new_fake_mode(**kwargs):
     return FakeTensorMode(**kwargs)
 
 
+@contextlib.contextmanager
+def lazy_graph_modules():
+    """While active, ``make_fx`` returns a ``_LazyGraphModule`` (``torch.fx._lazy_graph_module``,
+    as Inductor's passes use): its ``recompile()`` only marks the Python code stale, which is
+    generated when the module is first called or its ``code`` read. A chain of passes that each
+    recompile a large graph then generates its code once, where it runs, and never where it
+    is only analysed (the dry run, analyze)."""
+    with private_api("torch.fx._lazy_graph_module._use_lazy_graph_module"):
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    with _use_lazy_graph_module(True):
+        yield
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm``: row block ``i`` of ``a`` (rows up to ``offs[i]``) times ``b[i]``, one kernel."""
     with private_api("torch._grouped_mm"):

@@ -259,3 +259,26 @@ def test_side_effects_leave_random_ops_to_the_caller():
     assert not has_side_effects(attention) and not has_side_effects(rand)
     assert has_side_effects(mutation)
     assert rand.is_impure()  # (the default still counts random ops: why the flag is needed)
+
+
+def test_lazy_graph_modules_generate_code_where_the_module_runs():
+    # make_fx under lazy_graph_modules returns a module whose recompile() only marks its code
+    # stale; calling it (or reading its code) generates the code of the graph as it is then.
+    import copy
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.torch_compat import lazy_graph_modules
+
+    with lazy_graph_modules():
+        gm = make_fx(lambda x: torch.sin(x) + 1.0)(torch.randn(3))
+    x = torch.randn(3)
+    (add,) = (n for n in gm.graph.nodes if n.target == torch.ops.aten.add.Tensor)
+    add.target = torch.ops.aten.sub.Tensor
+    assert gm.recompile() is None  # (a plain GraphModule returns the PythonCode it made)
+    assert torch.equal(gm(x), torch.sin(x) - 1.0)
+    assert "aten.sub.Tensor" in gm.code
+    twin = copy.deepcopy(gm)
+    assert torch.equal(twin(x), torch.sin(x) - 1.0)
+    plain = make_fx(lambda x: torch.sin(x))(x)
+    assert plain.recompile() is not None  # outside the context: code made at once
