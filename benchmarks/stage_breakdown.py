@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from collections.abc import Iterable
 
 from graph_trainer.analysis.devices import DEVICES
 from graph_trainer.analysis.fusion import fuses
@@ -86,13 +87,28 @@ def totals(pieces: dict[str, dict[str, float]]) -> dict[str, float]:
     }
 
 
+_SUMMARY_LINES = ("time", "compute", "  matmuls", "  the rest")
+
+
+def _line_order(names: Iterable[str]) -> list[str]:
+    """The lines of several columns in one order: the summary, every column's kernel classes
+    (sorted), then the collectives as they first appear, each with its exposed line."""
+
+    def section(name: str) -> tuple[int, str]:
+        if name in _SUMMARY_LINES:
+            return 0, ""
+        return (1, name) if name.startswith("    ") else (2, "")
+
+    return sorted(names, key=section)
+
+
 def table(labels: list[str], columns: list[dict[str, dict[str, float]]]) -> str:
     """The per-piece lines side by side, then the ratios against the first column."""
     out = [f"({i + 1}) {label}" for i, label in enumerate(labels)]
     out.append(f"{'':32s}" + "".join(f"{f'({i + 1})':>24s}" for i in range(len(labels))))
     for piece in columns[0]:
         out.append(f"-- {piece} (ms)")
-        names = list(dict.fromkeys(n for c in columns for n in c.get(piece, {})))
+        names = _line_order(dict.fromkeys(n for c in columns for n in c.get(piece, {})))
         for name in names:
             out.append(f"{name:32s}" + "".join(f"{c.get(piece, {}).get(name, 0.0):24.2f}" for c in columns))
     base = totals(columns[0])
