@@ -63,7 +63,7 @@ from integration_dry_run import dry_run  # noqa: E402
 from suites import GRAD_RECORD_STEP, GRAD_RTOL, SUITES, Case, Suite, job_args  # noqa: E402  (the case tables)
 from tests.launch import run_forked, run_torchrun  # noqa: E402  (the launchers of multi-process jobs)
 
-LOG_LINE = re.compile(r"step (\d+) \| loss (\S+) \|.*\| tok/s/dev ([\d,]+) \| mfu (\S+) \| mem ([\d.]+) GiB")
+LOG_LINE = re.compile(r"step (\d+) \| loss (\S+) \|.*\| tok/s/dev ([\d,.e+-]+) \| mfu (\S+) \| mem ([\d.]+) GiB")
 """The metrics line of ``graph_trainer.loop.metrics.MetricsLogger`` (loss, tokens/s per device, MFU, memory)."""
 
 

@@ -89,9 +89,9 @@ def test_list_names_the_cases_and_their_references():
     assert "(same_as deepseek_ep2_graph)" in result.stdout and len(result.stdout.splitlines()) == 3
 
 
-def _log(step: int, loss: float) -> str:
+def _log(step: int, loss: float, tokens_per_s: str = "1,234") -> str:
     return (
-        f"[rank0] 10:00:00 INFO step {step} | loss {loss:.6f} | grad_norm 1.0 | lr 1e-3 | tok/s/dev 1,234 | "
+        f"[rank0] 10:00:00 INFO step {step} | loss {loss:.6f} | grad_norm 1.0 | lr 1e-3 | tok/s/dev {tokens_per_s} | "
         f"mfu n/a | mem 0.50 GiB (rss) | step 0.100s\n"
     )
 
@@ -105,6 +105,9 @@ def test_check_job_accepts_a_good_run_and_names_each_problem():
     assert "non-finite loss at step 2" in it.check_job(good, [(1, "8.25"), (2, "nan"), (3, "6.125")], 3)
     assert "no metrics line" in it.check_job(_log(1, 8.25), losses, 3)
     assert "the log says loss 6.200000" in it.check_job(_log(1, 8.25) + _log(3, 6.2), losses, 3)
+    # a first step that compiled for minutes: under one token a second, still more than none
+    assert it.check_job(_log(1, 8.25, "0.427") + _log(3, 6.125), losses, 3) is None
+    assert "tok/s/dev 0 and" in it.check_job(_log(1, 8.25, "0") + _log(3, 6.125), losses, 3)
 
 
 def test_steady_metrics_reads_the_last_logged_step():

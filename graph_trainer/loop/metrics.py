@@ -45,6 +45,7 @@ __all__ = [
     "MetricsLogger",
     "peak_flops_per_device",
     "peak_memory_bytes",
+    "rate",
     "setup_logging",
 ]
 
@@ -204,6 +205,12 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     return str(value)
+
+
+def rate(per_second: float) -> str:
+    """A rate as the log prints it: whole numbers with thousands separators from 100 up, three
+    significant digits below (a first step that compiles for minutes still shows what it did)."""
+    return f"{per_second:,.0f}" if per_second >= 100 else f"{per_second:.3g}"
 
 
 class MetricsLogger:
@@ -405,7 +412,7 @@ class MetricsLogger:
         mem_kind = "peak alloc" if self.device.type == "cuda" else "peak rss"
         return (
             f"step {step} | loss {scalars['loss']:.6f} | grad_norm {scalars['grad_norm']:.4f} | "
-            f"lr {scalars['lr']:.2e} | tok/s/dev {scalars['tokens_per_sec_per_device']:,.0f} | mfu {mfu} | "
+            f"lr {scalars['lr']:.2e} | tok/s/dev {rate(scalars['tokens_per_sec_per_device'])} | mfu {mfu} | "
             f"mem {scalars['memory_gib']:.2f} GiB ({mem_kind}) | step {scalars['step_time_s']:.3f}s"
         )
 

@@ -13,6 +13,7 @@ from graph_trainer.loop.metrics import (
     MetricsLogger,
     peak_flops_per_device,
     peak_memory_bytes,
+    rate,
     setup_logging,
 )
 
@@ -140,6 +141,12 @@ def test_throughput_and_mfu_arithmetic(tmp_path, capture):
     assert out["loss"] == 7.0 and out["step_time_s"] == 0.8
     assert out["memory_gib"] == pytest.approx(peak_memory_bytes(CPU) / 2**30, rel=0.1)
     m.close()
+
+
+def test_rates_below_100_keep_three_significant_digits():
+    # (a first step that compiles for minutes moves under one token a second: not "0")
+    printed = [rate(x) for x in (1365.4, 100.0, 99.94, 43.21, 0.4267, 0.0)]
+    assert printed == ["1,365", "100", "99.9", "43.2", "0.427", "0"]
 
 
 def test_mfu_absent_without_peak(tmp_path, capture):
