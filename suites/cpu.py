@@ -307,7 +307,7 @@ _FLOAT8 = {r: ["--float8.recipe_name", r] for r in ("tensorwise", "rowwise", "ro
 # reductions' last-bit differences in later steps' weights move values across float8 rounding
 # boundaries (docs/numerics.md, "FP8 linears").
 _FLOAT8_EXPERTS = [*_DEEPSEEK_2_LAYERS, *_FLOAT8["rowwise_with_gw_hp"], "--float8.convert_routed_experts"]
-_TWO_MICROBATCHES = [*batch(1), "--training.global_batch_size", "4"]
+_ONE_SAMPLE_MICROBATCHES = [*batch(1), "--training.global_batch_size", "4"]
 _FLOAT8_REFERENCES = [
     Case("float8_single_b4", 1, [*_FLOAT8["tensorwise"], *batch(4)]),
     Case("float8_gw_hp_single_b4", 1, [*_FLOAT8["rowwise_with_gw_hp"], *batch(4)]),
@@ -318,7 +318,7 @@ _FLOAT8_REFERENCES = [
     Case(
         "deepseek_2l_float8_experts_single_accum4",
         1,
-        [*_FLOAT8_EXPERTS, *_TWO_MICROBATCHES],
+        [*_FLOAT8_EXPERTS, *_ONE_SAMPLE_MICROBATCHES],
         close_to="deepseek_2l_float8_experts_single_b4",
         rtol=FLOAT8_RTOL,
         grad_rtol=FLOAT8_GRAD_RTOL,
@@ -334,13 +334,13 @@ _FLOAT8_LAYOUTS = {
     "float8_fsdp2xtp2": (4, [*_FLOAT8["tensorwise"], "--parallelism.tp", "2"], "float8_single_b4"),
     "float8_fsdp2xtp2_accum2_per_step": (
         4,
-        [*_FLOAT8["tensorwise"], "--parallelism.tp", "2", *_TWO_MICROBATCHES, *_PER_STEP],
+        [*_FLOAT8["tensorwise"], "--parallelism.tp", "2", *_ONE_SAMPLE_MICROBATCHES, *_PER_STEP],
         "float8_single_b4",
     ),
     "float8_gw_hp_pp2xfsdp2_zbv": (
         4,
         [*_FLOAT8["rowwise_with_gw_hp"], "--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"]
-        + _TWO_MICROBATCHES,
+        + _ONE_SAMPLE_MICROBATCHES,
         "float8_gw_hp_single_b4",
     ),
 }
@@ -352,7 +352,7 @@ _DEEPSEEK_FLOAT8_LAYOUTS = {
     ),
     "deepseek_2l_float8_experts_pp2xfsdp2": (
         4,
-        [*_FLOAT8_EXPERTS, "--parallelism.pp", "2", *_TWO_MICROBATCHES],
+        [*_FLOAT8_EXPERTS, "--parallelism.pp", "2", *_ONE_SAMPLE_MICROBATCHES],
         "deepseek_2l_float8_experts_single_accum4",
     ),
     "deepseek_2l_float8_dispatch_ep2": (
