@@ -21,8 +21,10 @@ from suites.cases import (
     pass_cases,
 )
 
-# ---- cpu: the debug models on gloo. Every layout trains 2 sequences per data-parallel rank;
-# its reference is one process on the same global batch ("single_graph" is the one at 2).
+# ---- cpu: the debug models on gloo, cut to CPU_BLOCKS blocks unless a case says otherwise.
+# Every layout trains 2 sequences per data-parallel rank; its reference is one process on the
+# same global batch ("single_graph" is the one at 2).
+CPU_BLOCKS = ["--model.n_layers", "2"]
 _CPU_REFERENCES = [Case(f"single_b{n}", 1, batch(n)) for n in (4, 8)]
 _CPU_LAYOUTS = {
     "single": (1, [], ""),
@@ -134,18 +136,24 @@ CPU_ACCUMULATION_CASES = (
 # schedule; a bucketing pass (on the once-per-step gather and reduce graphs) bitwise its reference.
 # With data parallelism the stages keep their weights for the step (fsdp_collectives default);
 # gathering and reducing per microbatch instead is within REDUCE_ONCE_RTOL of it.
+# Two stages per rank (interleaved, ZBV) make 4 stages: LLaMA's pipelines run 4 blocks, against
+# one process with those 4 blocks.
+_PIPELINE_BLOCKS = ["--model.n_layers", "4"]
+
+
 def _pp(schedule: str) -> list[str]:
-    return ["--parallelism.pp", "2", "--parallelism.pp_schedule", schedule, *_GLOBAL_8]
+    return [*_PIPELINE_BLOCKS, "--parallelism.pp", "2", "--parallelism.pp_schedule", schedule, *_GLOBAL_8]
 
 
 # Tensor parallel inside the stages: the interleaved schedule (two stages per rank) on Llama,
 # 1F1B on DeepSeek-V3's 2 blocks (a dense stage, then a MoE stage whose tp ranks route their own
 # tokens over an ep group of the two tp ranks). ZBV runs beside FSDP only
 # (alone on 2 ranks it adds nothing the 4-rank case does not check).
+_CPU_PIPELINE_REFERENCES = [Case("single_4l_b8", 1, [*_PIPELINE_BLOCKS, *batch(8)])]
 _CPU_PIPELINE_LAYOUTS = {
-    "pp2_1f1b": (2, _pp("1F1B"), "single_b8"),
-    "pp2xtp2_interleaved": (4, [*_pp("Interleaved1F1B"), "--parallelism.tp", "2"], "single_b8"),
-    "pp2xfsdp2_zbv": (4, _pp("ZBVZeroBubble"), "single_b8"),
+    "pp2_1f1b": (2, _pp("1F1B"), "single_4l_b8"),
+    "pp2xtp2_interleaved": (4, [*_pp("Interleaved1F1B"), "--parallelism.tp", "2"], "single_4l_b8"),
+    "pp2xfsdp2_zbv": (4, _pp("ZBVZeroBubble"), "single_4l_b8"),
 }
 _CPU_DEEPSEEK_PIPELINE_LAYOUTS = {
     "deepseek_pp2xep2": (
@@ -161,7 +169,8 @@ _CPU_DEEPSEEK_PIPELINE_LAYOUTS = {
     ),
 }
 CPU_PIPELINE_CASES = (
-    layout_cases(_CPU_PIPELINE_LAYOUTS, rtols=dict.fromkeys(_CPU_PIPELINE_LAYOUTS, ACCUMULATION_RTOL))
+    _CPU_PIPELINE_REFERENCES
+    + layout_cases(_CPU_PIPELINE_LAYOUTS, rtols=dict.fromkeys(_CPU_PIPELINE_LAYOUTS, ACCUMULATION_RTOL))
     + layout_cases(
         _CPU_DEEPSEEK_PIPELINE_LAYOUTS,
         DEEPSEEK_DEBUG,
@@ -311,6 +320,15 @@ _ONE_SAMPLE_MICROBATCHES = [*batch(1), "--training.global_batch_size", "4"]
 _FLOAT8_REFERENCES = [
     Case("float8_single_b4", 1, [*_FLOAT8["tensorwise"], *batch(4)]),
     Case("float8_gw_hp_single_b4", 1, [*_FLOAT8["rowwise_with_gw_hp"], *batch(4)]),
+    Case("float8_gw_hp_4l_single_b4", 1, [*_FLOAT8["rowwise_with_gw_hp"], *_PIPELINE_BLOCKS, *batch(4)]),
+    Case(
+        "float8_gw_hp_4l_single_accum4",
+        1,
+        [*_FLOAT8["rowwise_with_gw_hp"], *_PIPELINE_BLOCKS, *_ONE_SAMPLE_MICROBATCHES],
+        close_to="float8_gw_hp_4l_single_b4",
+        rtol=FLOAT8_RTOL,
+        grad_rtol=FLOAT8_GRAD_RTOL,
+    ),
     Case(
         "deepseek_2l_float8_single_b4", 1, [*_DEEPSEEK_2_LAYERS, *_FLOAT8["rowwise"], *batch(4)], config=DEEPSEEK_DEBUG
     ),
@@ -327,8 +345,10 @@ _FLOAT8_REFERENCES = [
 ]
 # Weights resident per step: each weight's casts run once a step for its two microbatches
 # (compiler/hoist.py), on FSDP2 x TP2 (tensorwise: the amax all-reduced over tp) and in a pipeline
-# (rowwise, weight gradient in high precision: the one process's scales, within CLOSE_RTOL as on
-# FSDP2; docs/numerics.md, "FP8 linears").
+# (rowwise, weight gradient in high precision: the one process's scales). The pipeline's reference
+# is one process accumulating the same 1-sample microbatches (within CLOSE_RTOL and GRAD_RTOL),
+# itself within the float8 bounds of one pass: by step 5 the microbatches' last-bit differences
+# in the updated weights round some float8 values the other way (docs/numerics.md, "FP8 linears").
 _FLOAT8_LAYOUTS = {
     "float8_gw_hp_fsdp2": (2, _FLOAT8["rowwise_with_gw_hp"], "float8_gw_hp_single_b4"),
     "float8_fsdp2xtp2": (4, [*_FLOAT8["tensorwise"], "--parallelism.tp", "2"], "float8_single_b4"),
@@ -339,9 +359,9 @@ _FLOAT8_LAYOUTS = {
     ),
     "float8_gw_hp_pp2xfsdp2_zbv": (
         4,
-        [*_FLOAT8["rowwise_with_gw_hp"], "--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"]
-        + _ONE_SAMPLE_MICROBATCHES,
-        "float8_gw_hp_single_b4",
+        [*_FLOAT8["rowwise_with_gw_hp"], *_PIPELINE_BLOCKS, "--parallelism.pp", "2"]
+        + ["--parallelism.pp_schedule", "ZBVZeroBubble", *_ONE_SAMPLE_MICROBATCHES],
+        "float8_gw_hp_4l_single_accum4",
     ),
 }
 _DEEPSEEK_FLOAT8_LAYOUTS = {
