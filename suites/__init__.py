@@ -78,6 +78,7 @@ SUITES = {
 
 __all__ = [
     "BUCKETING",
+    "CPU_BLOCKS",
     "CLOSE_RTOL",
     "EP_OVERLAP",
     "GRAD_RECORD_STEP",

@@ -15,12 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from suites import debug_job
+from suites import CPU_BLOCKS, debug_job
 from tests.conftest import ROOT
 from tests.forked_ranks import run_job as forked_ranks_job
 
-FAST_ARGS = [*debug_job(), "--metrics.log_freq", "5"]
-"""Debug LLaMA-3 as ``suites.SMALL_CPU_JOB``: a step takes well under a second."""
+FAST_ARGS = [*debug_job(), *CPU_BLOCKS, "--metrics.log_freq", "5"]
+"""Debug LLaMA-3 as ``suites.SMALL_CPU_JOB``, cut to the cpu suite's 2 blocks (``suites.CPU_BLOCKS``;
+a test's own ``--model.n_layers`` wins): a step takes a fraction of a second."""
 
 
 def run_torchrun(

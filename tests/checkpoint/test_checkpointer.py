@@ -381,15 +381,15 @@ def test_shape_and_name_mismatch_in_metadata_names_the_parameters(tmp_path, one_
     path = root / "step-1" / "metadata.json"
     meta = json.loads(path.read_text())
     meta["params"]["output.weight"] = [4096, 256]
-    meta["params"]["layers.6.attention.wq.weight"] = meta["params"].pop("layers.5.attention.wq.weight")
+    meta["params"]["layers.2.attention.wq.weight"] = meta["params"].pop("layers.1.attention.wq.weight")
     path.write_text(json.dumps(meta))
     manifest.seal(str(root / "step-1"))  # as if saved so: this is about shapes, not damage
     with pytest.raises(ConfigError) as info:
         _trainer(tmp_path, "--training.steps", "2")
     message = str(info.value)
     assert "\n" not in message
-    assert "missing layers.5.attention.wq.weight" in message
-    assert "unexpected layers.6.attention.wq.weight" in message
+    assert "missing layers.1.attention.wq.weight" in message
+    assert "unexpected layers.2.attention.wq.weight" in message
     assert "output.weight [4096, 256] vs [2048, 256]" in message
 
 

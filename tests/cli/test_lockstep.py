@@ -6,9 +6,9 @@ from graph_trainer.cli.lockstep import copy_state, lockstep, main
 from graph_trainer.config_loading import load_config
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
-from suites import debug_job
+from suites import CPU_BLOCKS, debug_job
 
-JOB = [*debug_job(), "--training.steps", "3"]
+JOB = [*debug_job(), *CPU_BLOCKS, "--training.steps", "3"]
 OTHER_EPS = ["--training.eps", "1e-3"]  # B differs from A only in its updates, not in a step's gradients
 
 

@@ -36,11 +36,13 @@ def _validations(folder) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in lines if r.get("event") == "validation"}
 
 
-def _offline_loss(folder, step: int, steps: int = 2) -> float:
+def _offline_loss(folder, step: int, steps: int = 2, model: tuple[str, ...] = ()) -> float:
     """The step's checkpoint loaded on one process in eager mode, its forward (with autograd, as an
-    eager training step computes it) on the first ``steps`` held-out batches, summed in order."""
+    eager training step computes it) on the first ``steps`` held-out batches, summed in order;
+    ``model``: the job's model flags besides ``FAST_ARGS``'."""
     trainer = _trainer(
         folder / f"offline{step}",
+        *model,
         *("--compile.mode", "eager", "--checkpoint.folder", str(folder / "checkpoint")),
         *("--checkpoint.load_step", str(step), "--training.steps", str(step)),
     )
@@ -78,12 +80,13 @@ def test_a_pipeline_validates_as_an_offline_forward_on_one_process(tmp_path):
     """ZBV on 2 ranks (two stages each, one hand-over on a rank), 2 microbatches of 2 per step; the
     held-out microbatches are what one process takes as batches (no data parallelism), and a
     stage split computes what the whole model does, so bitwise."""
-    pipeline = ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"]
+    four_blocks = ("--model.n_layers", "4")  # (a stage each)
+    pipeline = [*four_blocks, "--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"]
     pipeline += ["--parallelism.pp_microbatches", "2", "--training.steps", "2", "--checkpoint.interval", "2"]
     run_train(2, tmp_path, *pipeline, *VALIDATION, "--validation.freq", "2")
     measured = _validations(tmp_path)
     assert sorted(measured) == [1, 2] and len(read_losses(tmp_path)) == 2
-    assert measured[2] == _offline_loss(tmp_path, 2)
+    assert measured[2] == _offline_loss(tmp_path, 2, model=four_blocks)
 
 
 def test_validation_leaves_deepseek_expert_counts_and_training_untouched(tmp_path):

@@ -44,7 +44,7 @@ def test_a_model_state_that_cannot_fit_is_refused_before_it_is_allocated(tmp_pat
 def _graph_trainer(tmp_path, *flags: str) -> Trainer:
     cfg = load_config(
         [*FAST_ARGS, "--job.dump_folder", str(tmp_path), "--training.steps", "1", "--training.local_batch_size", "8"]
-        + ["--training.seq_len", "128", *flags]
+        + ["--training.seq_len", "128", "--model.n_layers", "6", *flags]
     )
     validate_config(cfg)
     return Trainer(cfg)
