@@ -9,6 +9,7 @@ import torch.fx as fx
 from graph_trainer.analysis.cost_model import collective_time, node_compute_time
 from graph_trainer.analysis.devices import H100_SXM
 from graph_trainer.analysis.simulator import format_table, simulate
+from suites import CPU_BLOCKS
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -289,7 +290,7 @@ def test_gradient_accumulation_costs_of_reducing_every_microbatch_or_once(layout
     from graph_trainer.validation import validate_config
     from models.registry import MODEL_SPECS, model_args
 
-    flags = ["--job.config_file", "configs/llama3_debug.toml", "--training.local_batch_size", "2"]
+    flags = ["--job.config_file", "configs/llama3_debug.toml", "--training.local_batch_size", "2", *CPU_BLOCKS]
     flags += ["--training.global_batch_size", "8"]  # 2 microbatches on 2 ranks
     if layout == "ddp2":
         flags += ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"]

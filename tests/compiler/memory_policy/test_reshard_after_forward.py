@@ -11,8 +11,9 @@ from graph_trainer.config_loading import load_config
 from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts
+from suites import CPU_BLOCKS
 
-SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32"]
+SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32", *CPU_BLOCKS]
 
 
 def _trace(mode: str, world_size: int = 4, *extra: str):

@@ -18,10 +18,11 @@ from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts
 from graph_trainer.torch_compat import overlap_scheduling_module
 from graph_trainer.validation import validate_config
+from suites import CPU_BLOCKS
 from tests.conftest import ROOT
 
 AUTO = "auto_bucketing"
-SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32"]
+SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32", *CPU_BLOCKS]
 
 
 @functools.cache
