@@ -5,9 +5,7 @@
 # project tested for GPU users: its unit tests and default job on CPU, with
 # scripts/test_torch_version.sh); a machine without one gets the CPU build torch==2.13.0 (CI).
 # An already installed torch >= 2.13 in the venv is kept. torch is installed first so that
-# nothing below pulls another build. Packages install without compiling their bytecode
-# (--no-compile): a module's .pyc is written when it is first imported, so only what is used
-# is compiled (torch alone has thousands of modules a run never imports).
+# nothing below pulls another build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,10 +21,10 @@ PYEOF
 )
 if [ "$have_torch" != "yes" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-    "$VPY" -m pip install -q --no-compile "torch==2.14.1"
+    "$VPY" -m pip install -q "torch==2.14.1"
   else
-    "$VPY" -m pip install -q --no-compile "torch==2.13.0"
+    "$VPY" -m pip install -q "torch==2.13.0"
   fi
 fi
-"$VPY" -m pip install -q --no-compile -r requirements.txt
+"$VPY" -m pip install -q -r requirements.txt
 "$VPY" -c "import torch, torchtitan; print(f'graph_trainer env ready: torch {torch.__version__}, cuda available: {torch.cuda.is_available()}')"
