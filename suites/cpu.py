@@ -275,25 +275,27 @@ CPU_DEEPSEEK_MEMORY_POLICY_CASES = [
     ),
 ]
 
-# ---- the Inductor backend: within INDUCTOR_RTOL of the op-by-op graph, both scopes, on DeepSeek-V3
-# EP=2, whose graph holds FSDP's collectives and the all_to_alls. LLaMA-3 under Inductor is
-# tests/compiler/test_backend.py's numerics test (regional, one process, 10 steps, and a warm start
-# bitwise); its FSDP=2 jobs repeated what that test and these check (regional 117 s, full 112 s of CI).
-# A value-preserving pass under the regional scope is bitwise the compiled job without it, because
-# no op's value depends on which region holds it (graph_trainer/compiler/backend.py, "Numerics";
-# tests/compiler/test_backend.py checks it op by op, and the dry run that the cut keeps every collective
-# out of the regions and in order) and each pass is bitwise without Inductor here. Those jobs
-# (transformer_block_bucketing on FSDP=2, ep_overlap on DeepSeek-V3 EP=2 under Inductor: bitwise;
-# 105 s of CI) are left out of the suite. The memory policy under Inductor is checked by
-# tests/compiler/test_backend.py (every recomputed matmul survives; bitwise too when measured, not a suite
-# case: 30 s of CI).
-_EP2 = _CPU_DEEPSEEK_LAYOUTS["deepseek_ep2"][1]
+# ---- the Inductor backend: within INDUCTOR_RTOL of the op-by-op graph, the full scope on DeepSeek-V3
+# EP=2 cut to 2 blocks (a dense and a MoE one: compiling 3 took twice as long), whose graph holds
+# FSDP's collectives and the all_to_alls; its op-by-op twin is itself checked against one process.
+# LLaMA-3 under Inductor is tests/compiler/test_backend.py's numerics test (regional, one process,
+# 10 steps, and a warm start bitwise); its FSDP=2 jobs repeated what that test and these check
+# (regional 117 s, full 112 s of CI). A value-preserving pass under the regional scope is bitwise
+# the compiled job without it, because no op's value depends on which region holds it
+# (graph_trainer/compiler/backend.py, "Numerics"; tests/compiler/test_backend.py checks it op by op,
+# and the dry run that the cut keeps every collective out of the regions and in order) and each pass
+# is bitwise without Inductor here. Those jobs (transformer_block_bucketing on FSDP=2, ep_overlap on
+# DeepSeek-V3 EP=2 under Inductor: bitwise; 105 s of CI) are left out of the suite. The memory
+# policy under Inductor is checked by tests/compiler/test_backend.py (every recomputed matmul
+# survives; bitwise too when measured, not a suite case: 30 s of CI).
+_EP2_2_LAYERS = [*_DEEPSEEK_2_LAYERS, "--parallelism.ep", "2"]
 CPU_INDUCTOR_CASES = [
+    Case("deepseek_2l_ep2_graph", 2, _EP2_2_LAYERS, close_to="deepseek_2l_single_b4", config=DEEPSEEK_DEBUG),
     Case(
-        "deepseek_ep2_inductor_full",
+        "deepseek_2l_ep2_inductor_full",
         2,
-        [*_EP2, *INDUCTOR_FULL_FLAGS],
-        close_to="deepseek_ep2_graph",
+        [*_EP2_2_LAYERS, *INDUCTOR_FULL_FLAGS],
+        close_to="deepseek_2l_ep2_graph",
         rtol=INDUCTOR_RTOL,
         config=DEEPSEEK_DEBUG,
     ),

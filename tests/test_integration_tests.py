@@ -155,9 +155,12 @@ def test_compare_checks_gradient_records_bitwise_or_within_grad_rtol():
     assert problem == "only one of a and ref wrote a gradient record"
 
 
+# (2 blocks of each model: a dense and a MoE one for DeepSeek-V3; the checks below are per block)
 DEEPSEEK_EP = [
     "--job.config_file",
     f"{ROOT}/configs/deepseek_v3_debug.toml",
+    "--model.n_layers",
+    "2",
     "--training.seq_len",
     "32",
     "--training.local_batch_size",
@@ -165,7 +168,7 @@ DEEPSEEK_EP = [
     "--parallelism.ep",
     "2",
 ]
-TP = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--parallelism.tp", "2"]
+TP = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--parallelism.tp", "2", *suites.CPU_BLOCKS]
 
 
 @pytest.mark.parametrize(
