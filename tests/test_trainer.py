@@ -10,6 +10,7 @@ import torch
 from graph_trainer.config_loading import load_config
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
+from suites import CPU_BLOCKS
 from tests.conftest import ROOT
 
 
@@ -32,6 +33,7 @@ def _config(tmp_path, mode: str, steps: int, *extra: str, name: str = ""):
             "64",
             "--metrics.enable_tensorboard",
             "False",
+            *CPU_BLOCKS,
             *extra,
         ]
     )
