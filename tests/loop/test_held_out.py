@@ -39,7 +39,7 @@ def _validations(folder) -> dict[int, float]:
 def _offline_loss(folder, step: int, steps: int = 2, model: tuple[str, ...] = ()) -> float:
     """The step's checkpoint loaded on one process in eager mode, its forward (with autograd, as an
     eager training step computes it) on the first ``steps`` held-out batches, summed in order;
-    ``model``: the job's model flags besides ``FAST_ARGS``'."""
+    ``model``: the job's model flags besides ``FAST_ARGS``."""
     trainer = _trainer(
         folder / f"offline{step}",
         *model,
