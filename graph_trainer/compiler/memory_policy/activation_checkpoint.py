@@ -124,9 +124,10 @@ def _draws_no_random_numbers(node: fx.Node) -> bool:
     return is_attention(node) and named_args(node).get("dropout_p", 0.0) == 0.0
 
 
-def decide_region(nodes: list[fx.Node], region: str, mode: str, saved_ops: set[str]) -> dict[fx.Node, str]:
-    """The decision for each forward node of ``region`` that its backward (or a recomputation) reads."""
-    forward = {n for n in nodes if unit_of(n) == region and tags.phase(n) in (FORWARD, LOSS)}
+def decide_region(forward_nodes: list[fx.Node], region: str, mode: str, saved_ops: set[str]) -> dict[fx.Node, str]:
+    """The decision for each forward node of ``region`` that its backward (or a recomputation) reads;
+    ``forward_nodes``: the region's forward and loss nodes in graph order (``forward_nodes_by_region``)."""
+    forward = set(forward_nodes)
 
     def backward_readers(node: fx.Node) -> list[fx.Node]:
         return [u for u in node.users if tags.phase(u) == BACKWARD]
@@ -141,7 +142,7 @@ def decide_region(nodes: list[fx.Node], region: str, mode: str, saved_ops: set[s
         # Read outside its region (another block, the loss): the region's boundary is saved.
         return any(unit_of(u) != region for u in node.users)
 
-    needed = [n for n in nodes if n in forward and backward_readers(n)]
+    needed = [n for n in forward_nodes if backward_readers(n)]
     decision: dict[fx.Node, str] = {}
     stack = list(needed)
     while stack:
@@ -154,7 +155,7 @@ def decide_region(nodes: list[fx.Node], region: str, mode: str, saved_ops: set[s
         decision[node] = RECOMPUTE
         stack.extend(a for a in node.all_input_nodes if a in forward and a not in decision)
     # A view of a saved value costs nothing to keep (same storage): save it rather than copy it.
-    for node in nodes:  # graph order: a view's source is decided before the view
+    for node in forward_nodes:  # graph order: a view's source is decided before the view
         if decision.get(node) == RECOMPUTE and aliases_input(node):
             sources = [a for a in node.all_input_nodes if a in forward]
             if sources and all(decision.get(a, SAVE) == SAVE for a in sources):
@@ -176,17 +177,29 @@ def tag_activations(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
     the graph's first ``full_blocks`` blocks ``full``) and of every loss row block (always
     ``full``: their logits are what chunking frees)."""
     ac = context.config.activation_checkpoint
-    nodes = list(gm.graph.nodes)
-    regions = {r for n in nodes if (r := unit_of(n)) is not None}
+    forward = forward_nodes_by_region(gm.graph)
     saved_ops = set(ac.selective_ops)
-    modes = region_modes(regions, ac.mode, ac.full_blocks)
-    for region in sorted(regions):
+    modes = region_modes(set(forward), ac.mode, ac.full_blocks)
+    for region in sorted(forward):
         mode = modes[region]
         if mode == "none":
             continue
-        for node, choice in decide_region(nodes, region, mode, saved_ops).items():
+        for node, choice in decide_region(forward[region], region, mode, saved_ops).items():
             tags.update(node, {ACTIVATION: choice})
     return gm
+
+
+def forward_nodes_by_region(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    """Every region (unit) of ``graph`` -> its forward and loss nodes in graph order, from one pass
+    over the graph (a pass per region would make tagging quadratic in the blocks)."""
+    forward: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        region = unit_of(node)
+        if region is not None:
+            members = forward.setdefault(region, [])
+            if tags.phase(node) in (FORWARD, LOSS):
+                members.append(node)
+    return forward
 
 
 def recompute_activations(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
@@ -238,4 +251,11 @@ def recompute_counts(graph: fx.Graph) -> dict[str, dict[str, int]]:
     return dict(counts)
 
 
-__all__ = ["decide_region", "recompute_activations", "recompute_counts", "region_modes", "tag_activations"]
+__all__ = [
+    "decide_region",
+    "forward_nodes_by_region",
+    "recompute_activations",
+    "recompute_counts",
+    "region_modes",
+    "tag_activations",
+]
