@@ -46,6 +46,7 @@ it sends; symbols still unknown take the mean of the resolved ones (1 if none).
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -291,11 +292,24 @@ def _has_strided_operand(node: fx.Node, hints: SizeHints) -> bool:
     return False
 
 
+_CONTIGUOUS: dict[int, tuple[weakref.ref, bool]] = {}
+"""``id(tensor)`` -> (a reference to the tensor, whether it is contiguous): a value is asked about
+once for each of its readers in each graph piece simulated."""
+
+
 def _is_contiguous(t: torch.Tensor) -> bool:
+    """Whether ``t`` is contiguous; a tensor whose strides hold unbacked sizes is taken as dense.
+    Answered once per tensor: for those tensors torch raises, formatting a stack trace into the
+    error each time (milliseconds a call)."""
+    known = _CONTIGUOUS.get(id(t))
+    if known is not None and known[0]() is t:
+        return known[1]
     try:
-        return bool(t.is_contiguous())
+        contiguous = bool(t.is_contiguous())
     except Exception:  # data-dependent strides of unbacked sizes: assume dense
-        return True
+        contiguous = True
+    _CONTIGUOUS[id(t)] = (weakref.ref(t), contiguous)
+    return contiguous
 
 
 def node_compute_time(node: fx.Node, device: DeviceModel, hints: SizeHints | None = None) -> float:
