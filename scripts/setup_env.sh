@@ -27,4 +27,7 @@ if [ "$have_torch" != "yes" ]; then
   fi
 fi
 "$VPY" -m pip install -q -r requirements.txt
+# The repository's own modules byte-compiled once, as pip compiles the installed packages: where
+# PYTHONDONTWRITEBYTECODE is set (CI), every process would otherwise compile them from source again.
+"$VPY" -m compileall -q -j 0 graph_trainer models suites tests benchmarks ./*.py >/dev/null
 "$VPY" -c "import torch, torchtitan; print(f'graph_trainer env ready: torch {torch.__version__}, cuda available: {torch.cuda.is_available()}')"
