@@ -30,15 +30,16 @@ def test_case_table_is_consistent_and_every_case_validates(suite_name):
     suite = suites.SUITES[suite_name]
     names = [c.name for c in suite.cases]
     assert len(names) == len(set(names))
+    configs = []
     for i, case in enumerate(suite.cases):
         for ref in case.references:  # a reference runs earlier, on the same model
             assert ref in names[:i], (case.name, ref)
             assert suite.cases[names.index(ref)].config == case.config
-        cfg = load_config(suites.job_args(suite, case))
-        validate_config(cfg, case.nproc)
+        configs.append(load_config(suites.job_args(suite, case)))
+        validate_config(configs[-1], case.nproc)
     if suite_name == "cpu":
         assert max(c.nproc for c in suite.cases) <= 4
-        passes = {p for c in suite.cases for p in load_config(suites.job_args(suite, c)).compile.passes}
+        passes = {p for cfg in configs for p in cfg.compile.passes}
         assert passes == set(PASS_REGISTRY)  # every pass runs somewhere in the cpu suite
 
 
