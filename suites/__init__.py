@@ -21,7 +21,7 @@ from suites.cases import (
     debug_job,
     job_args,
 )
-from suites.cpu import CPU_BLOCKS, CPU_CASES
+from suites.cpu import CPU_BLOCK_COUNT, CPU_BLOCKS, CPU_CASES
 from suites.gpu import GPU_CASES
 from suites.h100 import H100_CASES
 
@@ -78,6 +78,7 @@ SUITES = {
 
 __all__ = [
     "BUCKETING",
+    "CPU_BLOCK_COUNT",
     "CPU_BLOCKS",
     "CLOSE_RTOL",
     "EP_OVERLAP",

@@ -24,7 +24,8 @@ from suites.cases import (
 # ---- cpu: the debug models on gloo, cut to CPU_BLOCKS blocks unless a case says otherwise.
 # Every layout trains 2 sequences per data-parallel rank; its reference is one process on the
 # same global batch ("single_graph" is the one at 2).
-CPU_BLOCKS = ["--model.n_layers", "2"]
+CPU_BLOCK_COUNT = 2
+CPU_BLOCKS = ["--model.n_layers", str(CPU_BLOCK_COUNT)]
 _CPU_REFERENCES = [Case(f"single_b{n}", 1, batch(n)) for n in (4, 8)]
 _CPU_LAYOUTS = {
     "single": (1, [], ""),

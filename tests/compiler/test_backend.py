@@ -26,7 +26,7 @@ from graph_trainer.graph.tags import INDUCTOR_REGION
 from graph_trainer.torch_compat import TORCH_VERSION, default_cache_dir, fake_mode_of
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
-from suites import CPU_BLOCKS, INDUCTOR_RTOL, debug_job
+from suites import CPU_BLOCK_COUNT, CPU_BLOCKS, INDUCTOR_RTOL, debug_job
 from tests.conftest import ROOT
 
 LLAMA = os.path.join(ROOT, "configs", "llama3_debug.toml")
@@ -216,8 +216,7 @@ def test_inductor_is_within_the_stated_bound_of_none_and_repeats_bitwise(tmp_pat
         flags = ("--compile.backend", "inductor", "--compile.inductor_scope", scope, "--compile.cache_dir", str(cache))
         compiled, regions = _losses(config, steps, tmp_path, scope, *flags)
         assert (cache / "fxgraph").is_dir() and any((cache / "fxgraph").iterdir())
-        blocks = int(CPU_BLOCKS[CPU_BLOCKS.index("--model.n_layers") + 1])
-        assert regions >= (1 if scope == "full" else 2 * blocks)  # (regional: each block's forward and backward)
+        assert regions >= (1 if scope == "full" else 2 * CPU_BLOCK_COUNT)  # (regional: each block, fwd and bwd)
         deviation = _max_rel(compiled, reference)
         print(f"{os.path.basename(config)} {scope}: max rel dev vs none over {steps} steps {deviation:.2e}")
         assert deviation <= INDUCTOR_RTOL, (scope, deviation)

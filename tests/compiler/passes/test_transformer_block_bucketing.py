@@ -24,14 +24,14 @@ from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_name, is_collective
 from graph_trainer.validation import validate_config
-from suites import CPU_BLOCKS
+from suites import CPU_BLOCK_COUNT, CPU_BLOCKS
 from tests.conftest import ROOT
 from tests.graph_compare import node_signature
 from tests.launch import FAST_ARGS, run_forked
 
 TBB = "transformer_block_bucketing"
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32", *CPU_BLOCKS]
-BLOCKS = int(CPU_BLOCKS[-1])  # (the cpu suite's; every check below is per block)
+BLOCKS = CPU_BLOCK_COUNT  # (the cpu suite's; every check below is per block)
 PLAN = [["tok_embeddings"], *[[f"layers.{i}"] for i in range(BLOCKS)], ["norm", "output"]]
 NAMES = ["+".join(group) for group in PLAN]
 LAYOUTS = {
