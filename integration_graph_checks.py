@@ -180,12 +180,13 @@ def _all_to_all_problems(nodes, args, degrees: dict[str, int]) -> list[str]:
 def _expected_block_buckets(cfg, degrees: dict[str, int], n: int) -> dict[tuple[str, str], int]:
     """How many buckets ``transformer_block_bucketing`` makes of the FSDP collectives, per (kind,
     phase), for a model of ``n`` blocks: all-gathers n + 2 forward (embeddings, each block, norm +
-    output) and n + 1 backward (none if parameters are kept), reduce-scatters n + 2 (with
-    ``dp_shard > 1``); gradient all-reduces n + 2 (with ``dp_replicate > 1``)."""
-    keeps = cfg.parallelism.fsdp_reshard_after_forward == "never"
+    output) and in the backward n + 1 (``fsdp_reshard_after_forward`` always), n (default: norm and
+    output kept) or none (never), reduce-scatters n + 2 (with ``dp_shard > 1``); gradient
+    all-reduces n + 2 (with ``dp_replicate > 1``)."""
+    regathered = {"always": n + 1, "default": n, "never": 0}[cfg.parallelism.fsdp_reshard_after_forward]
     expected = {}
     if degrees["dp_shard"] > 1:
-        expected = {("AG", "forward"): n + 2, ("AG", "backward"): 0 if keeps else n + 1, ("RS", "backward"): n + 2}
+        expected = {("AG", "forward"): n + 2, ("AG", "backward"): regathered, ("RS", "backward"): n + 2}
     if degrees["dp_replicate"] > 1:
         expected[("AR", "backward")] = n + 2
     return expected

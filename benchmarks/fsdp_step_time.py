@@ -58,11 +58,13 @@ def build_eager_fsdp2(trainer):
     mp = MixedPrecisionPolicy(
         param_dtype=getattr(torch, t.mixed_precision_param), reduce_dtype=getattr(torch, t.mixed_precision_reduce)
     )
-    reshard = cfg.parallelism.fsdp_reshard_after_forward == "always"
+    mode = cfg.parallelism.fsdp_reshard_after_forward
     mesh = trainer.mesh["dp_shard"]
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=mode != "never")
+    # The head (norm, output) resharded only under 'always', as ours and torchtitan's default do.
+    fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=mode == "always")
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=mode != "never")
     optimizer = build_optimizer(list(model.parameters()), t)
     return model, optimizer, build_lr_scheduler(optimizer, t)
 

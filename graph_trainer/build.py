@@ -200,9 +200,11 @@ def build_job_model(
 
 
 def pass_context(cfg: JobConfig, layout: JobLayout, model: nn.Module) -> PassContext:
-    """What the passes read besides the graph: the config, the degrees, the model's bucket plan."""
-    plan = MODEL_SPECS[cfg.model.name].bucket_plan(model)
-    return PassContext(config=cfg, degrees=layout.dims.as_dict(), extras={"bucket_plan": plan})
+    """What the passes read besides the graph: the config, the degrees, the model's bucket plan and
+    head modules."""
+    spec = MODEL_SPECS[cfg.model.name]
+    extras = {"bucket_plan": spec.bucket_plan(model), "head_modules": spec.head_modules(model)}
+    return PassContext(config=cfg, degrees=layout.dims.as_dict(), extras=extras)
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:

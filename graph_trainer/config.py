@@ -22,7 +22,7 @@ ModelName = Literal["llama3", "deepseek_v3"]
 """The keys of ``models.registry.MODEL_SPECS`` (a test holds the two equal)."""
 Dtype = Literal["float32", "bfloat16", "float16"]
 DecayType = Literal["linear", "sqrt", "cosine", "constant"]
-ReshardAfterForward = Literal["always", "never"]
+ReshardAfterForward = Literal["default", "always", "never"]
 FsdpCollectives = Literal["default", "per_microbatch", "per_step"]
 AsyncMode = Literal["disabled", "async"]
 ChunkDim = Literal["batch", "seq"]
@@ -164,9 +164,11 @@ class Parallelism:
     tp rank holds the whole sequence and the regions all-reduce their outputs."""
     ep: int = 1
     """Expert-parallel degree (MoE models only)."""
-    fsdp_reshard_after_forward: ReshardAfterForward = "always"
-    """'always': backward re-gathers parameters instead of keeping them from forward; 'never': keep them.
-    Acts on microbatches that gather their weights (fsdp_collectives per_microbatch)."""
+    fsdp_reshard_after_forward: ReshardAfterForward = "default"
+    """'always': backward re-gathers parameters instead of keeping them from forward; 'never': keep them;
+    'default': re-gather all but the final norm's and output projection's, which the backward
+    reads first (a re-gather there would wait with nothing to overlap; torchtitan's default keeps
+    them too). Acts on microbatches that gather their weights (fsdp_collectives per_microbatch)."""
     fsdp_collectives: FsdpCollectives = "default"
     """When SimpleFSDP gathers weights and reduces gradients. 'per_microbatch': each microbatch
     gathers the weights it computes with and reduces its gradients; 'per_step': the weights are

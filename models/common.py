@@ -91,13 +91,19 @@ def rotary_table(freqs: torch.Tensor, max_seq_len: int, device: torch.device | s
 # Communication buckets
 
 
+def head_modules(model: nn.Module) -> list[str]:
+    """FQNs of the modules the forward computes last and the backward first: the final norm and
+    the output projection ([] on a pipeline stage without them)."""
+    return ["norm", "output"] if model.norm is not None else []
+
+
 def block_bucket_plan(model: nn.Module) -> list[list[str]]:
     """Module FQN groups that form one communication bucket each (for bucketing passes): the
-    embeddings, each transformer block ``layers.<i>``, the final norm with the output (those a
-    pipeline stage holds)."""
+    embeddings, each transformer block ``layers.<i>``, the head (``head_modules``), those a
+    pipeline stage holds."""
     first = [["tok_embeddings"]] if model.tok_embeddings is not None else []
-    last = [["norm", "output"]] if model.norm is not None else []
-    return [*first, *[[f"layers.{i}"] for i in model.layers], *last]
+    head = head_modules(model)
+    return [*first, *[[f"layers.{i}"] for i in model.layers], *([head] if head else [])]
 
 
 # --------------------------------------------------------------------------------------
@@ -412,6 +418,7 @@ __all__ = [
     "draw_parameter",
     "feed_forward_plan",
     "gather_sequence",
+    "head_modules",
     "init_plain_parameters",
     "inverse_permutation",
     "keep_sequence_piece",

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from graph_trainer.config import JobConfig
 from graph_trainer.errors import ConfigError
-from models.common import block_bucket_plan
+from models.common import block_bucket_plan, head_modules
 from models.deepseek_v3 import flavors as deepseek_v3_flavors
 from models.deepseek_v3 import hf as deepseek_v3_hf
 from models.deepseek_v3 import parallelize as deepseek_v3_parallelize
@@ -42,6 +42,9 @@ class ModelSpec:
     """``parallelize(model, mesh, dims, mixed_precision) -> model``: TP/EP/SimpleFSDP on a meta model."""
     bucket_plan: Callable[[nn.Module], list[list[str]]]
     """Module FQN groups that form one communication bucket each (for bucketing passes)."""
+    head_modules: Callable[[nn.Module], list[str]]
+    """FQNs of the modules the backward starts with (the final norm and the output projection), whose
+    gathered weights ``parallelism.fsdp_reshard_after_forward = 'default'`` keeps for it."""
     hf: HFAdapter
     """The family in Hugging Face's format: tensor names and ``config.json`` (weights in and out)."""
 
@@ -55,6 +58,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         validate_parallelism=llama3_parallelize.validate_parallelism,
         parallelize=llama3_parallelize.parallelize_llama3,
         bucket_plan=block_bucket_plan,
+        head_modules=head_modules,
         hf=llama3_hf.ADAPTER,
     ),
     "deepseek_v3": ModelSpec(
@@ -65,6 +69,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         validate_parallelism=deepseek_v3_parallelize.validate_parallelism,
         parallelize=deepseek_v3_parallelize.parallelize_deepseek_v3,
         bucket_plan=block_bucket_plan,
+        head_modules=head_modules,
         hf=deepseek_v3_hf.ADAPTER,
     ),
 }

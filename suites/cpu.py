@@ -43,7 +43,12 @@ _CPU_LAYOUTS = {
 # once too) are bitwise the weights each microbatch gathers and re-gathers for backward. (This
 # also stands for fsdp_reshard_after_forward never, which keeps them from forward to backward in
 # the microbatch's graph.)
-_CPU_KEEP_PARAMS = [Case("fsdp2_per_step", 2, ["--parallelism.fsdp_collectives", "per_step"], same_as="fsdp2_graph")]
+# fsdp_reshard_after_forward always re-gathers the head's weights (norm, output) too, which the
+# default keeps from forward.
+_CPU_KEEP_PARAMS = [
+    Case("fsdp2_per_step", 2, ["--parallelism.fsdp_collectives", "per_step"], same_as="fsdp2_graph"),
+    Case("fsdp2_reshard_always", 2, ["--parallelism.fsdp_reshard_after_forward", "always"], same_as="fsdp2_graph"),
+]
 # Tensor parallel without sequence parallel (every tp rank holding the whole residual stream, the
 # regions all-reducing their outputs): the tp layouts below run with it, both families.
 _CPU_NO_SEQUENCE_PARALLEL = [

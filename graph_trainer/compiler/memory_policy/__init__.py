@@ -9,10 +9,10 @@ passes, in order, each keeping every value bitwise:
    ``tag_activations`` decides save or recompute per transformer block and loss row block, and
    ``recompute_activations`` copies each recomputed value before its first backward use
    (``activation_checkpoint``);
-3. with ``parallelism.fsdp_reshard_after_forward = always``: ``reshard_after_forward`` re-gathers
-   every parameter for its backward readers instead of keeping the forward's gather
-   (``reshard_after_forward``). It runs after step 2 so that recomputations read the re-gathers:
-   one gather per block for backward.
+3. with ``parallelism.fsdp_reshard_after_forward`` ``default`` or ``always``: ``reshard_after_forward``
+   re-gathers every parameter (``default``: but the final norm's and output projection's) for its
+   backward readers instead of keeping the forward's gather (``reshard_after_forward``). It runs
+   after step 2 so that recomputations read the re-gathers: one gather per block for backward.
 
 Later stages never re-decide: they read the ``activation``, ``recomputed`` and ``recompute_of``
 tags (``graph_trainer.graph.tags``) and schedule the copies like any backward node.
@@ -63,12 +63,14 @@ def memory_policy_passes(config: Any) -> list[PassSpec]:
                 "copy recomputed activations before their first backward use",
             )
         )
-    if config is None or config.parallelism.fsdp_reshard_after_forward == "always":
+    reshard = "always" if config is None else config.parallelism.fsdp_reshard_after_forward
+    if reshard != "never":
+        which = "parameters" if reshard == "always" else "parameters but the head's"
         specs.append(
             PassSpec(
                 "reshard_after_forward",
                 reshard_after_forward,
-                "re-gather parameters for backward instead of keeping them from forward",
+                f"re-gather {which} for backward instead of keeping them from forward",
             )
         )
     return specs

@@ -4,9 +4,17 @@ Contract
 --------
 Reads: tags (``graph_trainer.graph.tags``) written by ``graph_trainer.distributed.simple_fsdp`` and the tracer:
 ``fsdp_role == "unshard"`` marks the forward nodes that cast and all-gather one parameter
-(``fsdp_param`` names it), ``phase`` says which nodes belong to the backward.
+(``fsdp_param`` names it, ``module_fqn`` the module it is gathered for), ``phase`` says which
+nodes belong to the backward; ``parallelism.fsdp_reshard_after_forward`` of the config and, for
+``default``, ``context.extras["head_modules"]`` (the modules the backward starts with: the final
+norm and the output projection). ``always`` (or no config) re-gathers every parameter;
+``default`` keeps the gathers made for the head modules: the backward reads them first, so
+a re-gather would be waited for at once, with no compute to hide behind (torchtitan's default
+does not reshard them either; the forward's copy lives only from the loss to the backward's
+start, where the re-gathered copy would have been alive anyway).
 
-Changes: for every parameter whose gathered value is read by backward nodes, the whole
+Changes: for every parameter whose gathered value is read by backward nodes (and, with
+``default``, that is not gathered for a head module), the whole
 gather chain (cast, ``all_gather_into_tensor``, ``wait_tensor``, views), extended by the
 forward view ops of the gathered tensor (e.g. the ``t`` of a linear layer, which autograd
 saves for the backward matmul; found by ``OpOverload.is_view``), is copied once, right
@@ -99,10 +107,28 @@ def _scalar(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.numel() <= 1
 
 
+def kept_modules(context: PassContext) -> list[str]:
+    """FQN prefixes of the modules whose forward gathers the backward keeps: the head modules under
+    ``fsdp_reshard_after_forward = 'default'``, none under 'always' or without a config."""
+    config = context.config
+    if config is None or config.parallelism.fsdp_reshard_after_forward == "always":
+        return []
+    if "head_modules" not in context.extras:
+        raise PassError("reshard_after_forward 'default' needs context.extras['head_modules'] (the model's head)")
+    return list(context.extras["head_modules"])
+
+
+def _under(fqn: str, prefixes: list[str]) -> bool:
+    return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
+
+
 def reshard_after_forward(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
     graph = gm.graph
     position = {node: i for i, node in enumerate(graph.nodes)}
-    for chain in unshard_chains(graph).values():
+    kept = kept_modules(context)
+    for (_, module), chain in unshard_chains(graph).items():
+        if _under(module, kept):
+            continue
         chain = with_forward_views(chain, position)
         readers = _backward_readers(chain)
         if readers:
@@ -114,4 +140,4 @@ def reshard_after_forward(gm: fx.GraphModule, context: PassContext) -> fx.GraphM
     return gm
 
 
-__all__ = ["reshard_after_forward", "unshard_chains", "with_forward_views"]
+__all__ = ["kept_modules", "reshard_after_forward", "unshard_chains", "with_forward_views"]

@@ -10,7 +10,7 @@ from graph_trainer.compiler.memory_policy.reshard_after_forward import unshard_c
 from graph_trainer.config_loading import load_config
 from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.graph import tags
-from graph_trainer.graph.collectives import collective_counts
+from graph_trainer.graph.collectives import collective_counts, collective_name
 from suites import CPU_BLOCKS
 
 SMALL = ["--training.local_batch_size", "2", "--training.seq_len", "32", *CPU_BLOCKS]
@@ -58,3 +58,33 @@ def test_single_process_graph_is_left_alone():
     gm = trace_job(cfg, 1).gm
     assert not unshard_chains(gm.graph)
     assert not any(tags.get(n, "recomputed") for n in gm.graph.nodes)
+
+
+def test_default_keeps_the_heads_gathers_for_its_backward():
+    """'default' re-gathers what 'always' does but the final norm's and output projection's weights,
+    whose forward gathers the backward (which starts with them) reads instead."""
+    default, always = _trace("default"), _trace("always")
+    head = {"norm.weight", "output.weight"}
+
+    def regathered(gm):
+        return {
+            tags.get(n, "fsdp_param") for n in gm.graph.nodes if tags.get(n, "recomputed") and tags.has(n, "fsdp_role")
+        }
+
+    assert head <= regathered(always)
+    assert regathered(default) == regathered(always) - head
+    position = {n: i for i, n in enumerate(default.graph.nodes)}
+    for (param, _), chain in unshard_chains(default.graph).items():
+        read_in_backward = any(_phase(u) == "backward" for n in with_forward_views(chain, position) for u in n.users)
+        assert read_in_backward == (param in head), param
+    gathers = collective_counts(default.graph)["all_gather_into_tensor"]
+    assert gathers == collective_counts(always.graph)["all_gather_into_tensor"] - len(head)
+    # Memory: at most the head's gathered weights more at the peak (the forward's copy lives from
+    # the loss to the backward's start, where the re-gathered one lives instead under 'always').
+    head_bytes = sum(
+        n.meta["val"].untyped_storage().nbytes()
+        for n in default.graph.nodes
+        if collective_name(n) == "all_gather_into_tensor" and tags.get(n, "fsdp_param") in head
+    )
+    peak_default, peak_always = (estimate_peak_memory(gm.graph).peak_bytes for gm in (default, always))
+    assert peak_always <= peak_default <= peak_always + head_bytes

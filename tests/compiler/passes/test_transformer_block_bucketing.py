@@ -38,6 +38,7 @@ LAYOUTS = {
     "fsdp4": [],
     "fsdp2xtp2": ["--parallelism.tp", "2"],
     "reshard_never": ["--parallelism.fsdp_reshard_after_forward", "never"],
+    "reshard_always": ["--parallelism.fsdp_reshard_after_forward", "always"],
     # float8 weights: each gather's chain holds an amax all-reduce and the scale (float8_gather)
     "float8_all_gather": [
         *["--parallelism.tp", "2", "--float8.recipe_name", "tensorwise", "--float8.enable_fsdp_float8_all_gather"]
@@ -107,8 +108,10 @@ def test_one_all_gather_and_one_reduce_scatter_per_bucket(layout):
     assert [tags.get(n, "fsdp_bucket") for n in forward] == NAMES
     if layout == "reshard_never":
         assert backward == []
-    else:  # backward order; the embedding's backward does not read its weight
-        assert [tags.get(n, "fsdp_bucket") for n in backward] == NAMES[:0:-1]
+    else:  # backward order; the embedding's backward does not read its weight, and by default
+        # the head's (norm and output) keeps the forward's gather
+        regathered = NAMES[:0:-1] if layout == "reshard_always" else NAMES[-2:0:-1]
+        assert [tags.get(n, "fsdp_bucket") for n in backward] == regathered
     assert sorted(tags.get(n, "fsdp_bucket") for n in reduce) == sorted(NAMES)
     # Everything else (TP all_reduces / all_gathers) is exactly what it was without the pass.
     plain = _trace(extra, passes="")
@@ -139,7 +142,7 @@ def test_float8_amax_all_reduces_one_per_block_and_group_before_its_gather():
     assert all(position[n] < position[gathers[tags.get(n, "fsdp_bucket")]] for n in amax)
 
 
-@pytest.mark.parametrize("layout", ["fsdp4", "fsdp2xtp2", "float8_all_gather"])
+@pytest.mark.parametrize("layout", ["fsdp4", "fsdp2xtp2", "float8_all_gather", "reshard_always"])
 def test_gathers_are_prefetched_and_reduce_scatters_deferred(layout):
     gm = _trace(tuple(LAYOUTS[layout]))
     forward_compute, backward_compute = _compute(gm, "forward"), _compute(gm, "backward")
@@ -148,10 +151,12 @@ def test_gathers_are_prefetched_and_reduce_scatters_deferred(layout):
         issue, wait = _issue_and_wait(gm, ag)
         # bucket i+1's gather is in flight across the whole compute of bucket i
         assert issue < forward_compute[i][0] and wait > forward_compute[i][-1], (i, issue, wait)
-    backward = _fsdp_collectives(gm, "all_gather_into_tensor", "backward")  # the last bucket first, down to 1
-    for current, ag in zip(range(len(PLAN) - 1, 0, -1), backward[1:], strict=False):
-        issue, wait = _issue_and_wait(gm, ag)
-        assert issue < backward_compute[current][0] and wait > backward_compute[current][-1], (current, issue, wait)
+    backward = _fsdp_collectives(gm, "all_gather_into_tensor", "backward")  # blocks from the last, down to 1
+    for ag in backward:
+        after = NAMES.index(tags.get(ag, "fsdp_bucket")) + 1  # the bucket whose backward runs before it
+        if after < len(PLAN):  # (the head's, by default kept from forward and not gathered again)
+            issue, wait = _issue_and_wait(gm, ag)
+            assert issue < backward_compute[after][0] and wait > backward_compute[after][-1], (after, issue, wait)
     reduce = _fsdp_collectives(gm, "reduce_scatter_tensor", "backward")
     for rs, following in zip(reduce, reduce[1:], strict=False):
         issue, wait = _issue_and_wait(gm, rs)
