@@ -10,7 +10,10 @@ Execution model (the one NCCL + one CUDA compute stream give in eager PyTorch):
   ready; it lasts ``cost_model.collective_time``. Collectives of different groups overlap
   each other and compute freely (no bandwidth or SM contention is modelled).
 - A ``wait_tensor`` blocks the compute stream until its collective has finished; the time
-  the compute stream spends blocked there is that collective's *exposed* time.
+  the compute stream spends blocked there is *exposed* time, charged to what held it up: to each
+  collective its group's stream ran meanwhile (a wait for a collective queued behind an earlier
+  one of its group exposes the earlier one for as long as it still ran), and the rest (the
+  stream idle, the collective's inputs not ready) to the collective waited for.
 
 ``step_time`` is when the last stream finishes, ``compute_time`` the sum of compute costs
 (``compute_by_class`` splits it by ``cost_model.kernel_class``),
@@ -60,7 +63,8 @@ class CollectiveRecord:
     start: float
     end: float
     exposed: float = 0.0
-    """Seconds the compute stream was blocked waiting for this collective."""
+    """Seconds the compute stream was blocked while this collective ran (waiting for it, or for one
+    queued behind it on its group's stream), or waiting for it while its stream sat idle."""
     module_fqn: str = ""
     bytes_sent: float = 0.0
     """Bytes this rank sends for it (``cost_model.collective_traffic``), not ``bytes``'s full buffer."""
@@ -228,6 +232,8 @@ class _StepSimulation:
     """Per collective node: its record, which the wait on it reads."""
     infos: dict[str, GroupInfo] = field(default_factory=dict)
     records: list[CollectiveRecord] = field(default_factory=list)
+    on_stream: dict[str, list[CollectiveRecord]] = field(default_factory=dict)
+    """Per process group: its collectives' records in stream order."""
     compute_events: list[tuple[str, float, float, str]] = field(default_factory=list)
     wait_events: list[tuple[str, float, float]] = field(default_factory=list)
     by_class: dict[str, float] = field(default_factory=dict)
@@ -245,15 +251,37 @@ class _StepSimulation:
 
     def _wait(self, node: fx.Node) -> float:
         """Block the compute stream until the collective ``node`` waits for has ended; the blocked
-        time is that collective's exposed time. Returns when the wait's output is ready."""
+        time is exposed time, charged as ``_holdups`` splits it. Returns when the wait's output is ready."""
         record = self.launches.get(launch_of(node))
         if record is not None and record.end > self.now:
-            blocked = record.end - self.now
-            record.exposed += blocked
-            self.exposed_total += blocked
-            self.wait_events.append((record.name, self.now, blocked))
+            self.exposed_total += record.end - self.now
+            for holder, start, seconds in self._holdups(record):
+                holder.exposed += seconds
+                self.wait_events.append((holder.name, start, seconds))
             self.now = record.end
         return self.now
+
+    def _holdups(self, record: CollectiveRecord) -> list[tuple[CollectiveRecord, float, float]]:
+        """(collective, start, seconds) pieces of the compute stream's wait from now until ``record``
+        ends: each collective of ``record``'s group for the part of the wait its run covers
+        (``record`` itself among them), ``record`` for any part its stream was idle."""
+        running = []
+        for other in reversed(self.on_stream[record.group]):  # stream order: the latest first
+            if other.end <= self.now:
+                break
+            if other.start < record.end:
+                running.append(other)
+        pieces, t = [], self.now
+        for other in reversed(running):
+            start, end = max(t, other.start), min(record.end, other.end)
+            if start > t:
+                pieces.append((record, t, start - t))
+            if end > start:
+                pieces.append((other, start, end - start))
+                t = end
+        if t < record.end:
+            pieces.append((record, t, record.end - t))
+        return pieces
 
     def _group(self, node: fx.Node) -> tuple[str, GroupInfo]:
         """The collective's process group: its name and (resolved once per group) its size and span."""
@@ -286,6 +314,7 @@ class _StepSimulation:
         )
         self.launches[node] = record
         self.records.append(record)
+        self.on_stream.setdefault(group, []).append(record)
         return end
 
     def _compute(self, node: fx.Node, inputs_ready: float) -> float:

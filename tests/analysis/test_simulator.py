@@ -101,6 +101,21 @@ def test_same_group_serializes_different_groups_overlap():
     assert r.step_time == pytest.approx(r2.end + r.compute_time)
 
 
+def test_a_wait_behind_an_earlier_collective_of_its_group_exposes_that_one():
+    b = _Builder()
+    ag = b.all_gather("g1")
+    ar = b._call(c10d.all_reduce.default, (b.shard, "max", "g1"), b.shard.meta["val"])
+    w_ar = b.wait(ar)  # waited at once: the stream runs the gather first
+    mm = b.mm()
+    w_ag = b.wait(ag)
+    r = simulate(b.done(w_ar, w_ag), D)
+    gather, reduce = r.collectives
+    assert reduce.start == pytest.approx(gather.end)
+    assert gather.exposed == pytest.approx(gather.duration) and reduce.exposed == pytest.approx(reduce.duration)
+    assert r.exposed_comm_time == pytest.approx(gather.duration + reduce.duration)
+    assert r.step_time == pytest.approx(reduce.end + node_compute_time(mm, D))
+
+
 def test_partial_overlap_and_group_size_override():
     b = _Builder()
     ar = b._call(c10d.all_reduce.default, (b.x, "sum", "tp"), b.x.meta["val"])
