@@ -17,7 +17,7 @@ nodes that differentiate it, so a tag written once in the forward also marks its
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -171,6 +171,11 @@ def module_fqn(node: fx.Node) -> str:
     return get(node, MODULE_FQN, "")
 
 
+def within(fqn: str, prefixes: Iterable[str]) -> bool:
+    """Whether the module or parameter ``fqn`` is one of ``prefixes`` or inside one of them."""
+    return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
+
+
 def block_of(node: fx.Node) -> str | None:
     """The transformer block (``layers.<i>``) a node belongs to, from its MODULE_FQN; None elsewhere."""
     match = _BLOCK.match(module_fqn(node))
@@ -265,4 +270,5 @@ __all__ = [
     "tags",
     "unit_of",
     "update",
+    "within",
 ]

@@ -118,16 +118,12 @@ def kept_modules(context: PassContext) -> list[str]:
     return list(context.extras["head_modules"])
 
 
-def _under(fqn: str, prefixes: list[str]) -> bool:
-    return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
-
-
 def reshard_after_forward(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
     graph = gm.graph
     position = {node: i for i, node in enumerate(graph.nodes)}
     kept = kept_modules(context)
     for (_, module), chain in unshard_chains(graph).items():
-        if _under(module, kept):
+        if tags.within(module, kept):
             continue
         chain = with_forward_views(chain, position)
         readers = _backward_readers(chain)

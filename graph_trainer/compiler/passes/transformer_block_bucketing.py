@@ -111,7 +111,7 @@ from graph_trainer.graph.tags import BACKWARD, FORWARD, FSDP_PARAM, FSDP_ROLE, R
 def bucket_index(plan: list[list[str]], fqn: str) -> int | None:
     """Index of the first plan group with a prefix matching ``fqn`` (a parameter or module FQN)."""
     for index, prefixes in enumerate(plan):
-        if any(fqn == p or fqn.startswith(p + ".") for p in prefixes):
+        if tags.within(fqn, prefixes):
             return index
     return None
 
