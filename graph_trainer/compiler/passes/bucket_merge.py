@@ -7,8 +7,11 @@ their numerics).
 
 Contract: a merge replaces its members and their waits with new functional nodes (no ``out=``),
 each with a fake ``meta["val"]`` computed in the trace's fake mode and the tags of what it
-replaces; it returns a ``Merged`` saying which nodes to issue and which to wait. A collective
-whose only user is not its wait, or a node without a fake value, raises ``PassError``.
+replaces; an all-gather merge also replaces the contiguous transposed copies of a 2-D member,
+when they are all that reads it (``transposed_copies``), by that member's copy-out made in the
+transposed layout (the same values in the same layout, one copy fewer). It returns a ``Merged``
+saying which nodes to issue and which to wait. A collective whose only user is not its wait, or
+a node without a fake value, raises ``PassError``.
 """
 
 from __future__ import annotations
@@ -234,18 +237,87 @@ def merge_all_gathers(graph: fx.Graph, members: list[fx.Node], bucket: int, name
     gathered = emit(ALL_GATHER, (emit(aten.cat.default, (flats,), shared), group_size, group), shared)
     issue = casts + emit.take()
     rows = emit(aten.view.default, (emit(WAIT, (gathered,), shared), [group_size, sum(sizes)]), shared)
-    outputs, offset = [], 0
+    outputs, offset, read_instead = [], 0, {}
     for m, size in zip(members, sizes, strict=True):
         member = _member_tags(m, name)
         piece = emit(aten.slice.Tensor, (rows, 1, offset, offset + size), member)
-        piece = emit(aten.clone.default, (piece,), member, {"memory_format": torch.contiguous_format})
-        if as_bytes:
-            piece = emit(aten.view.dtype, (piece, m.meta["val"].dtype), member)
-        outputs.append(emit(aten.view.default, (piece, list(m.meta["val"].shape)), member))
+        copies = transposed_copies(only_wait(m)) if not as_bytes or m.meta["val"].element_size() == 1 else []
+        if copies:
+            outputs.append(_copy_out_transposed(emit, piece, m, group_size, member))
+            for copy in copies:  # (the copy's own dtype: a uint8 gather of float8 bytes is viewed after it)
+                dtype = copy.meta["val"].dtype
+                same = outputs[-1].meta["val"].dtype == dtype
+                read_instead[copy] = outputs[-1] if same else emit(aten.view.dtype, (outputs[-1], dtype), member)
+        else:
+            piece = emit(aten.clone.default, (piece,), member, {"memory_format": torch.contiguous_format})
+            if as_bytes:
+                piece = emit(aten.view.dtype, (piece, m.meta["val"].dtype), member)
+            outputs.append(emit(aten.view.default, (piece, list(m.meta["val"].shape)), member))
         offset += size
     wait = emit.take()
+    _read_instead(graph, read_instead)
     _replace(graph, members, outputs)
     return Merged(bucket, kind, group, issue, wait, outputs)
+
+
+def _keeps_every_place(node: fx.Node) -> bool:
+    """A view whose elements sit where its input's do: ``detach``, ``alias``; a ``view``, ``slice``
+    or dtype ``view`` whose result has its input's shape, strides and offset (a dtype of the same
+    element size)."""
+    if node.target in (aten.detach.default, aten.alias.default):
+        return True
+    if node.target not in (aten.view.default, aten.slice.Tensor, aten.view.dtype):
+        return False
+    val, source = node.meta["val"], node.args[0].meta["val"]
+    layout = (val.shape, val.stride(), val.storage_offset(), val.element_size())
+    return layout == (source.shape, source.stride(), source.storage_offset(), source.element_size())
+
+
+def transposed_copies(result: fx.Node) -> list[fx.Node]:
+    """The contiguous copies of the transpose of ``result`` (a 2-D gathered weight) when they are
+    all that reads it, through ``t`` and views that keep every element's place
+    (``_keeps_every_place``); otherwise none. A float8 weight's input-gradient matmul reads its
+    weight that way (``_scaled_mm`` takes its second operand column-major): its backward gather
+    can write the transposed layout at once."""
+    if result.meta["val"].dim() != 2:
+        return []
+    copies, frontier = [], [(result, False)]
+    while frontier:
+        node, transposed = frontier.pop()
+        for user in node.users:
+            if user.target is aten.t.default or _keeps_every_place(user):
+                frontier.append((user, transposed != (user.target is aten.t.default)))
+            elif transposed and user.target is aten.clone.default and user.meta["val"].is_contiguous():
+                copies.append(user)
+            else:
+                return []
+    return copies
+
+
+def _copy_out_transposed(emit: _Emitter, piece: fx.Node, member: fx.Node, world: int, node_tags: dict) -> fx.Node:
+    """The member's rows of the gathered buffer, ``(world, shard elements)``, copied out as the
+    contiguous transpose of the gathered ``(rows, cols)`` weight: one copy where the row-major
+    copy-out and the transposed copy were two."""
+    rows, cols = member.meta["val"].shape
+    if piece.meta["val"].dtype != member.meta["val"].dtype:  # a byte bucket: one-byte elements only
+        piece = emit(aten.view.dtype, (piece, member.meta["val"].dtype), node_tags)
+    blocks = emit(aten.view.default, (piece, [world, rows // world, cols]), node_tags)
+    moved = emit(aten.permute.default, (blocks, [2, 0, 1]), node_tags)
+    copy = emit(aten.clone.default, (moved,), node_tags, {"memory_format": torch.contiguous_format})
+    return emit(aten.view.default, (copy, [cols, rows]), node_tags)
+
+
+def _read_instead(graph: fx.Graph, replacements: dict[fx.Node, fx.Node]) -> None:
+    """Readers of each copy read its replacement (the same values in the same layout); the copies
+    and the views that only fed them are erased."""
+    for copy, replacement in replacements.items():
+        copy.replace_all_uses_with(replacement)
+        dead = [copy]
+        while dead:
+            node = dead.pop()
+            inputs = node.all_input_nodes
+            graph.erase_node(node)
+            dead.extend(i for i in inputs if not i.users and (i.target is aten.t.default or _keeps_every_place(i)))
 
 
 def merge_reductions(graph: fx.Graph, members: list[fx.Node], bucket: int, name: str) -> Merged:
@@ -305,6 +377,7 @@ __all__ = [
     "Merged",
     "collective_kind",
     "merge_all_gathers",
+    "transposed_copies",
     "merge_reductions",
     "only_wait",
     "ring_aligned_row",

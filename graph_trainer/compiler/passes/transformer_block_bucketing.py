@@ -30,7 +30,10 @@ sharded over ``efsdp`` beside dense weights over ``dp_shard``, gets one collecti
 TP all_reduces (untagged) and EP all_to_alls are left as they are. The merge is
 functional (no ``out=`` mutation): an all-gather bucket is ``cat`` of the flattened shards
 (bytes when dtypes differ) -> one all_gather -> ``view(world, N)`` -> per parameter
-``slice(dim 1) -> clone -> view``, rank-major exactly like the per-parameter gathers; a
+``slice(dim 1) -> clone -> view``, rank-major exactly like the per-parameter gathers (a 2-D
+gathered weight read only through contiguous copies of its transpose, a float8 weight's backward
+gather, is copied out transposed instead, ``view -> permute -> clone``, and those copies' readers
+read it: ``bucket_merge.transposed_copies``); a
 reduce-scatter bucket is ``cat`` of each gradient ``view(world, -1)`` along dim 1 (and of zero
 padding, see Numerics) -> one reduce_scatter -> per parameter ``slice -> view``; an all-reduce
 bucket is ``cat`` of the flattened gradients -> one all_reduce -> per parameter

@@ -17,12 +17,14 @@ import pytest
 import torch
 
 from graph_trainer.compiler.passes import PASS_REGISTRY, PassContext, PassError
+from graph_trainer.compiler.passes.bucket_merge import transposed_copies
 from graph_trainer.compiler.passes.transformer_block_bucketing import bucket_index, transformer_block_bucketing
 from graph_trainer.config_loading import load_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.fake_trace import fake_world, trace_job
 from graph_trainer.graph import tags
-from graph_trainer.graph.collectives import collective_name, is_collective
+from graph_trainer.graph.collectives import collective_name, is_collective, wait_of
+from graph_trainer.graph.ops import is_view
 from graph_trainer.validation import validate_config
 from suites import CPU_BLOCK_COUNT, CPU_BLOCKS
 from tests.conftest import ROOT
@@ -140,6 +142,51 @@ def test_float8_amax_all_reduces_one_per_block_and_group_before_its_gather():
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     gathers = {tags.get(n, "fsdp_bucket"): n for n in _fsdp_collectives(gm, "all_gather_into_tensor", "forward")}
     assert all(position[n] < position[gathers[tags.get(n, "fsdp_bucket")]] for n in amax)
+
+
+def _backward_copies(gm) -> Counter:
+    """How many copies (``clone``) each module's backward makes."""
+    return Counter(
+        tags.module_fqn(n)
+        for n in gm.graph.nodes
+        if n.target is torch.ops.aten.clone.default and tags.get(n, "phase") == "backward"
+    )
+
+
+def _matmuls_reading(node) -> list:
+    """The ``_scaled_mm`` nodes reading ``node`` directly or through views."""
+    found, frontier = [], [node]
+    while frontier:
+        for user in frontier.pop().users:
+            if user.target is torch.ops.aten._scaled_mm.default:
+                found.append(user)
+            elif is_view(user):
+                frontier.append(user)
+    return found
+
+
+def test_float8_backward_gathers_copied_out_transposed():
+    """A float8 weight's backward gather is read only transposed (its input-gradient matmul takes
+    it column-major): the bucket copies it out in that layout, one copy where there were two, and
+    the matmul reads that copy."""
+    plain = _trace(tuple(LAYOUTS["float8_all_gather"]), passes="")
+    gm = _trace(tuple(LAYOUTS["float8_all_gather"]))
+    gathers = _fsdp_collectives(plain, "all_gather_into_tensor", "backward")
+    read_transposed = {tags.get(g, "fsdp_param") for g in gathers if transposed_copies(wait_of(g))}
+    linears = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2")
+    linears = (*linears, "feed_forward.w3")
+    assert read_transposed == {f"layers.{b}.{m}.weight" for b in range(BLOCKS) for m in linears}
+    permute = torch.ops.aten.permute.default
+    permutes = [n for n in gm.graph.nodes if n.target is permute and tags.get(n, "fsdp_role") == "unshard"]
+    assert sorted(tags.get(n, "fsdp_param") for n in permutes) == sorted(read_transposed)
+    for permute in permutes:  # (world, rows / world, cols) -> (cols, world, rows / world), copied, multiplied
+        (copy,) = permute.users
+        assert copy.target is torch.ops.aten.clone.default and copy.meta["val"].is_contiguous()
+        assert len(_matmuls_reading(copy)) == 1
+    # Per weight, the bucketed backward copies it as often as the unbucketed one did: its
+    # copy-out is its transposed copy (a row-major copy-out beside the transposed copy is one more).
+    before, after = _backward_copies(plain), _backward_copies(gm)
+    assert all(after[w.removesuffix(".weight")] == before[w.removesuffix(".weight")] for w in read_transposed)
 
 
 @pytest.mark.parametrize("layout", ["fsdp4", "fsdp2xtp2", "float8_all_gather", "reshard_always"])
