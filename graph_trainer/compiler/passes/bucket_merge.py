@@ -377,8 +377,8 @@ __all__ = [
     "Merged",
     "collective_kind",
     "merge_all_gathers",
-    "transposed_copies",
     "merge_reductions",
     "only_wait",
     "ring_aligned_row",
+    "transposed_copies",
 ]
