@@ -173,11 +173,10 @@ def test_float8_backward_gathers_copied_out_transposed():
     gm = _trace(tuple(LAYOUTS["float8_all_gather"]))
     gathers = _fsdp_collectives(plain, "all_gather_into_tensor", "backward")
     read_transposed = {tags.get(g, "fsdp_param") for g in gathers if transposed_copies(wait_of(g))}
-    linears = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2")
-    linears = (*linears, "feed_forward.w3")
+    linears = [f"attention.w{x}" for x in "qkvo"] + [f"feed_forward.w{i}" for i in (1, 2, 3)]
     assert read_transposed == {f"layers.{b}.{m}.weight" for b in range(BLOCKS) for m in linears}
-    permute = torch.ops.aten.permute.default
-    permutes = [n for n in gm.graph.nodes if n.target is permute and tags.get(n, "fsdp_role") == "unshard"]
+    permute_op = torch.ops.aten.permute.default
+    permutes = [n for n in gm.graph.nodes if n.target is permute_op and tags.get(n, "fsdp_role") == "unshard"]
     assert sorted(tags.get(n, "fsdp_param") for n in permutes) == sorted(read_transposed)
     for permute in permutes:  # (world, rows / world, cols) -> (cols, world, rows / world), copied, multiplied
         (copy,) = permute.users
