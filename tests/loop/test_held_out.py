@@ -1,6 +1,7 @@
 """Validation (graph_trainer/loop/held_out.py): the held-out loss equals an offline eager forward of
 the same weights on the same batches, bitwise on one process and through a pipeline; it leaves
-training untouched; and the forward-only pipeline plan and the held-out synthetic split."""
+training untouched and records no autograd graph (one process and the forward-only pipeline);
+and the forward-only pipeline plan and the held-out synthetic split."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from graph_trainer.compiler.tracer import eager_step
 from graph_trainer.config_loading import load_config
 from graph_trainer.data.loader import build_dataloader
 from graph_trainer.data.tokenizer import build_tokenizer
-from graph_trainer.pipelining.forward_only import forward_only_plan
-from graph_trainer.pipelining.schedule import plan_pipeline
+from graph_trainer.pipelining.executor import run_pipeline
+from graph_trainer.pipelining.forward_only import ForwardOnlyRunner, forward_only_plan
+from graph_trainer.pipelining.schedule import PipelinePlan, plan_pipeline
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
+from models.common import stage_view
 from suites import debug_job
 from suites.cases import DEEPSEEK_DEBUG
 from tests.launch import FAST_ARGS, read_losses, run_train
@@ -103,6 +106,48 @@ def test_validation_leaves_deepseek_expert_counts_and_training_untouched(tmp_pat
     before = {name: b.clone() for name, b in validated.model.named_buffers()}
     validated.held_out()  # (what validate() records; the run has ended, its metrics closed)
     assert all(torch.equal(b, before[name]) for name, b in validated.model.named_buffers())
+
+
+def _grad_modes_seen(model: torch.nn.Module) -> list[bool]:
+    """Filled as the model runs: whether autograd records, as each transformer block's forward starts."""
+    seen: list[bool] = []
+    for block in model.layers.values():
+        block.register_forward_pre_hook(lambda module, args: seen.append(torch.is_grad_enabled()))
+    return seen
+
+
+def test_a_validation_records_no_autograd_graph(tmp_path):
+    """A forward under autograd keeps every activation for a backward that never comes: the loss
+    is the same, the memory is not, so the blocks themselves are asked."""
+    trainer = _trainer(tmp_path, *VALIDATION)
+    seen = _grad_modes_seen(trainer.model)
+    tokens, labels = next(trainer.dataloader)
+    eager_step(trainer.model, tokens, labels, trainer.cfg.training.loss_chunks)
+    assert seen == [True] * len(trainer.model.layers)  # (the hooks see a training forward's autograd)
+    seen.clear()
+    trainer.held_out()
+    assert seen == [False] * (len(trainer.model.layers) * trainer.cfg.validation.steps)
+
+
+def test_the_forward_only_pipeline_records_no_autograd_graph(tmp_path):
+    """Validation's pipeline path (``ForwardOnlyRunner`` through ``run_pipeline``), in one process:
+    the model's two blocks as two stages on one rank, handed over in memory."""
+    trainer = _trainer(tmp_path, *VALIDATION)
+    model, chunks = trainer.model, trainer.cfg.training.loss_chunks
+    assert len(model.layers) == 2
+    stages = [stage_view(model, range(0, 1), True, False), stage_view(model, range(1, 2), False, True)]
+    runners = {s: ForwardOnlyRunner(module, s == 1, chunks) for s, module in enumerate(stages)}
+    plan = forward_only_plan(PipelinePlan("two stages on one rank", 1, 2, {0: 0, 1: 0}, {0: []}), 2)
+    batches = [next(trainer.dataloader) for _ in range(2)]
+    tokens, labels = [t for t, _ in batches], [lab for _, lab in batches]
+    seen = _grad_modes_seen(model)
+
+    def make_hidden() -> torch.Tensor:
+        return torch.empty(*tokens[0].shape, trainer.model_args.dim)
+
+    losses = run_pipeline(plan, 0, runners, tokens, labels, None, make_hidden)
+    assert len(losses) == 2 and not any(loss.requires_grad for loss in losses)
+    assert seen == [False] * 4  # two microbatches through two blocks
 
 
 @pytest.mark.parametrize("schedule, pp", [("1F1B", 2), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2), ("GPipe", 3)])
