@@ -1,6 +1,7 @@
 """FP8 weight all-gather (graph_trainer/distributed/float8_gather.py): which weights it casts, the
-shards' cast against torchao's cast of the whole weight (2 gloo ranks, bitwise), the traced
-graph's gathers (float8 bytes, half of bf16's), and the configurations it refuses. (The run
+shards' cast against torchao's cast of the whole weight and SimpleFSDP's float8 gather of fp32
+master shards under bf16 parameters against torchao's cast of its bf16 gather (2 gloo ranks,
+bitwise), the traced graph's gathers (float8 bytes, half of bf16's), and the configurations it refuses. (The run
 itself, bitwise the run gathering in bf16: the cpu suite's ``float8_*_float8_all_gather`` cases.)"""
 
 from __future__ import annotations
@@ -94,40 +95,80 @@ def test_refused_where_there_is_no_float8_gather_to_make():
     validate_config(load_config(FLOAT8_ALL_GATHER), world_size=4)  # FSDP4: accepted
 
 
-def test_shards_cast_with_the_global_amax_are_the_cast_of_the_whole_weight(tmp_path):
-    run_forked(2, os.path.abspath(__file__), str(tmp_path))
-    reports = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
-    assert reports == ["same"] * 2, reports
+CHECKS = ("shard_cast", "master_gather")
+"""The reports each rank of ``_cast_worker`` writes ("same", or what differs)."""
+
+
+@pytest.fixture(scope="module")
+def cast_reports(tmp_path_factory) -> dict[str, list[str]]:
+    """Every rank's report of each check of one 2-rank launch of ``_cast_worker``."""
+    folder = tmp_path_factory.mktemp("float8_cast")
+    run_forked(2, os.path.abspath(__file__), str(folder))
+    return {check: [(folder / f"{check}{rank}.txt").read_text() for rank in range(2)] for check in CHECKS}
+
+
+def test_shards_cast_with_the_global_amax_are_the_cast_of_the_whole_weight(cast_reports):
+    assert cast_reports["shard_cast"] == ["same"] * 2, cast_reports["shard_cast"]
+
+
+def test_the_float8_gather_of_fp32_master_shards_is_the_cast_of_the_gathered_bf16_weight(cast_reports):
+    """With bf16 parameters the linear casts the gathered bf16 weight, so the scale is that of the
+    bf16 values: a shard's amax taken before its cast to bf16 (the fp32 master's) is another scale."""
+    assert cast_reports["master_gather"] == ["same"] * 2, cast_reports["master_gather"]
+
+
+def _report(folder: str, check: str, rank: int, data: torch.Tensor, scale: torch.Tensor, expected) -> None:
+    """``check``'s report: "same" when ``data`` (float8) and ``scale`` are bitwise ``expected``'s."""
+    same_data = torch.equal(data.view(torch.uint8), expected._data.view(torch.uint8))
+    same_scale = torch.equal(scale, expected._scale)
+    report = "same" if same_data and same_scale else f"DIFFER (scale {scale.item()} vs {expected._scale.item()})"
+    with open(os.path.join(folder, f"{check}{rank}.txt"), "w") as f:
+        f.write(report)
 
 
 def _cast_worker(folder: str) -> None:
-    """Under a 2-rank launcher: each rank casts its half of a bf16 weight whose largest element
-    lives on rank 1; the gathered float8 bytes and the scale must be torchao's cast of the whole."""
+    """Under a 2-rank launcher, FSDP over both ranks, with a weight whose largest element lives on
+    rank 1: ``shard_cast``: each rank casts its half of a bf16 weight, and the gathered float8
+    bytes and the scale must be torchao's cast of the whole; ``master_gather``: SimpleFSDP's float8
+    gather of an fp32 master weight under bf16 parameters must hand the linear what torchao's cast
+    of SimpleFSDP's bf16 gather of it is (what the linear computes without the float8 gather)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import DTensor, Shard
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
 
     from graph_trainer.distributed.float8_gather import cast_shard
+    from graph_trainer.distributed.simple_fsdp import MixedPrecision, ReplicateComputation
     from graph_trainer.torch_compat import cpu_backend
 
     dist.init_process_group(cpu_backend())
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
-    torch.manual_seed(0)
-    whole = torch.randn(64, 32).to(torch.bfloat16)
-    whole[40, 3] = 37.0  # rank 1's half
     linear = _linear("tensorwise")
     assert isinstance(linear, Float8Linear)
     cast = weight_cast(linear)
+
+    def torchao_cast(weight: torch.Tensor):
+        return hp_tensor_to_float8_dynamic(weight, torch.float8_e4m3fn, linear.linear_mm_config)
+
+    torch.manual_seed(0)
+    master = torch.randn(64, 32)
+    master[40, 3] = 37.01  # rank 1's half; not a bf16 number (bf16 rounds it to 37.0), so the amaxes differ
+    whole = master.to(torch.bfloat16)
     data, scale = cast_shard(whole.chunk(2)[rank], cast, mesh, (Shard(0),))
     gathered = [torch.empty_like(data.view(torch.uint8)) for _ in range(2)]
     dist.all_gather(gathered, data.view(torch.uint8).contiguous())
-    expected = hp_tensor_to_float8_dynamic(whole, torch.float8_e4m3fn, linear.linear_mm_config)
-    same = torch.equal(torch.cat(gathered), expected._data.view(torch.uint8)) and torch.equal(scale, expected._scale)
-    with open(os.path.join(folder, f"rank{rank}.txt"), "w") as f:
-        f.write("same" if same else f"DIFFER (scale {scale.item()} vs {expected._scale.item()})")
+    _report(folder, "shard_cast", rank, torch.cat(gathered), scale, torchao_cast(whole))
+
+    param = DTensor.from_local(master.chunk(2)[rank], mesh, [Shard(0)], run_check=False)
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16)
+    in_bf16 = ReplicateComputation("weight", 1, None, (), bf16).gather(param)
+    in_float8 = ReplicateComputation("weight", 1, None, (), MixedPrecision(torch.bfloat16, float8_all_gather=True))
+    in_float8.float8 = cast
+    weight = in_float8.gather(param)
+    assert in_bf16.dtype == torch.bfloat16 and weight._orig_dtype == torch.bfloat16
+    _report(folder, "master_gather", rank, weight._data, weight._scale, torchao_cast(in_bf16))
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
