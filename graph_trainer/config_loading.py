@@ -7,7 +7,9 @@ be spelled with dashes or underscores (``--job.config-file`` is ``--job.config_f
 from the command line alike: an unknown section, key or flag, a value of the wrong type, or a
 value outside a ``Literal`` field's choices raises ``ConfigError`` with one line naming the
 field, the value and what is allowed (``train.py`` prints it and exits with code 2). Checks that
-involve several fields are ``graph_trainer.validation``'s.
+involve several fields are ``graph_trainer.validation``'s. An unknown name that is torchtitan's
+(``TORCHTITAN_NAMES``, ``EARLIER_TORCHTITAN_NAMES``: ``--parallelism.data_parallel_shard_degree``,
+a ``[lr_scheduler]`` table) is refused naming the setting it is here.
 
 A bool flag given bare means True (``--checkpoint.move_aside``) and ``--section.no_key`` means
 ``--section.key False``, as tyro's own boolean flags read; ``--section.key True|False`` works too,
@@ -31,6 +33,92 @@ import tyro
 
 from graph_trainer.config import JobConfig
 from graph_trainer.errors import ConfigError
+
+TORCHTITAN_NAMES = {
+    "dump_folder": "job.dump_folder",
+    "dataloader.dataset": "training.dataset",
+    "training.steps": "training.steps",
+    "training.local_batch_size": "training.local_batch_size",
+    "training.global_batch_size": "training.global_batch_size",
+    "training.seq_len": "training.seq_len",
+    "training.max_norm": "training.max_norm",
+    "training.mixed_precision_param": "training.mixed_precision_param",
+    "training.mixed_precision_reduce": "training.mixed_precision_reduce",
+    "training.gc_freq": "training.gc_freq",
+    "debug.seed": "training.seed",
+    "debug.deterministic": "debug.deterministic",
+    "parallelism.data_parallel_replicate_degree": "parallelism.dp_replicate",
+    "parallelism.data_parallel_shard_degree": "parallelism.dp_shard",
+    "parallelism.fsdp_reshard_after_forward": "parallelism.fsdp_reshard_after_forward",
+    "parallelism.tensor_parallel_degree": "parallelism.tp",
+    "parallelism.enable_sequence_parallel": "parallelism.sequence_parallel",
+    "parallelism.expert_parallel_degree": "parallelism.ep",
+    "parallelism.pipeline_parallel_degree": "parallelism.pp",
+    "parallelism.pipeline_parallel_schedule": "parallelism.pp_schedule",
+    "parallelism.pipeline_parallel_layers_per_stage": "parallelism.pp_stage_blocks",
+    "lr_scheduler.warmup_steps": "training.warmup_steps",
+    "lr_scheduler.decay_ratio": "training.decay_ratio",
+    "lr_scheduler.decay_type": "training.decay_type",
+    "lr_scheduler.min_lr_factor": "training.min_lr_ratio",
+    "checkpoint.enable": "checkpoint.interval",
+    "checkpoint.interval": "checkpoint.interval",
+    "checkpoint.folder": "checkpoint.folder",
+    "checkpoint.keep_latest_k": "checkpoint.keep_latest_k",
+    "checkpoint.async_mode": "checkpoint.async_mode",
+    "checkpoint.load_step": "checkpoint.load_step",
+    "checkpoint.initial_load_path": "checkpoint.initial_load_hf",
+    "profiler.enable_profiling": "profiling.enable_profiling",
+    "profiler.profile_freq": "profiling.profile_freq",
+    "profiler.save_traces_folder": "profiling.save_traces_folder",
+    "profiler.enable_memory_snapshot": "profiling.enable_memory_snapshot",
+    "profiler.save_memory_snapshot_folder": "profiling.save_memory_snapshot_folder",
+    "metrics.log_freq": "metrics.log_freq",
+    "metrics.enable_tensorboard": "metrics.enable_tensorboard",
+    "metrics.enable_wandb": "metrics.enable_wandb",
+    "validator.enable": "validation.enable",
+    "validator.freq": "validation.freq",
+    "validator.steps": "validation.steps",
+    "validator.dataloader.dataset": "validation.dataset",
+    "comm.init_timeout_seconds": "comm.init_timeout_seconds",
+    "comm.train_timeout_seconds": "comm.timeout_seconds",
+    "compile.enable": "compile.mode",
+    "optimizer.param_groups": "training.lr",
+}
+"""torchtitan 0.3.0's setting (a field of ``torchtitan.trainer.Trainer.Config``) -> ours: the first
+two columns of docs/architecture.md's table "Coming from torchtitan" (``tests/test_docs.py`` holds
+the two equal and checks every name against the installed torchtitan)."""
+
+EARLIER_TORCHTITAN_NAMES = {
+    "training.batch_size": "training.local_batch_size",
+    "training.dataset_path": "training.dataset",
+    "training.data_parallel_replicate_degree": "parallelism.dp_replicate",
+    "training.data_parallel_shard_degree": "parallelism.dp_shard",
+    "training.tensor_parallel_degree": "parallelism.tp",
+    "experimental.pipeline_parallel_degree": "parallelism.pp",
+    "experimental.pipeline_parallel_schedule": "parallelism.pp_schedule",
+    "training.compile": "compile.mode",
+    "model.tokenizer_path": "training.tokenizer_path",
+    "optimizer.lr": "training.lr",
+    "checkpoint.enable_checkpoint": "checkpoint.interval",
+    "float8.enable_float8_linear": "float8.recipe_name",
+}
+"""Settings of torchtitan's earlier argparse configuration (``torchtitan/config_manager.py``, before
+the dataclasses) that torchtitan 0.3.0 renamed or moved, and ours."""
+
+
+def torchtitan_name(name: str) -> str:
+    """Ours for the torchtitan setting ``name`` ('section.key'), '' when ``name`` is none of them."""
+    return TORCHTITAN_NAMES.get(name) or EARLIER_TORCHTITAN_NAMES.get(name, "")
+
+
+def _torchtitan_section(section: str) -> str:
+    """The sections of ours that hold torchtitan's ``[section]``'s settings ('' when it is not torchtitan's)."""
+    ours = {
+        target.split(".")[0]
+        for name, target in (*TORCHTITAN_NAMES.items(), *EARLIER_TORCHTITAN_NAMES.items())
+        if name.startswith(section + ".") and target.split(".")[0] != section
+    }
+    return ", ".join(f"[{s}]" for s in sorted(ours))
 
 
 def field_types(section_cls: type) -> dict[str, Any]:
@@ -145,7 +233,7 @@ def config_from_toml(path: str) -> JobConfig:
     sections = {f.name: f for f in dataclasses.fields(JobConfig)}
     for section, values in data.items():
         if section not in sections:
-            raise ConfigError(f"unknown section [{section}] in {path}; allowed sections: {', '.join(sections)}")
+            raise _unknown_section(section, values, path, list(sections))
         if not isinstance(values, dict):
             raise ConfigError(f"'{section}' in {path} must be a [{section}] table")
         _fill_section(getattr(cfg, section), values, section, path)
@@ -153,12 +241,41 @@ def config_from_toml(path: str) -> JobConfig:
     return cfg
 
 
+def _as_table(name: str) -> str:
+    """'training.warmup_steps' as a TOML file spells it: '[training] warmup_steps'."""
+    section, _, key = name.rpartition(".")
+    return f"[{section}] {key}"
+
+
+def _dotted_keys(values: Any, prefix: str) -> list[str]:
+    """The 'section.key' names of a TOML table's values (sub-tables' keys as 'section.sub.key')."""
+    if not isinstance(values, dict):
+        return [prefix]
+    return [name for key, value in values.items() for name in _dotted_keys(value, f"{prefix}.{key}")]
+
+
+def _unknown_section(section: str, values: Any, path: str, sections: list[str]) -> ConfigError:
+    """An unknown ``[section]`` of a job file; a torchtitan one named with where its settings are here."""
+    unknown = f"unknown section [{section}] in {path}"
+    for name in _dotted_keys(values, section):
+        ours = torchtitan_name(name)
+        if ours:
+            return ConfigError(f"{unknown}; torchtitan's {name} is {_as_table(ours)} here")
+    where = _torchtitan_section(section)
+    hint = f"; torchtitan's [{section}] settings are in {where} here" if where else ""
+    return ConfigError(f"{unknown}; allowed sections: {', '.join(sections)}{hint}")
+
+
 def _fill_section(obj: Any, values: dict, section: str, path: str) -> None:
     """Set a section's fields from its TOML table; a nested dataclass field is a sub-table."""
     types = field_types(type(obj))
     for key, value in values.items():
         if key not in types:
-            raise ConfigError(f"unknown key '{key}' in section [{section}] of {path}; allowed keys: {', '.join(types)}")
+            unknown = f"unknown key '{key}' in section [{section}] of {path}"
+            ours = torchtitan_name(f"{section}.{key}")
+            if ours:
+                raise ConfigError(f"{unknown}; torchtitan's {section}.{key} is {_as_table(ours)} here")
+            raise ConfigError(f"{unknown}; allowed keys: {', '.join(types)}")
         if dataclasses.is_dataclass(types[key]):
             if not isinstance(value, dict):
                 raise ConfigError(f"'{section}.{key}' in {path} must be a [{section}.{key}] table")
@@ -222,7 +339,9 @@ def check_command_line(argv: list[str]) -> None:
             continue
         name, has_value, value = arg[2:].partition("=")
         if name not in types:
-            raise ConfigError(f"unknown flag --{name}; python train.py --help lists every flag")
+            ours = torchtitan_name(name)
+            hint = f"torchtitan's {name} is --{ours} here (python train.py --help lists every flag)" if ours else ""
+            raise ConfigError(f"unknown flag --{name}; {hint or 'python train.py --help lists every flag'}")
         typ = types[name]
         if typing.get_origin(typ) is list:  # any number of values, up to the next flag
             continue

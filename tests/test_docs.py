@@ -103,14 +103,21 @@ def _setting(root, path: str):
 
 def test_the_torchtitan_table_names_settings_both_trainers_have():
     """Every setting in the first two columns of docs/architecture.md's torchtitan table is a field
-    of ``torchtitan.trainer.Trainer.Config`` (0.3.0) and of our ``JobConfig``."""
+    of ``torchtitan.trainer.Trainer.Config`` (0.3.0) and of our ``JobConfig``; the table is the map
+    the configuration's refusals name ours from (``config_loading.TORCHTITAN_NAMES``), whose earlier
+    torchtitan names each name a field of ours too."""
     from torchtitan.trainer import Trainer
 
     from graph_trainer.config import JobConfig
+    from graph_trainer.config_loading import EARLIER_TORCHTITAN_NAMES, TORCHTITAN_NAMES
 
     table = _block(_read("docs", "architecture.md"), "torchtitan flags")
     rows = re.findall(r"^\| `([\w.]+)` \| `([\w.]+)` \|", table, re.M)
     assert len(rows) >= 30
+    assert dict(rows) == TORCHTITAN_NAMES and len(rows) == len(TORCHTITAN_NAMES)
+    for earlier, our_name in EARLIER_TORCHTITAN_NAMES.items():
+        assert earlier not in TORCHTITAN_NAMES
+        assert not dataclasses.is_dataclass(_setting(JobConfig(), our_name)), our_name
     theirs, ours = Trainer.Config(), JobConfig()
     for torchtitan_name, our_name in rows:
         _setting(theirs, torchtitan_name)  # AttributeError names a setting torchtitan does not have
