@@ -14,7 +14,9 @@ A checkpoint folder holds:
   Sharded parameters and their moments are saved as DTensors, i.e. as pieces of the global
   tensor, so DCP reshards on load: a checkpoint written at one layout (FSDP, HSDP, FSDPxTP) loads
   at any other, or in one process. ``.metadata`` is read with ``graph_trainer.checkpoint.safe_metadata``
-  (only checkpoint classes are unpickled), never plain pickle.
+  (only checkpoint classes are unpickled), never plain pickle. It holds the tensors' index only
+  (``CheckpointWriter``: not the folder the save wrote into nor a save id), so the same state
+  saved twice, blocking or in the background, into any folder, is the same bytes.
 * ``metadata.json`` (rank 0): model name and flavor, step, parallel degrees, world size, and every
   parameter's clean FQN and global shape. It is checked before the model is built (name and
   flavor) and again against the built model (names and shapes), so a wrong checkpoint fails with a
@@ -24,7 +26,9 @@ A checkpoint folder holds:
   under any dp degree the number of shards divides).
 * ``rng-rank<R>.pt`` (each rank): that rank's torch CPU RNG state (and CUDA RNG on cuda), read with
   ``weights_only=True``. RNG streams belong to a rank of a layout, so they are restored only at the
-  same world size.
+  same world size. The one file (with the manifest, which records its hash) whose bytes differ
+  between two runs of one command: torch seeds a process's default generator at random, and the
+  job does not seed it (no step draws from it).
 * ``manifest.json``: the size and SHA-256 of every other file, written last (``graph_trainer.checkpoint.manifest``).
 
 Loading restores everything in place before the first step: the AdamW state (created lazily by
@@ -152,10 +156,21 @@ def single_process_ok():
 # ------------------------------------------------------------------------------ save
 
 
+class CheckpointWriter(dcp.FileSystemWriter):
+    """DCP's file writer, less the storage metadata it pickles into ``.metadata``: the folder it
+    wrote into (a checkpoint's temporary folder, whose name is random) and a random save id, which
+    DCP records for observability and reads back for nothing. Without them ``.metadata`` holds the
+    tensors' index only, so two saves of the same state write the same bytes. (``storage_meta`` is
+    optional in DCP's ``StorageWriter`` interface: its default is ``None``.)"""
+
+    def storage_meta(self) -> None:
+        return None
+
+
 def save_tensors(folder: str, state: dict, distributed: bool):
     """(all ranks) The DCP files of ``state`` (``tensor_state``), ``.metadata`` among them."""
     with single_process_ok():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=not distributed)
+        dcp.save(state, storage_writer=CheckpointWriter(folder), no_dist=not distributed)
 
 
 def start_saving_tensors(folder: str, state: dict, distributed: bool, group) -> Future:
@@ -165,7 +180,7 @@ def start_saving_tensors(folder: str, state: dict, distributed: bool, group) -> 
     when every file of this rank is written (its result: DCP's metadata)."""
     with single_process_ok():
         pending = dcp.async_save(
-            state, storage_writer=dcp.FileSystemWriter(folder), process_group=group, no_dist=not distributed
+            state, storage_writer=CheckpointWriter(folder), process_group=group, no_dist=not distributed
         )
     return getattr(pending, "upload_completion", pending)  # (a response object when DCP splits staging off)
 
