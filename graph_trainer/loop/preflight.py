@@ -7,7 +7,9 @@ each failure is a one-line ``ConfigError``, exit code 2).
   profiling) must be folders this process can
   create and write in. The test writes and removes a file, so it holds for root too and on
   read-only mounts.
-* Optional packages a setting needs are installed (``metrics.enable_wandb``: wandb).
+* Optional packages a setting needs are installed (``metrics.enable_wandb``: wandb), and W&B's
+  settings would start its run: a ``WANDB_MODE`` wandb accepts, credentials when the run is
+  uploaded, a run folder that is one (``wandb_writer.wandb_run_folder``).
 * ``debug.num_threads`` at most the CPUs of this machine (a huge value makes OpenMP abort
   while allocating its thread pool).
 * The batch fits: one step needs at least the output logits, ``local_batch_size x seq_len x
@@ -51,6 +53,7 @@ from graph_trainer.config_loading import load_config
 from graph_trainer.distributed.parallel_dims import largest_local_numel
 from graph_trainer.distributed.resident import resident_bytes
 from graph_trainer.errors import ConfigError
+from graph_trainer.loop.wandb_writer import wandb_run_folder
 from graph_trainer.validation import check_device, resolve_device, validate_config
 from models.registry import model_args
 
@@ -105,6 +108,16 @@ def check_optional_packages(cfg: JobConfig) -> None:
             "metrics.enable_wandb = True needs the optional wandb package, which is not installed: "
             "pip install wandb (into .venv), or leave the flag out"
         )
+
+
+def check_wandb_settings(cfg: JobConfig) -> None:
+    """With ``metrics.enable_wandb``: W&B's settings would start a run (``wandb_writer.wandb_run_folder``),
+    in a folder this process can write in."""
+    if not cfg.metrics.enable_wandb:
+        return
+    folder = wandb_run_folder(cfg.job.dump_folder)
+    if folder:
+        check_writable_folder(folder, "metrics.enable_wandb's run folder")
 
 
 def check_threads(cfg: JobConfig) -> None:
@@ -242,6 +255,7 @@ def preflight(cfg: JobConfig) -> None:
     check_output_folders(cfg)
     check_threads(cfg)
     check_optional_packages(cfg)
+    check_wandb_settings(cfg)
     check_batch_fits(cfg)
 
 

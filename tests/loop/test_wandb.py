@@ -1,10 +1,12 @@
 """--metrics.enable_wandb (graph_trainer/loop/wandb_writer.py): a job's scalars and resolved config in
-a W&B run, written offline and read back from the run's file."""
+a W&B run, written offline and read back from the run's file; a job whose run wandb would not start
+is refused before anything is built."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 from graph_trainer.config_loading import load_config
 from graph_trainer.errors import ConfigError
 from graph_trainer.loop import preflight
+from graph_trainer.loop.preflight import check_job
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
 from tests.launch import FAST_ARGS, read_losses
@@ -98,3 +101,69 @@ def test_without_the_package_the_job_is_refused_before_it_builds(monkeypatch):
     monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="metrics.enable_wandb = True needs the optional wandb package"):
         preflight.check_optional_packages(cfg)
+
+
+@pytest.fixture
+def fresh_machine(tmp_path, monkeypatch):
+    """W&B as on a fresh machine: no WANDB_* variable, no API key, no .netrc, no settings file."""
+    for name in [k for k in os.environ if k.startswith("WANDB_")] + ["NETRC"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.chdir(tmp_path)  # (wandb also reads ./wandb/settings)
+    return tmp_path
+
+
+def _wandb_job(folder) -> list[str]:
+    return [*FAST_ARGS, "--metrics.enable_wandb", "--job.dump_folder", str(folder / "out")]
+
+
+def test_online_without_an_api_key_is_one_line_before_anything_is_built(fresh_machine, monkeypatch, capsys):
+    import train
+
+    assert train.main(_wandb_job(fresh_machine)) == 2
+    netrc = fresh_machine / "home" / ".netrc"
+    assert capsys.readouterr().err.splitlines() == [
+        "error: metrics.enable_wandb: W&B mode 'online' uploads the run, but wandb has no API key (WANDB_API_KEY, "
+        f"or the entry `wandb login` writes in {netrc}); set one, or WANDB_MODE=offline to write the run to disk "
+        "only (`wandb sync` uploads it later)"
+    ]
+    assert not (fresh_machine / "out" / "losses.txt").exists()
+    # what wandb reads credentials from: its .netrc entry, the environment
+    netrc.parent.mkdir()
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    check_job(_wandb_job(fresh_machine), 1)
+    netrc.unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    check_job(_wandb_job(fresh_machine), 1)
+
+
+@pytest.mark.parametrize("mode", ["offline", "disabled", "settings file"])
+def test_a_mode_that_does_not_upload_needs_no_api_key(fresh_machine, monkeypatch, mode):
+    if mode == "settings file":  # what `wandb offline` writes
+        (fresh_machine / "wandb").mkdir()
+        (fresh_machine / "wandb" / "settings").write_text("[default]\nmode = offline\n")
+    else:
+        monkeypatch.setenv("WANDB_MODE", mode)
+    check_job(_wandb_job(fresh_machine), 1)
+
+
+def test_a_mode_wandb_does_not_know_is_refused_naming_its_modes(fresh_machine, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offlne")
+    with pytest.raises(ConfigError) as info:
+        check_job(_wandb_job(fresh_machine), 1)
+    assert str(info.value) == (
+        "WANDB_MODE = 'offlne' is not a W&B mode (metrics.enable_wandb); choose one of: "
+        "online, offline, shared, disabled, dryrun, run"
+    )
+
+
+def test_a_file_in_place_of_the_run_folder_is_refused(fresh_machine, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (fresh_machine / "out").mkdir()
+    (fresh_machine / "out" / "wandb").write_text("not a folder")
+    with pytest.raises(ConfigError) as info:
+        check_job(_wandb_job(fresh_machine), 1)
+    assert str(info.value) == (
+        f"metrics.enable_wandb's run folder = '{fresh_machine / 'out' / 'wandb'}' is a file, not a folder"
+    )
