@@ -26,13 +26,13 @@ from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
 from suites import debug_job
 
-MODES = {"no saves": [], "blocking saves": ["--checkpoint.interval", "1"]}
+MODES = {"no saves": [], "blocking saves": ["--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2"]}
 MODES["background saves"] = [*MODES["blocking saves"], "--checkpoint.async_mode", "async"]
 
 
 def _trainer(folder: str, argv: list[str], mode: list[str], steps: int) -> Trainer:
     job = [*debug_job(), "--training.seq_len", "256", "--training.local_batch_size", "4"]
-    job += ["--training.steps", str(steps), "--checkpoint.keep_latest_k", "2"]
+    job += ["--training.steps", str(steps)]
     cfg = load_config([*job, *argv, *mode, "--job.dump_folder", folder])
     validate_config(cfg)
     return Trainer(cfg)

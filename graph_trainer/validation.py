@@ -295,7 +295,13 @@ def _check_around_the_loop(cfg: JobConfig) -> None:
     step = cfg.debug.grad_record_step
     require(step >= 0, f"debug.grad_record_step = {step} must be >= 0 (0: off)")
     require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")
-    require(cfg.profiling.profile_freq >= 1, f"profiling.profile_freq = {cfg.profiling.profile_freq} must be >= 1")
+    freq, steps = cfg.profiling.profile_freq, cfg.training.steps
+    require(freq >= 1, f"profiling.profile_freq = {freq} must be >= 1")
+    require(
+        not _profiles(cfg) or freq <= steps,
+        f"profiling.profile_freq = {freq} is more than training.steps = {steps}: every profile_freq-th step "
+        f"is profiled, so none would be; set it to at most {steps}",
+    )
     for name in ("freq", "steps"):
         value = getattr(cfg.validation, name)
         require(value >= 1, f"validation.{name} = {value} must be >= 1")
@@ -323,6 +329,8 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
     files, named = cfg.training.dataset != "synthetic", "training.dataset other than 'synthetic' (generated)"
     v, validating = cfg.validation.enable, "validation.enable"
     fp8 = cfg.float8.recipe_name != "none"
+    saves, decay = cfg.checkpoint.interval > 0, cfg.training.decay_type
+    decays = decay != "constant"
     return [
         _setting(
             cfg,
@@ -345,12 +353,14 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
             v and cfg.validation.dataset != "",
             "validation.enable and validation.dataset",
         ),
-        _setting(
-            cfg,
-            "checkpoint.async_mode",
-            cfg.checkpoint.interval > 0,
-            f"checkpoint.interval > 0 (it is {cfg.checkpoint.interval})",
-        ),
+        *[
+            _setting(cfg, f"checkpoint.{name}", saves, f"checkpoint.interval > 0 (it is {cfg.checkpoint.interval})")
+            for name in ("async_mode", "keep_latest_k")
+        ],
+        *[
+            _setting(cfg, f"training.{name}", decays, f"training.decay_type other than 'constant' (it is {decay!r})")
+            for name in ("decay_ratio", "min_lr_ratio")
+        ],
         _setting(cfg, "parallelism.sequence_parallel", p.tp > 1, f"parallelism.tp > 1 (it is {p.tp})"),
         _setting(cfg, "parallelism.pp_stage_blocks", p.pp > 1, pipeline),
         _setting(cfg, "parallelism.pp_schedule", p.pp > 1, pipeline),

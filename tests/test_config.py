@@ -373,6 +373,15 @@ _IGNORED = "it would be ignored; leave it out or set that too"
             "parallelism.sequence_parallel = False means something only with ",
         ),
         (["--checkpoint.async_mode", "async"], "checkpoint.async_mode = 'async' means something only with "),
+        (["--checkpoint.keep_latest_k", "3"], "checkpoint.keep_latest_k = 3 means something only with "),
+        (
+            ["--training.decay_ratio", "0.2", "--training.decay_type", "constant"],
+            "training.decay_ratio = 0.2 means something only with ",
+        ),
+        (
+            ["--training.min_lr_ratio", "0.1", "--training.decay_type", "constant"],
+            "training.min_lr_ratio = 0.1 means something only with ",
+        ),
         (["--validation.split", "test"], "validation.split = 'test' means something only with "),
         (["--validation.dataset_subset", "en"], "validation.dataset_subset = 'en' means something only with "),
         (["--training.dataset_subset", "en"], "training.dataset_subset = 'en' means something only with "),
@@ -393,12 +402,27 @@ def test_a_setting_that_would_be_ignored_is_refused(flags, message):
         "profiling.save_traces_folder": "profiling.enable_profiling",
         "profiling.save_memory_snapshot_folder": "profiling.enable_memory_snapshot",
         "validation": "validation.enable",
-        "checkpoint.async_mode": "checkpoint.interval > 0 (it is 0)",
+        "checkpoint.": "checkpoint.interval > 0 (it is 0)",
+        "training.decay_ratio": "training.decay_type other than 'constant' (it is 'constant')",
+        "training.min_lr_ratio": "training.decay_type other than 'constant' (it is 'constant')",
         "validation.dataset_subset": "validation.enable and validation.dataset",
         "training.dataset_": "training.dataset other than 'synthetic' (generated)",
     }
     what = needs[max((k for k in needs if flags[0][2:].startswith(k)), key=len)]
     assert str(info.value) == f"{message}{what}: {_IGNORED}"
+
+
+@pytest.mark.parametrize("profiling", ["--profiling.enable_profiling", "--profiling.enable_memory_snapshot"])
+def test_a_profile_freq_beyond_the_last_step_is_refused(profiling):
+    """Every profile_freq-th step is profiled: with fewer steps, none would be."""
+    flags = [profiling, "--training.steps", "10", "--profiling.profile_freq"]
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config([*flags, "11"]))
+    assert str(info.value) == (
+        "profiling.profile_freq = 11 is more than training.steps = 10: every profile_freq-th step is profiled, "
+        "so none would be; set it to at most 10"
+    )
+    validate_config(load_config([*flags, "10"]))
 
 
 def test_sequence_parallel_needs_a_sequence_length_tp_divides(monkeypatch):

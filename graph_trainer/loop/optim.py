@@ -1,12 +1,15 @@
 """Optimizer, learning-rate schedule and gradient clipping.
 
 The same code runs after the traced step and after the eager step, so graph and eager
-runs differ only in how the gradients were computed.
+runs differ only in how the gradients were computed. A warmup longer than the job
+(``training.warmup_steps`` > ``training.steps``) is cut to the job's steps, with one warning when
+the schedule is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections import defaultdict
 
@@ -16,6 +19,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from graph_trainer.config import Training
 from graph_trainer.distributed.parallel_dims import local_tensor
+
+logger = logging.getLogger("graph_trainer")
 
 
 def build_optimizer(params: list[torch.nn.Parameter], t: Training) -> torch.optim.AdamW:
@@ -99,6 +104,13 @@ def lr_replan(saved: dict[str, object], t: Training, step: int) -> str | None:
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, t: Training) -> torch.optim.lr_scheduler.LambdaLR:
+    """The schedule of ``lr_multiplier``; a warning when its warmup is cut to ``training.steps``."""
+    if t.warmup_steps > t.steps > 0:
+        logger.warning(
+            "training.warmup_steps = %d is more than training.steps = %d: the warmup is cut to %d steps "
+            "(the lr reaches its peak at the last step and does not decay)",
+            *(t.warmup_steps, t.steps, t.steps),
+        )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, t))
 
 

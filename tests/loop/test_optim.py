@@ -11,6 +11,7 @@ import torch
 
 from graph_trainer.config import Training
 from graph_trainer.loop.optim import build_lr_scheduler, lr_phases, lr_plan, lr_replan
+from tests.reliability.helpers import logged_warnings
 
 SETTINGS = list(
     itertools.product(
@@ -71,6 +72,21 @@ def test_constant_keeps_the_peak_after_warmup():
     t = dataclasses.replace(Training(), lr=1.0, steps=20, warmup_steps=4, decay_type="constant")
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     assert _walk(build_lr_scheduler(optimizer, t), optimizer, 20) == [0.25, 0.5, 0.75] + [1.0] * 17
+
+
+def test_a_warmup_longer_than_the_job_is_cut_with_one_warning():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    for warmup, steps, expected in ((100, 3, 1), (3, 3, 0), (2, 3, 0)):
+        t = dataclasses.replace(Training(), lr=1.0, steps=steps, warmup_steps=warmup)
+        with logged_warnings() as warned:
+            lrs = _walk(build_lr_scheduler(optimizer, t), optimizer, steps)
+        assert len(warned) == expected, warned
+        if expected:
+            assert lrs == [1 / 3, 2 / 3, 1.0]  # cut to the 3 steps
+            assert warned == [
+                "training.warmup_steps = 100 is more than training.steps = 3: the warmup is cut to 3 steps "
+                "(the lr reaches its peak at the last step and does not decay)"
+            ]
 
 
 def test_a_replan_is_reported_after_a_trained_step_only():
