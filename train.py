@@ -14,6 +14,11 @@ report names one process, and its "traceback" field holds our line (written to t
 file, ``TORCHELASTIC_ERROR_FILE``). An error of one rank (a collective that timed out there) is
 reported by that rank, prefixed ``rank R:``. Either way a multi-process job leaves with
 ``os._exit`` right after reporting: tearing the process group down could wait on a stuck peer.
+
+SIGTERM (a scheduler preempting the job, torchrun stopping its workers) and SIGINT (Ctrl-C) raise
+``Terminated`` in the main thread: the job leaves as on any one-line error, after giving a
+background checkpoint save in flight ``checkpoint.finish_timeout_seconds`` to be sealed, with exit
+code 128 + the signal's number. A second such signal ends the process at once.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
-from graph_trainer.errors import OneLineError
+from graph_trainer.errors import OneLineError, Terminated
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _world_size() -> int:
@@ -69,7 +77,24 @@ def _leave(code: int) -> int:
     return code
 
 
+def _raise_terminated(signum: int, frame) -> None:
+    for stop in STOP_SIGNALS:  # a second signal ends the process at once
+        signal.signal(stop, signal.SIG_DFL)
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the job (module docstring); its exit code. The stop signals' handlers are ours while it
+    runs, and the previous ones again after (a caller in the same process keeps its own)."""
+    previous = {stop: signal.signal(stop, _raise_terminated) for stop in STOP_SIGNALS}
+    try:
+        return _run(argv)
+    finally:
+        for stop, handler in previous.items():
+            signal.signal(stop, handler)
+
+
+def _run(argv: list[str] | None) -> int:
     from graph_trainer.loop.preflight import check_job
 
     try:

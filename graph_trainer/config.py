@@ -404,6 +404,11 @@ class Checkpoint:
     own) while training goes on. The next save, and the end of the job, wait for it; its failure
     is raised there. A kill before it is sealed leaves the previous checkpoint the newest.
     'disabled': a save blocks until sealed. torchtitan's option and default."""
+    finish_timeout_seconds: float = 1800.0
+    """With async_mode 'async': how long a job that is ending (its last step done, a one-line error,
+    SIGTERM) waits for a save still in flight to be sealed. Past it the job ends without it (after
+    the last step: a one-line error) and its unsealed folder is removed at the next start; the
+    newest complete checkpoint stays the one resumed."""
     move_aside: bool = False
     """A run that would not continue the newest checkpoints of the folder (load_step 0 in a folder holding checkpoints,
     or load_step N with later steps there) is refused, so one folder and one losses.txt never mix two runs. True

@@ -6,6 +6,8 @@ every rank, so one process per node reports it; a rank's own failure (a collecti
 out on it) is reported by that rank.
 """
 
+import signal
+
 
 class OneLineError(Exception):
     """A failure the user can act on, reported as one line (``error: <message>``)."""
@@ -37,6 +39,17 @@ class JobError(OneLineError):
     Exit code 1."""
 
     exit_code = 1
+
+
+class Terminated(OneLineError):
+    """The process was asked to stop by a signal (SIGTERM: a scheduler's preemption or torchrun
+    stopping its workers; SIGINT: Ctrl-C), raised in the main thread by ``train.py``'s handler so
+    that the job leaves as it does on any one-line error. Exit code 128 + the signal's number, as a
+    shell reports a process the signal ended."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.exit_code = 128 + signum
 
 
 class NonFiniteError(JobError):

@@ -328,9 +328,45 @@ class Trainer:
 
     def train(self) -> list[float]:
         """Run the remaining steps; returns this run's losses in step order. A collective that times
-        out (another rank stopped answering) ends it with a one-line ``JobError`` naming the step."""
+        out (another rank stopped answering) ends it with a one-line ``JobError`` naming the step.
+        However it ends, a background checkpoint save in flight is first given
+        ``checkpoint.finish_timeout_seconds`` to be sealed (``_finish_saves``)."""
         with comm.collective_failures(lambda: f"step {self.step}", self.collective_timeout):
-            return self._train()
+            try:
+                losses = self._train()
+                self._finish_saves(failing=False)
+            except BaseException:
+                self._finish_saves(failing=True)
+                raise
+        self.metrics.close()
+        return losses
+
+    def _finish_saves(self, failing: bool) -> None:
+        """Wait up to ``checkpoint.finish_timeout_seconds`` for a background save in flight. At the
+        end of training its failure, or its not being sealed in time, is the job's one-line error;
+        while the job is already failing (``failing``: an error, SIGTERM) each is a warning, and
+        the error that ends the job is the one reported."""
+        pending = self.checkpointer.pending
+        if pending is None:
+            return
+        seconds = self.cfg.checkpoint.finish_timeout_seconds
+        if failing:
+            logger.warning("the job is ending: waiting up to %gs for checkpoint %s to be sealed", seconds, pending.what)
+        try:
+            sealed = self.checkpointer.finish_pending(seconds)
+        except Exception as e:
+            if not failing:
+                raise
+            logger.warning("checkpoint %s was not completed: %s", pending.what, " ".join(str(e).split())[:300])
+            return
+        if not sealed:
+            message = (
+                f"checkpoint {pending.what} was not sealed within checkpoint.finish_timeout_seconds = "
+                f"{seconds:g}: left unsealed (the next start removes it and resumes the newest complete checkpoint)"
+            )
+            if not failing:
+                raise JobError(message)
+            logger.warning("%s", message)
 
     def collective_timeout(self) -> float:
         """The timeout in force: comm.init_timeout_seconds until this run's first step has finished."""
@@ -355,8 +391,6 @@ class Trainer:
                 if self.checkpointer.should_save(self.step, t.steps):
                     self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, self.dataloader)
                 after_step(self.step)
-        self.checkpointer.finish_pending()  # (a background save of the last step is sealed before the job ends)
-        self.metrics.close()
         return losses
 
     def validate(self) -> tuple[float, float]:

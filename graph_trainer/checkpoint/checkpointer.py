@@ -30,8 +30,11 @@ unchanged).
 ``checkpoint.async_mode async``: ``save`` copies the tensors to host memory (DCP's ``async_save``),
 writes the small files and returns; writing the tensors, hashing and sealing run on a thread
 (``background.BackgroundSave``) over a gloo group of their own. The next ``save`` and the end of
-the job (``finish_pending``) wait for it; its failure is the same ``JobError`` there. The files
-hold the state as it was when ``save`` was called (the host copy): bitwise a blocking save's.
+the job wait for it; its failure is the same ``JobError`` there. A job that ends (its last step,
+a one-line error, SIGTERM) gives a save in flight ``checkpoint.finish_timeout_seconds`` to be
+sealed (``finish_pending(timeout)``, called by the trainer on every way out); one not sealed by
+then is never a checkpoint, and the newest complete one stays the one a restart resumes. The
+files hold the state as it was when ``save`` was called (the host copy): bitwise a blocking save's.
 
 Retention: once a save is complete, rank 0 deletes the complete checkpoints older than the newest
 ``checkpoint.keep_latest_k`` (``atomic_files.remove_steps``: renamed away, then deleted), never the
@@ -42,7 +45,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import time
 import uuid
@@ -60,6 +62,7 @@ from graph_trainer.checkpoint.atomic_files import (
     trim_step_lines,
 )
 from graph_trainer.checkpoint.background import BackgroundSave
+from graph_trainer.checkpoint.manifest import complete_steps, unsealed_steps
 from graph_trainer.checkpoint.safe_metadata import load_dcp_metadata, metadata_path
 from graph_trainer.checkpoint.state import (
     check_model,
@@ -85,35 +88,6 @@ from graph_trainer.torch_compat import dcp_storage_files
 from models.registry import model_record
 
 logger = logging.getLogger("graph_trainer")
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def _steps_with(root: str, present: str, absent: str | None = None) -> list[int]:
-    if not os.path.isdir(root):
-        return []
-    steps = []
-    for name in os.listdir(root):
-        match = _STEP_DIR.match(name)
-        if (
-            match
-            and os.path.isfile(os.path.join(root, name, present))
-            and not (absent and os.path.exists(os.path.join(root, name, absent)))
-        ):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
-def complete_steps(root: str) -> list[int]:
-    """Steps of the complete checkpoints in ``root``, ascending (tmp / half-written folders excluded)."""
-    # The exact name marks a finished save (rank 0 renames only after every rank wrote), and the
-    # manifest is written last before that rename; step-N folders without one are not ours, or older.
-    return _steps_with(root, manifest.MANIFEST_FILE)
-
-
-def unsealed_steps(root: str) -> list[int]:
-    """Steps of checkpoints without a manifest (saved by a graph_trainer before manifests existed)."""
-    return _steps_with(root, "metadata.json", absent=manifest.MANIFEST_FILE)
 
 
 def _steps(steps: list[int]) -> str:
@@ -475,12 +449,19 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # never a checkpoint; the earlier ones are untouched
         return JobError(f"{error}{full} (earlier checkpoints are intact)")
 
-    def finish_pending(self) -> None:
-        """Wait until the background save (if one runs) is sealed; raise its failure (a ``JobError``
-        on every rank). The trainer calls it at the end of a job."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.wait()
+    def finish_pending(self, timeout: float | None = None) -> bool:
+        """Wait until the background save (if one runs) is sealed (True); raise its failure (a
+        ``JobError`` on every rank). With ``timeout``: a save still running after that many
+        seconds is given up (False): nothing waits for it again, and what it has not sealed when
+        the process ends is an unsealed folder the next start removes. An interrupted wait (a
+        signal's exception) leaves it pending."""
+        pending, sealed = self.pending, True
+        try:
+            sealed = pending is None or pending.wait(timeout)
+        finally:
+            if pending is not None and (pending.done or not sealed):
+                self.pending = None
+        return sealed
 
     def _keep_latest(self, saved: int) -> None:
         """(rank 0, after step ``saved`` is complete) Delete the complete checkpoints older than the

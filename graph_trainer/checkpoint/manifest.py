@@ -9,7 +9,9 @@ writer are rank 0's), rank 0 gathers the hashes, checks that they cover exactly 
 folder and every file DCP's index refers to, and writes ``{"format", "algorithm", "files": {name:
 {"size", "sha256"}}, "self_sha256"}`` (``self_sha256``: the hash of the canonical ``files`` JSON,
 so a damaged manifest is told apart from a damaged shard). Only then is the folder renamed to
-``step-<N>``; a folder without a manifest is never loaded.
+``step-<N>``; a folder without a manifest is never loaded: ``complete_steps(root)`` lists the
+steps of the folders that are checkpoints (``unsealed_steps``: those an older graph_trainer saved
+without a manifest).
 
 ``verify`` (before any load) reports the first problem as one line naming the file: the manifest
 unreadable or damaged, a file missing, unexpected or not a regular file, a size or a SHA-256 that
@@ -39,6 +41,34 @@ MANIFEST_FILE = "manifest.json"
 FORMAT = 1
 ALGORITHM = "sha256"
 _WRITER = (re.compile(r"^__(\d+)_\d+\.distcp$"), re.compile(r"^rng-rank(\d+)\.pt$"))
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _steps_with(root: str, present: str, absent: str | None = None) -> list[int]:
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        match = _STEP_DIR.match(name)
+        if (
+            match
+            and os.path.isfile(os.path.join(root, name, present))
+            and not (absent and os.path.exists(os.path.join(root, name, absent)))
+        ):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def complete_steps(root: str) -> list[int]:
+    """Steps of the complete checkpoints in ``root``, ascending (tmp / half-written folders excluded)."""
+    # The exact name marks a finished save (rank 0 renames only after every rank wrote), and the
+    # manifest is written last before that rename; step-N folders without one are not ours, or older.
+    return _steps_with(root, MANIFEST_FILE)
+
+
+def unsealed_steps(root: str) -> list[int]:
+    """Steps of checkpoints without a manifest (saved by a graph_trainer before manifests existed)."""
+    return _steps_with(root, "metadata.json", absent=MANIFEST_FILE)
 
 
 def file_entry(path: str) -> dict:
