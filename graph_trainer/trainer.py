@@ -120,6 +120,10 @@ def setup_distributed(cfg: JobConfig) -> DistInfo:
 
 
 def _set_determinism(cfg: JobConfig) -> None:
+    # No step draws from torch's global generators (initialisation and data have generators of
+    # their own), but a checkpoint holds their states (rng-rank<R>.pt): seeded, two runs of one
+    # job write the same bytes there, where torch would start each process at a random seed.
+    torch.manual_seed(cfg.training.seed)
     if cfg.debug.num_threads > 0:
         torch.set_num_threads(cfg.debug.num_threads)
     if cfg.debug.deterministic:

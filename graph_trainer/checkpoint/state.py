@@ -26,9 +26,8 @@ A checkpoint folder holds:
   under any dp degree the number of shards divides).
 * ``rng-rank<R>.pt`` (each rank): that rank's torch CPU RNG state (and CUDA RNG on cuda), read with
   ``weights_only=True``. RNG streams belong to a rank of a layout, so they are restored only at the
-  same world size. The one file (with the manifest, which records its hash) whose bytes differ
-  between two runs of one command: torch seeds a process's default generator at random, and the
-  job does not seed it (no step draws from it).
+  same world size. The trainer seeds the generators with ``training.seed`` (no step draws from
+  them), so two runs of one command write the same bytes here too.
 * ``manifest.json``: the size and SHA-256 of every other file, written last (``graph_trainer.checkpoint.manifest``).
 
 Loading restores everything in place before the first step: the AdamW state (created lazily by
