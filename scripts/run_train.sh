@@ -4,7 +4,7 @@
 #   NGPU=4 scripts/run_train.sh --job.config_file configs/llama3_8b.toml [--section.key value ...]
 #
 # First `python -m graph_trainer.cli.check` checks the job in one process (configuration, device,
-# folders, memory, as each rank would): a mistake is one line on stderr and exit code 2, before
+# folders, the paths it reads, memory, as each rank would): a mistake is one line on stderr and exit code 2, before
 # any rank starts. Then `torchrun --nproc_per_node $NGPU train.py` with the same flags.
 #
 # NGPU: processes on this node (default 1). Several nodes: NNODES=M and torchrun's rendezvous in

@@ -4,10 +4,10 @@
 
 Runs what every rank of ``torchrun --nproc_per_node N --nnodes M train.py ...`` checks before it
 builds anything (``loop.preflight.check_job``: the configuration for N x M processes, the device
-for N local ones, this machine's folders, threads and memory), as the first rank of this node
-would. A mistake is one line on stderr and exit code 2; a job that passes prints one line and
-exits 0. ``scripts/run_train.sh`` runs it before torchrun, so that a mistake reads as one line
-instead of one per rank followed by torchrun's failure report.
+for N local ones, the files and folders the job reads, this machine's folders, threads and
+memory), as the first rank of this node would. A mistake is one line on stderr and exit code 2;
+a job that passes prints one line and exits 0. ``scripts/run_train.sh`` runs it before torchrun,
+so that a mistake reads as one line instead of one per rank followed by torchrun's failure report.
 """
 
 from __future__ import annotations

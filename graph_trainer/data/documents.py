@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import os
 
+from graph_trainer.config import is_local_dataset
 from graph_trainer.data.tokenizer import Tokenizer, with_specials
 from graph_trainer.errors import ConfigError, one_line
 
 __all__ = ["load_documents"]
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+"""The ``datasets`` builder of each of ``config.LOCAL_DATASET_SUFFIXES`` (a test holds the two equal)."""
 _CHUNK_DOCS = 256  # a table's documents read at a time: bounded memory, few slow per-row calls
 
 
@@ -155,13 +157,6 @@ class StreamedDocuments:
         return tokens
 
 
-def _is_local_path(dataset: str) -> bool:
-    """Whether ``dataset`` names a local file/folder rather than a hub dataset such as "org/name"."""
-    if os.path.exists(os.path.expanduser(dataset)):
-        return True
-    return os.path.isabs(dataset) or dataset.startswith((".", "~")) or os.path.splitext(dataset)[1].lower() in _BUILDERS
-
-
 def _local_files(path: str) -> list[str]:
     """The data files under folder ``path``, sorted; hidden files and folders skipped."""
     files = []
@@ -206,7 +201,7 @@ def _open(dataset: str, subset: str, split: str, streaming: bool, setting: str):
             f"split {split!r} is a slice, which a streamed dataset cannot take; turn "
             "training.dataset_streaming off, or give a whole split"
         )
-    if _is_local_path(dataset):
+    if is_local_dataset(dataset):
         if subset:
             raise ConfigError(f"{setting} {dataset!r} is a local path, which has no subsets; leave the subset out")
         builder, files = _local_data_files(dataset, setting)

@@ -7,6 +7,9 @@ each failure is a one-line ``ConfigError``, exit code 2).
   profiling) must be folders this process can
   create and write in. The test writes and removes a file, so it holds for root too and on
   read-only mounts.
+* Input paths: every file or folder the job reads exists (the local datasets, the tokenizer, the
+  Hugging Face folder to start from: ``check_input_paths``), so ``graph_trainer.cli.check`` finds
+  a missing one before torchrun starts.
 * Optional packages a setting needs are installed (``metrics.enable_wandb``: wandb), and W&B's
   settings would start its run: a ``WANDB_MODE`` wandb accepts, credentials when the run is
   uploaded, a run folder that is one (``wandb_writer.wandb_run_folder``).
@@ -48,13 +51,14 @@ import os
 import tempfile
 
 from graph_trainer.analysis.memory import StepMemoryEstimate, optimizer_memory
-from graph_trainer.config import JobConfig, checkpoint_root, in_dump_folder
+from graph_trainer.config import LOCAL_DATASET_SUFFIXES, JobConfig, checkpoint_root, in_dump_folder, is_local_dataset
 from graph_trainer.config_loading import load_config
 from graph_trainer.distributed.parallel_dims import largest_local_numel
 from graph_trainer.distributed.resident import resident_bytes
 from graph_trainer.errors import ConfigError
 from graph_trainer.loop.wandb_writer import wandb_run_folder
 from graph_trainer.validation import check_device, resolve_device, validate_config
+from models.hf_weights import folder_config
 from models.registry import model_args
 
 GIB = float(1 << 30)
@@ -100,6 +104,34 @@ def check_output_folders(cfg: JobConfig) -> None:
         check_writable_folder(
             in_dump_folder(cfg, p.save_memory_snapshot_folder), "profiling.save_memory_snapshot_folder"
         )
+
+
+def _check_dataset_path(dataset: str, setting: str) -> None:
+    if is_local_dataset(dataset) and not os.path.exists(os.path.expanduser(dataset)):
+        raise ConfigError(
+            f"{setting} path {dataset!r} does not exist; give 'synthetic', an existing "
+            f"{', '.join(LOCAL_DATASET_SUFFIXES)} file or folder of them, or a Hugging Face hub dataset name"
+        )
+
+
+def check_input_paths(cfg: JobConfig) -> None:
+    """Every file or folder the job reads exists: the local datasets (``training.dataset``, and
+    ``validation.dataset`` when validating), ``training.tokenizer_path``, the Hugging Face folder
+    ``checkpoint.initial_load_hf`` (its ``config.json``). The job file (``job.config_file``) was
+    read by ``load_config``; what the others hold is checked by what reads them."""
+    t, v = cfg.training, cfg.validation
+    _check_dataset_path(t.dataset, "training.dataset")
+    if v.enable and v.dataset:
+        _check_dataset_path(v.dataset, "validation.dataset")
+    if t.tokenizer_path not in ("", "bytes"):
+        path = os.path.expanduser(t.tokenizer_path)
+        if not os.path.isfile(os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path):
+            raise ConfigError(
+                f"training.tokenizer_path {t.tokenizer_path!r} does not exist; give '' or 'bytes' for the "
+                "built-in byte tokenizer, or the path of a Hugging Face tokenizer.json (or its folder)"
+            )
+    if cfg.checkpoint.initial_load_hf:
+        folder_config(cfg.checkpoint.initial_load_hf)
 
 
 def check_optional_packages(cfg: JobConfig) -> None:
@@ -253,6 +285,7 @@ def check_batch_fits(cfg: JobConfig) -> None:
 def preflight(cfg: JobConfig) -> None:
     """Every check above; the first failure raises ConfigError."""
     check_output_folders(cfg)
+    check_input_paths(cfg)
     check_threads(cfg)
     check_optional_packages(cfg)
     check_wandb_settings(cfg)

@@ -1,9 +1,12 @@
-"""scripts/run_train.sh: the job checked in one process (``graph_trainer.cli.check``), then torchrun."""
+"""scripts/run_train.sh: the job checked in one process (``graph_trainer.cli.check``: its configuration
+and every path it reads), then torchrun."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+
+import pytest
 
 from graph_trainer.cli.check import main
 from tests.conftest import ROOT
@@ -30,6 +33,37 @@ def test_a_job_that_passes_is_started_under_torchrun(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("checked: llama3 debugmodel on 2 processes (1 node(s) of 2), 2 steps")
     assert [step for step, _ in read_losses(tmp_path)] == [1, 2]
+
+
+def test_a_missing_dataset_is_one_line_before_torchrun(tmp_path):
+    missing = str(tmp_path / "missing.jsonl")
+    result = _run_train(2, *FAST_ARGS, "--job.dump_folder", str(tmp_path / "out"), "--training.dataset", missing)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"error: training.dataset path {missing!r} does not exist; give 'synthetic', an existing .json, .jsonl, "
+        ".parquet, .txt file or folder of them, or a Hugging Face hub dataset name"
+    ]
+    assert not os.path.exists(tmp_path / "out" / "losses.txt")  # no rank ran
+
+
+@pytest.mark.parametrize(
+    "setting, flags, message",
+    [
+        ("validation.dataset", ["--validation.enable"], "error: validation.dataset path '{path}' does not exist; "),
+        ("training.tokenizer_path", [], "error: training.tokenizer_path '{path}' does not exist; "),
+        (
+            "checkpoint.initial_load_hf",
+            [],
+            "error: Hugging Face folder {path} does not exist (checkpoint.initial_load_hf)",
+        ),
+        ("job.config_file", [], "error: --job.config_file '{path}' does not exist"),
+    ],
+)
+def test_the_check_covers_every_path_the_job_reads(tmp_path, capsys, setting, flags, message):
+    path = str(tmp_path / "missing")
+    job = [*FAST_ARGS, "--job.dump_folder", str(tmp_path / "out"), *flags, f"--{setting}", path]
+    assert main([*job, "--nproc_per_node", "2"]) == 2
+    assert capsys.readouterr().err.startswith(message.format(path=path))
 
 
 def test_the_check_counts_every_node_and_refuses_a_bad_count(tmp_path, capsys):

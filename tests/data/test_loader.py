@@ -370,6 +370,13 @@ def test_missing_dataset_path_names_the_path(tmp_path, monkeypatch):
         make_loader(dataset="./nope.jsonl")
 
 
+def test_every_local_dataset_suffix_has_its_builder():
+    from graph_trainer.config import LOCAL_DATASET_SUFFIXES
+    from graph_trainer.data.documents import _BUILDERS
+
+    assert sorted(_BUILDERS) == sorted(LOCAL_DATASET_SUFFIXES)
+
+
 def test_unsupported_file_type(tmp_path):
     (tmp_path / "d.csv").write_text("text\nhello\n")
     with pytest.raises(ConfigError, match="unsupported extension"):
