@@ -91,17 +91,18 @@ class Training:
     eps: float = 1e-8
     """AdamW epsilon."""
     warmup_steps: int = 2
-    """Linear warmup over this many steps: step k (1-based) trains at lr * k / warmup_steps (at most
-    training.steps). The schedule is torchtitan's (warmup, stable, decay), value for value."""
+    """Linear warmup over this many steps: step k (1-based) trains at lr * k / warmup_steps (cut to
+    training.steps, with a warning). The schedule is torchtitan's (warmup, stable, decay), value for value."""
     decay_ratio: float = 1.0
     """Warmup-stable-decay: the decay takes the last round(steps * decay_ratio) steps (at most those
     after warmup), the lr stays at its peak between warmup and decay. 1.0: the decay starts right
-    after warmup (torchtitan's decay_ratio None); e.g. 0.2 decays over the last fifth of the run."""
+    after warmup (torchtitan's decay_ratio None); 0.2 decays over the last fifth. Refused with decay_type 'constant'."""
     decay_type: DecayType = "linear"
     """The decay's shape, from lr towards lr * min_lr_ratio: 'linear', 'sqrt' (1 - sqrt(progress)),
     'cosine', or 'constant' (no decay: the peak lr after warmup)."""
     min_lr_ratio: float = 0.0
-    """The floor of the decay, as a fraction of lr (0 <= ratio <= 1); torchtitan's min_lr_factor."""
+    """The floor of the decay, as a fraction of lr (0 <= ratio <= 1); torchtitan's min_lr_factor.
+    Refused with decay_type 'constant' (no decay)."""
     max_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     seed: int = 42
@@ -311,7 +312,8 @@ class Metrics:
     enable_wandb: bool = False
     """Also log the scalars to Weights & Biases, the resolved config as the run's config (rank 0; the
     optional wandb package; project $WANDB_PROJECT or 'graph_trainer', the run in <dump_folder>/wandb;
-    WANDB_MODE=offline keeps it on disk: graph_trainer/loop/wandb_writer.py)."""
+    WANDB_MODE=offline keeps it on disk; refused at start when wandb would not start the run:
+    graph_trainer/loop/wandb_writer.py)."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for MFU; 0 looks it up for CUDA devices and reports n/a on CPU."""
     json_lines: bool = False
@@ -341,13 +343,16 @@ class Validation:
     microbatches through the pipeline)."""
     dataset: str = ""
     """The held-out data, as training.dataset takes it; '' reads training.dataset (with its subset).
-    Read as training.dataset_streaming and training.dataset_shards say."""
+    Read as training.dataset_streaming and training.dataset_shards say. Training rows as held-out
+    data: refused from the defaults (e.g. a local training.dataset), a warning when chosen here or
+    in validation.split."""
     dataset_subset: str = ""
     """The subset of validation.dataset (a hub dataset's configuration name); '' for none."""
     split: str = "validation"
-    """The held-out split: a Hugging Face split name (slices such as 'train[95%:]' work, and a local
-    file's rows take any split name); of the synthetic corpus, documents drawn from a seed of their
-    own for each split name other than 'train' (which is the training stream)."""
+    """The held-out split: a Hugging Face split name (slices such as 'train[95%:]' work); a local
+    file has no splits: any name reads all its rows (training.dataset_split 'train[:95%]' and this
+    'train[95%:]' split them); of the synthetic corpus, documents drawn from a seed of their own for
+    each split name other than 'train' (which is the training stream)."""
 
 
 @dataclass
@@ -361,7 +366,7 @@ class Profiling:
     Perfetto or chrome://tracing). In graph mode every node of the graph that runs is a named range:
     '<module fqn>: <node name>' (an Inductor region is one node)."""
     profile_freq: int = 10
-    """Trace (and snapshot) every this many steps."""
+    """Trace (and snapshot) every this many steps; at most training.steps (else none would be)."""
     save_traces_folder: str = "profile_traces"
     """Folder of the traces, relative to job.dump_folder unless absolute."""
     enable_memory_snapshot: bool = False
@@ -397,7 +402,7 @@ class Checkpoint:
     folders beyond K are deleted (each renamed away first, so none is ever half deleted and still
     found). 0 keeps every one. Only complete step-<N> folders are deleted: never the newest, never a
     save in progress, nothing else in the folder (corrupt-, aside- or other files). torchtitan's
-    option and default."""
+    option and default; refused when set without checkpoint.interval (no saves, nothing to keep)."""
     async_mode: AsyncMode = "disabled"
     """'async': a save copies the state to host memory and returns; the files are written, hashed
     and sealed in the background (torch.distributed.checkpoint.async_save over a gloo group of its

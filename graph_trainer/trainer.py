@@ -227,6 +227,7 @@ class Trainer:
             dataset_split=v.split if held_out else t.dataset_split,
             text_field=t.text_field,
             setting="validation.dataset" if own else "training.dataset",
+            split_setting="validation.split" if held_out else "training.dataset_split",
         )
 
     def _build_model(self, init: bool) -> torch.nn.Module:

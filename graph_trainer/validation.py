@@ -5,7 +5,8 @@ every ``Literal`` field against its choices (for configs built in code; ``config
 already refused other values from a file or the command line), every float finite, ranges,
 fields that depend on each other, the flavor of the model, parallel degrees against the world
 size and the model's shapes (``models.<name>.parallelize.validate_parallelism``), and each pass
-listed against the layout (``PassSpec.check_config``). The first problem raises ``ConfigError``
+listed against the layout (``PassSpec.check_config``), and held-out data that is training data
+the user did not choose (``held_out_training_data``). The first problem raises ``ConfigError``
 with one line naming the field, the bad value and what is allowed.
 """
 
@@ -20,7 +21,7 @@ import torch
 
 from graph_trainer.build import rank_pipeline
 from graph_trainer.compiler.passes import PASS_REGISTRY, unknown_pass
-from graph_trainer.config import JobConfig, Parallelism, weights_per_step
+from graph_trainer.config import JobConfig, Parallelism, Validation, is_local_dataset, weights_per_step
 from graph_trainer.config_loading import choices, field_types, not_allowed
 from graph_trainer.distributed.parallel_dims import job_microbatches, resolve_parallel_degrees
 from graph_trainer.errors import ConfigError, require
@@ -406,6 +407,60 @@ def _check_settings_in_use(cfg: JobConfig) -> None:
         )
 
 
+def _same_dataset(a: str, b: str) -> bool:
+    """Whether two dataset settings name the same data (a local path however it is spelled)."""
+    if is_local_dataset(a) and is_local_dataset(b):
+        return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+    return a == b
+
+
+def held_out_training_data(cfg: JobConfig) -> str:
+    """Why the held-out batches of ``[validation]`` hold rows training reads ('' when they do not,
+    or are not known to: two different slices of one split are taken to be apart). The same data
+    (``validation.dataset`` '' reads ``training.dataset``) with: of the synthetic corpus, the same
+    split name; of a local file or folder, whose split names all read its every row, either split
+    whole or both the same; of a hub dataset, the same split, whole on one side or the same slice."""
+    t, v = cfg.training, cfg.validation
+    if v.dataset and not (_same_dataset(v.dataset, t.dataset) and v.dataset_subset == t.dataset_subset):
+        return ""
+    held, trained = v.split, t.dataset_split
+    if t.dataset == "synthetic":
+        overlap, reason = held == trained, "the same documents of the synthetic corpus"
+    else:
+        local = is_local_dataset(t.dataset)
+        nested = "[" not in held or "[" not in trained or held == trained  # one holds the other's rows
+        overlap = nested and (local or held.split("[")[0] == trained.split("[")[0])
+        reason = "a local path has no splits: every split name reads all its rows" if local else "the same split"
+    if not overlap:
+        return ""
+    default = " (the default)" if held == Validation.split else ""
+    dataset = f"validation.dataset {v.dataset!r}" if v.dataset else f"training.dataset {t.dataset!r}"
+    return (
+        f"validation.split {held!r}{default} of {dataset} reads rows that training.dataset_split {trained!r} of "
+        f"training.dataset {t.dataset!r} trains on ({reason})"
+    )
+
+
+def held_out_asked_for(cfg: JobConfig) -> bool:
+    """Whether the user chose the held-out data (``validation.dataset`` or ``validation.split`` set)."""
+    return cfg.validation.dataset != "" or cfg.validation.split != Validation.split
+
+
+def _check_held_out(cfg: JobConfig) -> None:
+    """Held-out data that is training data is refused unless the user chose it (then the trainer
+    warns once, ``loop.held_out``): the defaults never validate on training rows silently."""
+    why = held_out_training_data(cfg) if cfg.validation.enable else ""
+    if not why or held_out_asked_for(cfg):
+        return
+    instead = (
+        f"choose another validation.split (any name other than {cfg.training.dataset_split!r} draws other documents)"
+        if cfg.training.dataset == "synthetic"
+        else "give validation.dataset held-out data, or split the rows: training.dataset_split 'train[:95%]' and "
+        "validation.split 'train[95%:]'"
+    )
+    raise ConfigError(f"validation.enable: the held-out data would be training data: {why}; {instead}")
+
+
 def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     """Check every field before anything is built; raise ConfigError on the first problem, in the
     order of the sections (model, training, parallelism, compile and memory policy, the rest)."""
@@ -417,6 +472,7 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     _check_float8(cfg, args, degrees)
     _check_around_the_loop(cfg)
     _check_settings_in_use(cfg)
+    _check_held_out(cfg)
 
 
-__all__ = ["check_device", "resolve_device", "validate_config"]
+__all__ = ["check_device", "held_out_asked_for", "held_out_training_data", "resolve_device", "validate_config"]

@@ -189,16 +189,30 @@ def _local_data_files(dataset: str, setting: str) -> tuple[str, list[str]]:
         raise ConfigError(
             f"{setting} folder {dataset!r} mixes file types ({sorted(builders)}); keep one of {allowed} per folder"
         )
+    if not any(_holds_data(f) for f in files):  # (datasets fails on them with a bare StopIteration)
+        what = "file is empty" if len(files) == 1 and not os.path.isdir(path) else "folder holds only empty files"
+        raise ConfigError(f"{setting} {what}: {dataset!r} has no rows")
     return builders.pop(), files
 
 
-def _open(dataset: str, subset: str, split: str, streaming: bool, setting: str):
+def _holds_data(path: str) -> bool:
+    """Whether a data file holds more than whitespace (a Parquet file: more than nothing)."""
+    if os.path.splitext(path)[1].lower() == ".parquet":
+        return os.path.getsize(path) > 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return True
+    return False
+
+
+def _open(dataset: str, subset: str, split: str, streaming: bool, setting: str, split_setting: str):
     """``datasets.load_dataset`` for a local file/folder or a hub dataset; the table or stream and its builder."""
     import datasets
 
     if streaming and "[" in split:
         raise ConfigError(
-            f"split {split!r} is a slice, which a streamed dataset cannot take; turn "
+            f"{split_setting} {split!r} is a slice, which a streamed dataset cannot take; turn "
             "training.dataset_streaming off, or give a whole split"
         )
     if is_local_dataset(dataset):
@@ -220,10 +234,10 @@ def _open(dataset: str, subset: str, split: str, streaming: bool, setting: str):
     except ConfigError:
         raise
     except Exception as e:  # datasets raises many unrelated types for bad files, splits and names
-        raise ConfigError(f"cannot load {what} with split {split!r}: {one_line(e)}") from e
+        raise ConfigError(f"cannot load {what} with {split_setting} {split!r}: {one_line(e)}") from e
     wanted = datasets.IterableDataset if streaming else datasets.Dataset
     if not isinstance(ds, wanted):
-        raise ConfigError(f"{what} with split {split!r} did not give a single table but {type(ds).__name__}")
+        raise ConfigError(f"{what} with {split_setting} {split!r} did not give a single table but {type(ds).__name__}")
     return ds, builder
 
 
@@ -238,10 +252,12 @@ def load_documents(
     setting: str,
     shards: int,
     read: range,
+    split_setting: str = "training.dataset_split",
 ) -> dict[int, TableDocuments | StreamedDocuments]:
     """The shards ``read`` of ``shards`` of a local file/folder or a hub dataset (``subset``: its
-    configuration name, such as C4's "en"), each a table or, with ``streaming``, a stream."""
-    ds, builder = _open(dataset, subset, split, streaming, setting)
+    configuration name, such as C4's "en"), each a table or, with ``streaming``, a stream. Errors
+    name the dataset as ``setting`` and the split as ``split_setting``."""
+    ds, builder = _open(dataset, subset, split, streaming, setting, split_setting)
     texts = _Texts(text_field, tokenizer, dataset, strip_newlines=builder == "text")
     source = StreamedDocuments if streaming else TableDocuments
     return {shard: source(ds, texts, dataset, shard, shards) for shard in read}

@@ -253,8 +253,10 @@ def build_dataloader(
     streaming: bool = False,
     shards: int = 1,
     setting: str = "training.dataset",
+    split_setting: str = "training.dataset_split",
 ) -> TokenBatchLoader:
-    """Build the loader for ``training.dataset`` (or the setting named ``setting``, which errors name).
+    """Build the loader for ``training.dataset`` (or the setting named ``setting``, which errors name,
+    as they name the split ``split_setting``).
 
     ``dataset`` is ``"synthetic"`` (the built-in corpus, a pure function of ``seed``), a local
     ``.json``/``.jsonl``/``.parquet``/``.txt`` file or folder of such files (read with
@@ -291,7 +293,8 @@ def build_dataloader(
         stream_id = f"synthetic seed={seed}{held_out} tokenizer={tok_id}"
     else:
         where = dict(subset=subset, split=dataset_split, streaming=streaming, text_field=text_field)
-        sources = load_documents(dataset, **where, tokenizer=tokenizer, setting=setting, shards=shards, read=mine)
+        named_as = dict(setting=setting, split_setting=split_setting)
+        sources = load_documents(dataset, **where, tokenizer=tokenizer, **named_as, shards=shards, read=mine)
         named = f" subset={subset}" if subset else ""
         stream_id = f"{dataset}{named} split={dataset_split} field={text_field} tokenizer={tok_id}"
     return TokenBatchLoader(

@@ -22,11 +22,17 @@ ranks (within float rounding of one process). The model's state is not changed: 
 forward writes (DeepSeek-V3's routed-token counts, which steer the next update's expert bias) is
 restored afterwards.
 
+Held-out data that is training data (``validation.held_out_training_data``: ``validation.split``
+'train' of the synthetic corpus, a local file's rows again) is refused before anything is built
+when the user did not choose it; when they did (``validation.dataset`` or ``validation.split``
+set), one warning at start says so.
+
 Fails: nothing of its own; a loader or collective error propagates.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -39,6 +45,9 @@ from graph_trainer.config import JobConfig
 from graph_trainer.distributed.parallel_dims import average_over_dp, pp_group
 from graph_trainer.pipelining.executor import run_pipeline
 from graph_trainer.pipelining.forward_only import ForwardOnlyRunner, forward_only_plan
+from graph_trainer.validation import held_out_training_data
+
+logger = logging.getLogger("graph_trainer")
 
 
 class HeldOutLoss:
@@ -47,6 +56,9 @@ class HeldOutLoss:
 
     def __init__(self, cfg: JobConfig, layout: JobLayout, model: nn.Module, loader, device: torch.device):
         self.settings, self.loss_chunks = cfg.validation, cfg.training.loss_chunks
+        training_data = held_out_training_data(cfg)
+        if training_data:  # (chosen by the user: validate_config refuses it otherwise)
+            logger.warning("validation reads training data: %s; its loss is no held-out loss", training_data)
         self.layout, self.model, self.loader, self.device = layout, model, loader, device
         self.start = loader.state_dict()
         self.pipeline = layout.pipeline

@@ -358,6 +358,21 @@ def test_empty_documents_are_skipped_and_all_empty_is_an_error(hf_cache):
 # ---------------------------------------------------------------- user errors
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_an_empty_file_or_folder_is_one_line_naming_it(hf_cache, streaming):
+    """datasets fails on an empty JSON file with a bare StopIteration (on a blank text file, with
+    its own error): every local file type, empty or blank, is one line naming the setting and path."""
+    (hf_cache / "empty").mkdir()
+    for name, text in (("e.jsonl", ""), ("e.json", "\n\n"), ("e.txt", ""), ("empty/a.jsonl", " \n")):
+        (hf_cache / name).write_text(text)
+    for name in ("e.jsonl", "e.json", "e.txt", "empty"):
+        path = str(hf_cache / name)
+        with pytest.raises(ConfigError) as info:
+            make_loader(dataset=path, setting="validation.dataset", streaming=streaming)
+        what = "folder holds only empty files" if name == "empty" else "file is empty"
+        assert str(info.value) == f"validation.dataset {what}: {path!r} has no rows"
+
+
 def test_missing_text_field_names_field_and_columns(hf_cache):
     data = write_jsonl(hf_cache / "d.jsonl", DOCS, field="content")
     with pytest.raises(ConfigError, match=r"'text'.*\['content', 'id'\]"):

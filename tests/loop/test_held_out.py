@@ -1,7 +1,8 @@
 """Validation (graph_trainer/loop/held_out.py): the held-out loss equals an offline eager forward of
 the same weights on the same batches, bitwise on one process and through a pipeline; it leaves
 training untouched and records no autograd graph (one process and the forward-only pipeline);
-and the forward-only pipeline plan and the held-out synthetic split."""
+the forward-only pipeline plan and the held-out synthetic split; held-out data that is training
+data refused by default and one warning when chosen; errors naming the setting at fault."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from graph_trainer.compiler.tracer import eager_step
 from graph_trainer.config_loading import load_config
 from graph_trainer.data.loader import build_dataloader
 from graph_trainer.data.tokenizer import build_tokenizer
+from graph_trainer.errors import ConfigError
 from graph_trainer.pipelining.executor import run_pipeline
 from graph_trainer.pipelining.forward_only import ForwardOnlyRunner, forward_only_plan
 from graph_trainer.pipelining.schedule import PipelinePlan, plan_pipeline
@@ -24,6 +26,7 @@ from models.common import stage_view
 from suites import debug_job
 from suites.cases import DEEPSEEK_DEBUG
 from tests.launch import FAST_ARGS, read_losses, run_train
+from tests.reliability.helpers import logged_warnings, make_trainer
 
 VALIDATION = ["--validation.enable", "True", "--validation.steps", "2", "--metrics.json_lines", "True"]
 
@@ -190,3 +193,60 @@ def test_a_missing_held_out_dataset_is_one_error_naming_its_setting(tmp_path, ca
     assert train.main([*FAST_ARGS, *flags, "--validation.dataset", "/no/such/file.jsonl"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("error: validation.dataset path '/no/such/file.jsonl' does not")
+
+
+@pytest.fixture
+def local_data(tmp_path, monkeypatch):
+    """A small local .jsonl file (datasets' Arrow cache kept inside tmp_path)."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i} of the file"}) + "\n" for i in range(40)))
+    return str(path)
+
+
+SPLIT = ("--validation.split", "train[95%:]")
+
+
+def _held_out_job(*flags: str):
+    cfg = load_config([*FAST_ARGS, "--validation.enable", "True", *flags])
+    validate_config(cfg)
+    return cfg
+
+
+def test_held_out_data_that_is_training_data_by_default_is_refused_naming_both(local_data):
+    with pytest.raises(ConfigError) as info:
+        _held_out_job("--training.dataset", local_data)
+    assert str(info.value) == (
+        f"validation.enable: the held-out data would be training data: validation.split 'validation' (the default) "
+        f"of training.dataset {local_data!r} reads rows that training.dataset_split 'train' of training.dataset "
+        f"{local_data!r} trains on (a local path has no splits: every split name reads all its rows); give "
+        "validation.dataset held-out data, or split the rows: training.dataset_split 'train[:95%]' and "
+        "validation.split 'train[95%:]'"
+    )
+    with pytest.raises(ConfigError, match=r"^validation.enable: the held-out data would be training data: "):
+        _held_out_job("--training.dataset_split", "validation")  # the synthetic corpus's held-out split
+    # held out: two slices of the file, another file, the synthetic corpus's other documents
+    _held_out_job("--training.dataset", local_data, "--training.dataset_split", "train[:95%]", *SPLIT)
+    _held_out_job("--training.dataset", local_data, "--validation.dataset", local_data.replace("d.jsonl", "v.jsonl"))
+    _held_out_job()
+
+
+def test_training_data_chosen_as_held_out_data_is_one_warning_at_start(tmp_path):
+    with logged_warnings() as warned:
+        make_trainer(tmp_path, "--validation.enable", "True", "--validation.split", "train")
+    assert [w for w in warned if w.startswith("validation")] == [
+        "validation reads training data: validation.split 'train' of training.dataset 'synthetic' reads rows that "
+        "training.dataset_split 'train' of training.dataset 'synthetic' trains on (the same documents of the "
+        "synthetic corpus); its loss is no held-out loss"
+    ]
+
+
+def test_a_split_the_held_out_data_does_not_have_is_one_error_naming_validation_split(tmp_path, local_data, capsys):
+    import train
+
+    flags = ["--job.dump_folder", str(tmp_path / "out"), "--validation.enable", "True", "--training.dataset"]
+    assert train.main([*FAST_ARGS, *flags, local_data, "--validation.split", "train[abc"]) == 2
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert error.startswith(f"error: cannot load training.dataset {local_data!r} with validation.split 'train[abc': ")
