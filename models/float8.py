@@ -50,6 +50,19 @@ recipe's output gradient e5m2: 2), a relative error of a few percent per product
 parameter dtype's; how far a training run moves is measured in docs/numerics.md. torchao is
 imported here only (and only when a recipe is chosen).
 
+FP8 on the CPU: ATen's CPU ``_scaled_mm`` kernel takes seconds for one 512-cube matmul on some
+CPUs and milliseconds on others, so a job, a stored curve or a CI case would pass or time out by
+machine. Once float8 is in use (``torchao_float8``, ``check_scaled_mm``) the process computes
+``torch._scaled_mm`` on the CPU by its definition instead (``scaled_mm_in_float32``, made the CPU
+kernel by ``torch_compat.use_cpu_scaled_mm``): the float8 operands widened to float32, where each
+product of two float8 values is exact (at most 8 significant bits, exponents well inside
+float32's range), one float32 matmul, the scales applied in float32, one rounding to the output
+dtype. Its speed is the machine's float32 matmul rate, and its bits are those of a float32 matmul
+of exact products: the same in eager and graph mode (both call the op), on any CPU whose float32
+matmul sums in the same order. A GPU's ``_scaled_mm`` forms the same exact products and sums them
+in float32 in its own order (with fast accumulation, the forward's in less), so CPU and GPU FP8
+differ by accumulation rounding alone (docs/numerics.md, "FP8 linears").
+
 Failure: ``ConfigError`` when torchao is missing, this torch or device has no scaled matmul
 (``check_scaled_mm``), or a filter names no linear; the routed experts' settings are checked by
 ``graph_trainer.validation``.
@@ -66,7 +79,7 @@ import torch.nn as nn
 
 from graph_trainer.config import Float8
 from graph_trainer.errors import ConfigError
-from graph_trainer.torch_compat import scaled_mm
+from graph_trainer.torch_compat import scaled_mm, use_cpu_scaled_mm
 
 OUTPUT_FQN = "output"
 """The output projection (vocabulary logits), kept unless ``convert_output``."""
@@ -124,7 +137,9 @@ training, and an error line after them would not be the one line a bad config ge
 
 
 def torchao_float8():
-    """torchao's float8 training module, or a ConfigError saying how to get it."""
+    """torchao's float8 training module, or a ConfigError saying how to get it. Its matmuls on the
+    CPU are ``scaled_mm_in_float32`` from here on (``use_cpu_scaled_mm``)."""
+    use_cpu_scaled_mm(scaled_mm_in_float32)
     loggers = [logging.getLogger(name) for name in _IMPORT_NOISE]
     levels = [log.level for log in loggers]
     try:
@@ -141,12 +156,37 @@ def torchao_float8():
     return ao_float8
 
 
+WIDE_OUTPUTS = (torch.float32, torch.bfloat16, torch.float16)
+"""The output dtypes ``scaled_mm_in_float32`` computes."""
+
+
+def scaled_mm_in_float32(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    """``torch._scaled_mm`` on the CPU, by its definition (``use_cpu_scaled_mm`` makes it the CPU
+    kernel; module docstring, "FP8 on the CPU"): the float8 operands widened to float32 (exact),
+    one float32 matmul, the output times ``scale_a`` then ``scale_b`` (one value, or one per row /
+    column) and plus ``bias`` in float32, rounded once to ``out_dtype`` (default: ``a``'s dtype).
+    ``use_fast_accum`` changes nothing here (one accumulation). A float8 output (``scale_result``)
+    is not computed."""
+    out_dtype = out_dtype or a.dtype
+    if out_dtype not in WIDE_OUTPUTS or scale_result is not None:
+        raise NotImplementedError(
+            f"graph_trainer's CPU torch._scaled_mm computes {', '.join(map(str, WIDE_OUTPUTS))} outputs, "
+            f"not {out_dtype}{' with scale_result' if scale_result is not None else ''}"
+        )
+    out = torch.mm(a.to(torch.float32), b.to(torch.float32)).mul_(scale_a).mul_(scale_b)
+    if bias is not None:
+        out.add_(bias)
+    return out.to(out_dtype)
+
+
 def check_scaled_mm(device: torch.device | str) -> None:
     """Raise ``ConfigError`` unless this torch runs an e4m3 ``_scaled_mm`` on ``device`` (CUDA:
-    compute capability 8.9 or newer, e.g. H100; CPU: torch builds that implement it)."""
+    compute capability 8.9 or newer, e.g. H100; CPU: ``scaled_mm_in_float32``, made the CPU kernel
+    here)."""
     device = torch.device(device)
     if device.type == "meta":
         return
+    use_cpu_scaled_mm(scaled_mm_in_float32)
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
         raise ConfigError(f"float8 needs a GPU with FP8 matmuls (compute capability 8.9+, e.g. H100); {name} has none")
@@ -311,6 +351,7 @@ __all__ = [
     "EXPERTS_RECIPE",
     "ROW_SCALE_BYTES",
     "LinearChoice",
+    "WIDE_OUTPUTS",
     "check_scaled_mm",
     "convert_linears",
     "convert_routed_experts",
@@ -318,6 +359,7 @@ __all__ = [
     "float8_bytes_to_rows",
     "float8_grouped_mm",
     "rows_to_float8_bytes",
+    "scaled_mm_in_float32",
     "select_linears",
     "summary",
     "torchao_float8",

@@ -3,7 +3,8 @@
 Everything here reaches below PyTorch's public surface, grouped by area: ``versions`` (which torch
 this is, ``private_api``), ``fx`` (tracing metadata hooks, autograd node sequence numbers,
 ``OpOverload.is_view`` / ``_opname`` / ``_schema``, SymInt internals the cost model reads, fake
-tensor modes, lazily recompiled graph modules, ``torch._grouped_mm``, ``torch._scaled_mm``),
+tensor modes, lazily recompiled graph modules, ``torch._grouped_mm``, ``torch._scaled_mm`` and
+its CPU kernel, replaced by ours),
 ``distributed`` (``_StridedShard``, the dp-over-tp placement SimpleFSDP needs; mesh flattening;
 process groups by name and their timeouts; the fake process group's store; functional all_to_all;
 gloo's worker-thread count), ``checkpoint`` (DCP internals: the classes a checkpoint's metadata
@@ -40,6 +41,7 @@ from graph_trainer.torch_compat.distributed import (
     set_group_timeout,
 )
 from graph_trainer.torch_compat.fx import (
+    SCALED_MM_ARGUMENTS,
     UNPAIRED_SEQ_NR,
     fake_mode_of,
     fake_mode_of_nodes,
@@ -57,6 +59,7 @@ from graph_trainer.torch_compat.fx import (
     sym_hint,
     tag_backward_with_forward_seq_nr,
     unpaired_seq_nr,
+    use_cpu_scaled_mm,
 )
 from graph_trainer.torch_compat.inductor import (
     ESTIMATED_COMPUTE_ARGS,
@@ -96,6 +99,7 @@ __all__ = [
     "SUPPORTED_TORCH",
     "StridedShard",
     "TORCH_VERSION",
+    "SCALED_MM_ARGUMENTS",
     "UNPAIRED_SEQ_NR",
     "all_to_all_single",
     "all_to_all_single_autograd",
@@ -116,6 +120,7 @@ __all__ = [
     "fx_graph_cache_enabled",
     "grouped_mm",
     "scaled_mm",
+    "use_cpu_scaled_mm",
     "has_side_effects",
     "inductor_compile",
     "inductor_counters",

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
+from graph_trainer.errors import TorchCompatError
 from graph_trainer.torch_compat.versions import private_api
 
 
@@ -155,6 +157,43 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     with private_api("torch._scaled_mm"):
         kernel = torch._scaled_mm
     return kernel(a, b, scale_a, scale_b, **kwargs)
+
+
+SCALED_MM_ARGUMENTS = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
+"""``aten::_scaled_mm``'s arguments, in order, as a CPU kernel given to ``use_cpu_scaled_mm`` takes them."""
+_cpu_scaled_mm: list = []  # (kernel, its torch.library registration), kept for the process's life
+
+
+def use_cpu_scaled_mm(kernel) -> None:
+    """Make ``kernel(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)`` the
+    CPU implementation of ``torch._scaled_mm`` in this process (its ``out=`` form too), in place of
+    ATen's, for every caller: eager code, a traced graph's ``aten._scaled_mm`` nodes, Inductor's
+    fallback. Once per process; another kernel later is an error. CUDA keeps ATen's."""
+    if _cpu_scaled_mm:
+        if _cpu_scaled_mm[0][0] is not kernel:
+            raise RuntimeError("torch._scaled_mm already has another CPU kernel in this process")
+        return
+    with private_api("torch.ops.aten._scaled_mm"):
+        schemas = [torch.ops.aten._scaled_mm.default._schema, torch.ops.aten._scaled_mm.out._schema]
+    for schema in schemas:
+        names = tuple(a.name for a in schema.arguments if not a.kwarg_only)
+        if names != SCALED_MM_ARGUMENTS:
+            raise TorchCompatError(
+                f"aten::_scaled_mm takes {names} in torch {torch.__version__}, not {SCALED_MM_ARGUMENTS}: "
+                f"graph_trainer's CPU kernel for it needs updating"
+            )
+
+    def into_out(*args, out: torch.Tensor) -> torch.Tensor:
+        result = kernel(*args)
+        out.resize_(result.shape)
+        return out.copy_(result)
+
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # (torch says once that the kernel overrides ATen's: that is the point)
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+        library.impl("_scaled_mm", kernel, "CPU")
+        library.impl("_scaled_mm.out", into_out, "CPU")
+    _cpu_scaled_mm.append((kernel, library))
 
 
 def fake_mode_of_nodes(nodes):

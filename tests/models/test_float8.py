@@ -1,6 +1,6 @@
 """FP8 linears (models/float8.py): which linears convert and why the others stay, the swap to
 torchao's Float8Linear (same parameters and names), its math against torchao's on the same
-inputs, and the scaled-matmul check of this machine."""
+inputs, the scaled-matmul check of this machine, and the CPU's scaled matmul by its definition."""
 
 import dataclasses
 
@@ -121,3 +121,44 @@ def test_a_machine_without_scaled_matmuls_is_refused_with_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ConfigError, match=r"compute capability 8.9\+, e.g. H100\); NVIDIA A100 has none"):
         float8.check_scaled_mm("cuda")
+
+
+def _float8(values, dtype=torch.float8_e4m3fn) -> torch.Tensor:
+    """``values`` as float8, each exactly representable (checked)."""
+    t = torch.tensor(values, dtype=torch.float32)
+    assert torch.equal(t.to(dtype).float(), t)
+    return t.to(dtype)
+
+
+def test_the_cpu_scaled_mm_is_its_definition_widened_to_float32():
+    # e4m3's largest and smallest magnitudes (448, 2^-9) and an e5m2 operand (57344, 2^-16):
+    # every product exact in float32, the sums of integers exact, so the result is known exactly
+    a = _float8([[448.0, 2**-9, -3.0], [1.0, -448.0, 0.5]])
+    b = _float8([[2**-9, 448.0], [448.0, 2**-9], [-2.0, 0.0]]).t().contiguous().t()  # column-major
+    g = _float8([[57344.0, 2**-16, 1.5], [-1.0, 0.0, 3.0]], torch.float8_e5m2)
+    exact = torch.tensor(a.double().numpy() @ b.double().numpy())
+    assert exact[0, 0].item() == 448 * 2**-9 + 2**-9 * 448 + 6  # (no float32 sum rounds here)
+    sa, sb = torch.tensor([[0.75], [3.0]]), torch.tensor([[1.25, 0.1]])
+    bias = torch.tensor([0.5, -1.0], dtype=torch.bfloat16)
+    out = float8.scaled_mm_in_float32(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+    expected = (exact.float() * sa * sb + bias.float()).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    one = torch.tensor(1.0)
+    gb = float8.scaled_mm_in_float32(g, b, one, one, out_dtype=torch.float32)
+    assert torch.equal(gb, torch.tensor(g.double().numpy() @ b.double().numpy()).float())
+    with pytest.raises(NotImplementedError, match="not torch.float8_e4m3fn"):
+        float8.scaled_mm_in_float32(a, b, one, one)  # float8 output (a's dtype) is not computed
+
+
+def test_float8_in_use_makes_every_cpu_scaled_mm_the_definition():
+    float8.torchao_float8()
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 32, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(48, 32, generator=g).to(torch.float8_e4m3fn).t()
+    sa, sb = torch.rand(64, 1, generator=g), torch.rand(1, 48, generator=g)
+    # (float32 out: ATen's own CPU kernel rounds these otherwise, so only ours gives these bits)
+    expected = float8.scaled_mm_in_float32(a, b, sa, sb, out_dtype=torch.float32)
+    assert torch.equal(torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32), expected)
+    out = torch.empty(0)
+    torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32, out=out)
+    assert torch.equal(out, expected)

@@ -243,6 +243,32 @@ def test_scaled_mm_scales_each_row_and_column_of_the_float8_product():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_cpu_scaled_mm_kernel_serves_eager_and_traced_calls_once_per_process():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.torch_compat import SCALED_MM_ARGUMENTS, use_cpu_scaled_mm
+    from models.float8 import scaled_mm_in_float32
+
+    schema = torch.ops.aten._scaled_mm.default._schema  # the arguments our kernel takes, in order
+    assert tuple(a.name for a in schema.arguments) == SCALED_MM_ARGUMENTS
+    use_cpu_scaled_mm(scaled_mm_in_float32)
+    use_cpu_scaled_mm(scaled_mm_in_float32)  # (the same kernel again: nothing to do)
+    with pytest.raises(RuntimeError, match="already has another CPU kernel"):
+        use_cpu_scaled_mm(lambda *args: None)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 16, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 16, generator=g).to(torch.float8_e4m3fn).t()
+    scale = torch.tensor(0.37)
+    expected = scaled_mm_in_float32(a, b, scale, scale, out_dtype=torch.float32)
+
+    def step(a, b, scale):
+        return torch._scaled_mm(a, b, scale, scale, out_dtype=torch.float32)
+
+    graph = make_fx(step, tracing_mode="fake")(a, b, scale)
+    assert [n.target for n in graph.graph.nodes if n.op == "call_function"] == [torch.ops.aten._scaled_mm.default]
+    assert torch.equal(step(a, b, scale), expected) and torch.equal(graph(a, b, scale), expected)
+
+
 def test_side_effects_leave_random_ops_to_the_caller():
     # activation checkpointing recomputes attention without dropout: fx's purity check must be
     # able to leave random ops out (Node.is_impure(impure_random=False)) and still flag mutation.
