@@ -293,6 +293,8 @@ def _check_around_the_loop(cfg: JobConfig) -> None:
     require(k >= 0, f"checkpoint.keep_latest_k = {k} must be >= 0 (0 keeps every checkpoint)")
     for name in ("init_timeout_seconds", "timeout_seconds"):
         require(getattr(cfg.comm, name) > 0, f"comm.{name} = {getattr(cfg.comm, name)} must be > 0")
+    finish = cfg.checkpoint.finish_timeout_seconds
+    require(finish > 0, f"checkpoint.finish_timeout_seconds = {finish} must be > 0")
     step = cfg.debug.grad_record_step
     require(step >= 0, f"debug.grad_record_step = {step} must be >= 0 (0: off)")
     require(cfg.debug.num_threads >= 0, f"debug.num_threads = {cfg.debug.num_threads} must be >= 0")
@@ -358,6 +360,12 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
             _setting(cfg, f"checkpoint.{name}", saves, f"checkpoint.interval > 0 (it is {cfg.checkpoint.interval})")
             for name in ("async_mode", "keep_latest_k")
         ],
+        _setting(
+            cfg,
+            "checkpoint.finish_timeout_seconds",
+            saves and cfg.checkpoint.async_mode == "async",
+            f"checkpoint.async_mode 'async' (it is {cfg.checkpoint.async_mode!r}) and checkpoint.interval > 0",
+        ),
         *[
             _setting(cfg, f"training.{name}", decays, f"training.decay_type other than 'constant' (it is {decay!r})")
             for name in ("decay_ratio", "min_lr_ratio")

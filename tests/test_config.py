@@ -375,6 +375,10 @@ _IGNORED = "it would be ignored; leave it out or set that too"
         (["--checkpoint.async_mode", "async"], "checkpoint.async_mode = 'async' means something only with "),
         (["--checkpoint.keep_latest_k", "3"], "checkpoint.keep_latest_k = 3 means something only with "),
         (
+            ["--checkpoint.finish_timeout_seconds", "60", "--checkpoint.interval", "5"],
+            "checkpoint.finish_timeout_seconds = 60.0 means something only with ",
+        ),
+        (
             ["--training.decay_ratio", "0.2", "--training.decay_type", "constant"],
             "training.decay_ratio = 0.2 means something only with ",
         ),
@@ -403,6 +407,9 @@ def test_a_setting_that_would_be_ignored_is_refused(flags, message):
         "profiling.save_memory_snapshot_folder": "profiling.enable_memory_snapshot",
         "validation": "validation.enable",
         "checkpoint.": "checkpoint.interval > 0 (it is 0)",
+        "checkpoint.finish_timeout_seconds": (
+            "checkpoint.async_mode 'async' (it is 'disabled') and checkpoint.interval > 0"
+        ),
         "training.decay_ratio": "training.decay_type other than 'constant' (it is 'constant')",
         "training.min_lr_ratio": "training.decay_type other than 'constant' (it is 'constant')",
         "validation.dataset_subset": "validation.enable and validation.dataset",
@@ -410,6 +417,13 @@ def test_a_setting_that_would_be_ignored_is_refused(flags, message):
     }
     what = needs[max((k for k in needs if flags[0][2:].startswith(k)), key=len)]
     assert str(info.value) == f"{message}{what}: {_IGNORED}"
+
+
+def test_a_background_save_gets_a_positive_time_to_finish():
+    flags = ["--checkpoint.interval", "5", "--checkpoint.async_mode", "async", "--checkpoint.finish_timeout_seconds"]
+    with pytest.raises(ConfigError, match=r"^checkpoint.finish_timeout_seconds = 0.0 must be > 0$"):
+        validate_config(load_config([*flags, "0"]))
+    validate_config(load_config([*flags, "0.5"]))
 
 
 @pytest.mark.parametrize("profiling", ["--profiling.enable_profiling", "--profiling.enable_memory_snapshot"])
