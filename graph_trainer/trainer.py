@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from graph_trainer.build import build_job_model, build_layout
+from graph_trainer.build import JobLayout, build_job_model, build_layout
 from graph_trainer.checkpoint.atomic_files import write_text_atomic
 from graph_trainer.checkpoint.checkpointer import Checkpointer
 from graph_trainer.checkpoint.hf import HFWeights, load_hf_weights, open_hf_weights
@@ -155,6 +155,32 @@ def _record_config(cfg: JobConfig) -> None:
     logger.info("config: every field in %s (--job.config_file %s reruns it)", path, path)
 
 
+def job_dataloader(cfg: JobConfig, layout: JobLayout, held_out: bool = False):
+    """This rank's training batches, or with ``held_out`` its validation batches (``[validation]``:
+    its dataset, or the training one, and its split): its share of the global batch by its
+    data-parallel rank (``dp_rank`` of the layout's mesh)."""
+    t, v = cfg.training, cfg.validation
+    own = held_out and v.dataset != ""  # validation's own dataset, else the training one
+    dataset = v.dataset if own else t.dataset
+    return build_dataloader(
+        dataset=dataset,
+        subset=v.dataset_subset if own else t.dataset_subset,
+        streaming=t.dataset_streaming and dataset != "synthetic",
+        shards=t.dataset_shards,
+        tokenizer=build_tokenizer(t.tokenizer_path),
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        dp_rank=dp_rank(layout.mesh, layout.dims),
+        dp_degree=layout.dims.dp_size,
+        seed=t.seed,
+        vocab_size=layout.model_args.vocab_size,
+        dataset_split=v.split if held_out else t.dataset_split,
+        text_field=t.text_field,
+        setting="validation.dataset" if own else "training.dataset",
+        split_setting="validation.split" if held_out else "training.dataset_split",
+    )
+
+
 class Trainer:
     """One job's training loop (module docstring), built from a validated ``JobConfig``."""
 
@@ -181,8 +207,8 @@ class Trainer:
             _record_config(cfg)
         hf_weights = self._hf_weights_to_load(resume_step)
         # The data next, still before the model: a dataset or tokenizer that cannot be read fails fast.
-        self.dataloader = self._build_dataloader()
-        held_out_loader = self._build_dataloader(held_out=True) if cfg.validation.enable else None
+        self.dataloader = job_dataloader(cfg, self.layout)
+        held_out_loader = job_dataloader(cfg, self.layout, held_out=True) if cfg.validation.enable else None
         self.model = self._build_model(init=hf_weights is None)  # a folder fills every parameter
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.params, cfg.training)
@@ -205,30 +231,6 @@ class Trainer:
         if folder and resume_step is not None:
             logger.info("resuming step %d: checkpoint.initial_load_hf is not read", resume_step)
         return open_hf_weights(self.cfg, self.model_args) if folder and resume_step is None else None
-
-    def _build_dataloader(self, held_out: bool = False):
-        """The training batches, or with ``held_out`` the validation batches (``[validation]``:
-        its dataset, or the training one, and its split)."""
-        t, v = self.cfg.training, self.cfg.validation
-        own = held_out and v.dataset != ""  # validation's own dataset, else the training one
-        dataset = v.dataset if own else t.dataset
-        return build_dataloader(
-            dataset=dataset,
-            subset=v.dataset_subset if own else t.dataset_subset,
-            streaming=t.dataset_streaming and dataset != "synthetic",
-            shards=t.dataset_shards,
-            tokenizer=build_tokenizer(t.tokenizer_path),
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            dp_rank=dp_rank(self.mesh, self.dims),
-            dp_degree=self.dims.dp_size,
-            seed=t.seed,
-            vocab_size=self.model_args.vocab_size,
-            dataset_split=v.split if held_out else t.dataset_split,
-            text_field=t.text_field,
-            setting="validation.dataset" if own else "training.dataset",
-            split_setting="validation.split" if held_out else "training.dataset_split",
-        )
 
     def _build_model(self, init: bool) -> torch.nn.Module:
         """The job's model on this rank, its state checked against the device before it is allocated."""

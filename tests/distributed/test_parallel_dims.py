@@ -5,12 +5,11 @@ read the same rows.
 
 Each rank's mesh is built in this process on a fake process group of the job's world size (the
 mesh coordinates are the real ones; no collective runs), and its loaders are the trainer's own
-(``Trainer._build_dataloader``)."""
+(``trainer.job_dataloader``)."""
 
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Iterator
 
 import pytest
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from graph_trainer.build import build_layout
 from graph_trainer.config_loading import load_config
 from graph_trainer.torch_compat import clear_dtensor_sharding_caches, fake_store
-from graph_trainer.trainer import Trainer
+from graph_trainer.trainer import job_dataloader
 from tests.launch import FAST_ARGS
 
 LOCAL_BATCH = 2
@@ -49,11 +48,7 @@ def _as_rank(rank: int, world_size: int) -> Iterator[None]:
 def _rows_read(world_size: int, *flags: str, held_out: bool = False) -> torch.Tensor:
     """The first ``BATCHES`` batches' tokens a rank's trainer loader reads, [BATCHES, rows, seq_len]."""
     cfg = load_config([*FAST_ARGS, "--training.seq_len", "16", *flags])
-    layout = build_layout(cfg, world_size, "cpu")
-    trainer = types.SimpleNamespace(  # what the trainer's loaders read of the trainer
-        cfg=cfg, layout=layout, mesh=layout.mesh, dims=layout.dims, model_args=layout.model_args
-    )
-    loader = Trainer._build_dataloader(trainer, held_out=held_out)
+    loader = job_dataloader(cfg, build_layout(cfg, world_size, "cpu"), held_out=held_out)
     return torch.stack([next(loader)[0] for _ in range(BATCHES)])
 
 
