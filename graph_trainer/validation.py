@@ -333,7 +333,8 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
     v, validating = cfg.validation.enable, "validation.enable"
     fp8 = cfg.float8.recipe_name != "none"
     saves, decay = cfg.checkpoint.interval > 0, cfg.training.decay_type
-    decays = decay != "constant"
+    decays, background = decay != "constant", saves and cfg.checkpoint.async_mode == "async"
+    in_background = f"checkpoint.async_mode 'async' (it is {cfg.checkpoint.async_mode!r}) and checkpoint.interval > 0"
     return [
         _setting(
             cfg,
@@ -360,12 +361,7 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
             _setting(cfg, f"checkpoint.{name}", saves, f"checkpoint.interval > 0 (it is {cfg.checkpoint.interval})")
             for name in ("async_mode", "keep_latest_k")
         ],
-        _setting(
-            cfg,
-            "checkpoint.finish_timeout_seconds",
-            saves and cfg.checkpoint.async_mode == "async",
-            f"checkpoint.async_mode 'async' (it is {cfg.checkpoint.async_mode!r}) and checkpoint.interval > 0",
-        ),
+        _setting(cfg, "checkpoint.finish_timeout_seconds", background, in_background),
         *[
             _setting(cfg, f"training.{name}", decays, f"training.decay_type other than 'constant' (it is {decay!r})")
             for name in ("decay_ratio", "min_lr_ratio")
