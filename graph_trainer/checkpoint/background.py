@@ -4,7 +4,7 @@
 hash, seal, retention) on a daemon thread. ``wait(timeout)`` blocks until it is done, or at most
 ``timeout`` seconds, and says which (True: done); once done it raises what ``finish`` raised (a
 ``JobError`` on every rank when the save failed: ``finish`` agrees over its own process group),
-once; later calls return True at once. ``done`` says whether the thread has ended.
+once; later calls return True at once. ``done`` says whether ``finish`` has returned or raised.
 
 The thread is a daemon: a process that dies while it runs leaves a ``step-<N>.tmp-<token>``
 folder without a manifest, which is never a checkpoint and which the next start removes
