@@ -1,14 +1,15 @@
 """FP8 linears on the CPU against bf16: the debug model's step with each float8 recipe, measured in
 one run on one process.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.float8_cpu_step [--rounds 4] [--steps 4] \
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.float8_cpu_step [--warmup 3] [--steps 12] \
         [--section.key value ...]
 
 One trainer per mode of the same job (default: ``configs/llama3_debug.toml`` as it is, graph mode,
 bf16 parameters): ``bf16`` (no float8), and ``--float8.recipe_name`` tensorwise, rowwise and
-rowwise_with_gw_hp. They take turns in rounds of ``--steps`` steps, so that the machine's noise
-falls on every mode alike; printed: the median seconds per step over the rounds after the first
-(which traces), the ratio of each to bf16, and the CPU it ran on. On the CPU a float8 matmul is
+rowwise_with_gw_hp. They take turns step by step on the same batches
+(``alternating.time_alternating``), so that the machine's noise falls on every mode alike; printed:
+the median seconds per step of the ``--steps`` after ``--warmup`` (the first traces), the ratio of
+each to bf16, and the CPU it ran on. On the CPU a float8 matmul is
 ``models.float8.scaled_mm_in_float32`` (the float8 operands widened to float32, one float32
 matmul), so its cost follows the float32 matmul rate of the machine, not a float8 kernel that
 some CPUs lack; the float8 casts (amax, scale, saturating cast) are the rest of the difference.
@@ -18,11 +19,10 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import sys
 import tempfile
-import time
 
+from benchmarks.alternating import time_alternating
 from graph_trainer.config_loading import load_config, take_flag
 from graph_trainer.trainer import Trainer
 from graph_trainer.validation import validate_config
@@ -55,38 +55,33 @@ def _trainer(folder: str, argv: list[str], mode: list[str]) -> Trainer:
     return Trainer(cfg)
 
 
-def _round(trainer: Trainer, data, steps: int) -> float:
-    """Seconds per step of ``steps`` more steps."""
-    start = time.perf_counter()
-    for _ in range(steps):
+def _step(trainer: Trainer):
+    """One optimizer step of ``trainer`` on a batch; its loss (``alternating.time_alternating``)."""
+
+    def step(tokens, labels) -> float:
         trainer.step += 1
-        trainer.train_step([next(data) for _ in range(trainer.microbatches)])
-    return (time.perf_counter() - start) / steps
+        return trainer.train_step([(tokens, labels)])[0]
+
+    return step
 
 
 def main(argv: list[str]) -> int:
-    argv, rounds = take_flag(argv, "--rounds", 4, int)
-    argv, steps = take_flag(argv, "--steps", 4, int)
+    argv, warmup = take_flag(argv, "--warmup", 3, int)
+    argv, measured = take_flag(argv, "--steps", 12, int)
     with tempfile.TemporaryDirectory() as root:
         trainers = {
             name: _trainer(os.path.join(root, str(i)), argv, mode) for i, (name, mode) in enumerate(MODES.items())
         }
         for trainer in trainers.values():  # every step of the benchmark inside the schedule
-            trainer.cfg.training.steps = rounds * steps + 1
-        data = {name: iter(trainer.dataloader) for name, trainer in trainers.items()}
-        per_step: dict[str, list[float]] = {name: [] for name in trainers}
-        for r in range(rounds):
-            for name, trainer in trainers.items():
-                seconds = _round(trainer, data[name], steps)
-                if r > 0:
-                    per_step[name].append(seconds)
-    base = statistics.median(per_step["bf16"])
+            trainer.cfg.training.steps = warmup + measured + 1
+        batches = iter(trainers["bf16"].dataloader)  # (every mode steps on the same batches)
+        timings = time_alternating({name: _step(t) for name, t in trainers.items()}, batches, warmup, measured)
+    base = timings.median_ms("bf16")
     threads = os.environ.get("OMP_NUM_THREADS", "torch's default")
-    print(f"{cpu_model()}, {threads} thread(s): {steps} steps a round, {rounds - 1} rounds measured")
-    print("(median seconds per step, and / bf16):")
-    for name, times in per_step.items():
-        median = statistics.median(times)
-        print(f"  {name:22s} {median:.3f} s  {median / base:.2f}x")
+    print(f"{cpu_model()}, {threads} thread(s): {measured} steps measured after {warmup} (median per step, / bf16):")
+    for name in trainers:
+        median = timings.median_ms(name)
+        print(f"  {name:22s} {median / 1000:.3f} s  {median / base:.2f}x")
     return 0
 
 
