@@ -1,13 +1,12 @@
 """Job configuration: the documented dataclass sections of one job, and the one path two of their
 fields combine into (``checkpoint_root``).
 
-A job is one ``JobConfig`` with the sections ``job, model, training, parallelism, compile,
-float8, activation_checkpoint, metrics, validation, profiling, checkpoint, comm, debug``. Every
-field says what it does; a field with a fixed set of values is a ``Literal`` (``python train.py
---help`` lists the choices, and ``graph_trainer.config_loading`` refuses any other value, from
-TOML or the command line, with one line). Reading a TOML file and the command line is ``graph_trainer.config_loading``;
-checks that involve several fields, the model or the world size are ``graph_trainer.validation``.
-"""
+A job is one ``JobConfig`` with the sections ``job, model, training, parallelism, compile, float8,
+activation_checkpoint, metrics, validation, profiling, checkpoint, comm, debug``. Every field says
+what it does; a field with a fixed set of values is a ``Literal`` (``python train.py --help`` lists
+the choices, and ``graph_trainer.config_loading`` refuses any other value, from TOML or the command
+line, with one line). Reading a TOML file and the command line is ``graph_trainer.config_loading``;
+checks that involve several fields, the model or the world size are ``graph_trainer.validation``."""
 
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ CompileMode = Literal["graph", "eager"]
 Backend = Literal["none", "inductor"]
 InductorScope = Literal["regional", "full"]
 AcMode = Literal["none", "selective", "full"]
+SelectiveMatmuls = Literal["all", "every_other"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"]
 Float8Recipe = Literal["none", "tensorwise", "rowwise", "rowwise_with_gw_hp"]
@@ -295,6 +295,9 @@ class ActivationCheckpoint:
     selective_ops: list[str] = field(default_factory=lambda: list(SELECTIVE_OPS))
     """aten ops (names without overload, comma-separated on the command line) whose outputs
     'selective' saves; the default: matmuls (dense, grouped, scaled) and attention."""
+    selective_matmuls: SelectiveMatmuls = "all"
+    """With mode 'selective': which matmuls of ``selective_ops`` each block saves. 'all'; 'every_other':
+    the 1st, 3rd, ... in forward order, the 2nd, 4th, ... recomputed (torchtitan's op-level policy)."""
     full_blocks: int = 0
     """How many transformer blocks of each pipeline stage (of the model, without pipeline
     parallel), its first ones by block index, recompute in full whatever ``mode`` says; the others

@@ -335,6 +335,7 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
     saves, decay = cfg.checkpoint.interval > 0, cfg.training.decay_type
     decays, background = decay != "constant", saves and cfg.checkpoint.async_mode == "async"
     in_background = f"checkpoint.async_mode 'async' (it is {cfg.checkpoint.async_mode!r}) and checkpoint.interval > 0"
+    selective = "activation_checkpoint.mode 'selective'"
     return [
         _setting(
             cfg,
@@ -381,12 +382,10 @@ def _settings_in_use(cfg: JobConfig) -> list[tuple[str, object, object, bool, st
         ),
         _setting(cfg, "compile.cache_dir", c.backend == "inductor", inductor),
         _setting(cfg, "compile.once_per_node", c.backend == "inductor", inductor),
-        _setting(
-            cfg,
-            "activation_checkpoint.selective_ops",
-            ac.mode == "selective",
-            f"activation_checkpoint.mode 'selective' (it is {ac.mode!r})",
-        ),
+        *[
+            _setting(cfg, f"activation_checkpoint.{name}", ac.mode == "selective", f"{selective} (it is {ac.mode!r})")
+            for name in ("selective_ops", "selective_matmuls")
+        ],
         _setting(
             cfg,
             "activation_checkpoint.full_blocks",

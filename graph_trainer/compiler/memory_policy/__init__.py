@@ -37,10 +37,12 @@ def remove_dead_code(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule
 
 
 def ac_description(ac: Any) -> str:
-    """``activation_checkpoint``'s mode in words, e.g. ``selective (each stage's first 2 blocks full)``."""
-    if ac.full_blocks == 0:
-        return ac.mode
-    return f"{ac.mode} (each stage's first {ac.full_blocks} blocks full)"
+    """``activation_checkpoint``'s mode in words, e.g. ``selective (each stage's first 2 blocks full)``
+    or ``selective, every other matmul recomputed``."""
+    mode = ac.mode
+    if mode == "selective" and ac.selective_matmuls == "every_other":
+        mode += ", every other matmul recomputed"
+    return mode if ac.full_blocks == 0 else f"{mode} (each stage's first {ac.full_blocks} blocks full)"
 
 
 def memory_policy_passes(config: Any) -> list[PassSpec]:

@@ -6,7 +6,7 @@ Reads: the tracer's tags on every node (``graph_trainer.graph.tags``): ``phase``
 backward / ...), ``module_fqn`` (transformer blocks are the modules ``layers.<i>``, ``block_of``;
 a backward node carries the FQN of the forward op it differentiates), ``loss_chunk`` (``unit_of``),
 ``fsdp_role`` (SimpleFSDP's gather chains), ``tp_role`` (sequence parallel's gathers); and
-``--activation_checkpoint.mode`` / ``selective_ops`` / ``full_blocks``.
+``--activation_checkpoint.mode`` / ``selective_ops`` / ``selective_matmuls`` / ``full_blocks``.
 
 ``tag_activations`` (decides, changes no edge): within each transformer block (and each row
 block of a chunked loss, ``graph_trainer.loss``, which is always recomputed in full; and the
@@ -19,7 +19,11 @@ forward value the region's backward reads is tagged ``custom["activation"] = "sa
   from outside (its input, the parameters) and what may never run twice (below).
 - ``selective``: also save the outputs of the ops in ``selective_ops`` (by default matmuls,
   grouped matmuls and attention: the expensive ones); recompute the cheap ones (norms,
-  activations, RoPE, views) from them.
+  activations, RoPE, views) from them. With ``selective_matmuls`` 'every_other' the region's
+  matmuls among them (``MATMUL_OP_NAMES``) are counted in graph order, which is forward order,
+  and the 2nd, 4th, ... are not saved for being matmuls (``every_other_matmul``): decided as any
+  op, they are recomputed, and so are the cheap ops before them (torchtitan's op-level selective
+  policy, which counts a block's ``aten.mm`` calls and recomputes the even ones).
 - Never recomputed, whatever the mode: collectives and their waits (a tensor-parallel
   all-reduce or an expert-parallel all_to_all is issued once per step: token routing is
   computed once), ops with side effects (the MoE token counter's in-place add), random ops
@@ -65,6 +69,7 @@ from graph_trainer.compiler.passes.registry import PassContext
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_name
 from graph_trainer.graph.ops import (
+    MATMUL_OP_NAMES,
     SCALAR_READ,
     aliases_input,
     is_attention,
@@ -124,10 +129,20 @@ def _draws_no_random_numbers(node: fx.Node) -> bool:
     return is_attention(node) and named_args(node).get("dropout_p", 0.0) == 0.0
 
 
-def decide_region(forward_nodes: list[fx.Node], region: str, mode: str, saved_ops: set[str]) -> dict[fx.Node, str]:
+def every_other_matmul(forward_nodes: list[fx.Node], saved_ops: set[str]) -> set[fx.Node]:
+    """The 2nd, 4th, ... of the matmuls among ``saved_ops`` in ``forward_nodes`` (graph order)."""
+    matmuls = [n for n in forward_nodes if name_of(n) in saved_ops and name_of(n) in MATMUL_OP_NAMES]
+    return set(matmuls[1::2])
+
+
+def decide_region(
+    forward_nodes: list[fx.Node], region: str, mode: str, saved_ops: set[str], selective_matmuls: str = "all"
+) -> dict[fx.Node, str]:
     """The decision for each forward node of ``region`` that its backward (or a recomputation) reads;
-    ``forward_nodes``: the region's forward and loss nodes in graph order (``forward_nodes_by_region``)."""
+    ``forward_nodes``: the region's forward and loss nodes in graph order (``forward_nodes_by_region``);
+    ``selective_matmuls``: 'all' or 'every_other' (module docstring)."""
     forward = set(forward_nodes)
+    unsaved = every_other_matmul(forward_nodes, saved_ops) if selective_matmuls == "every_other" else set()
 
     def backward_readers(node: fx.Node) -> list[fx.Node]:
         return [u for u in node.users if tags.phase(u) == BACKWARD]
@@ -135,7 +150,7 @@ def decide_region(forward_nodes: list[fx.Node], region: str, mode: str, saved_op
     def pinned(node: fx.Node) -> bool:
         if not _may_run_twice(node):
             return True
-        if mode == "selective" and name_of(node) in saved_ops:
+        if mode == "selective" and name_of(node) in saved_ops and node not in unsaved:
             return True
         if is_one_number(node):
             return True  # (kept: a few bytes; recomputed: a launch, and for an amax a pass over its input)
@@ -184,7 +199,7 @@ def tag_activations(gm: fx.GraphModule, context: PassContext) -> fx.GraphModule:
         mode = modes[region]
         if mode == "none":
             continue
-        for node, choice in decide_region(forward[region], region, mode, saved_ops).items():
+        for node, choice in decide_region(forward[region], region, mode, saved_ops, ac.selective_matmuls).items():
             tags.update(node, {ACTIVATION: choice})
     return gm
 
@@ -253,6 +268,7 @@ def recompute_counts(graph: fx.Graph) -> dict[str, dict[str, int]]:
 
 __all__ = [
     "decide_region",
+    "every_other_matmul",
     "forward_nodes_by_region",
     "recompute_activations",
     "recompute_counts",

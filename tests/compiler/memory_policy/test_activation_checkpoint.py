@@ -3,7 +3,8 @@
 Graph structure on the fake process group (one process): what is recomputed per block, that no
 collective is issued twice, that later passes keep the decisions, and that the memory estimate
 falls with each mode. The bitwise-equal losses of every mode on gloo (FSDP=2 + bucketing,
-FSDP=2 x TP=2, DeepSeek-V3 EP=2 + ep_overlap) are cases of the cpu suite (``integration_tests.py``).
+FSDP=2 x TP=2, DeepSeek-V3 EP=2 + ep_overlap) are cases of the cpu suite (``integration_tests.py``);
+those of ``selective_matmuls`` 'every_other' are run here (FSDP=2 + bucketing).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from graph_trainer.errors import ConfigError
 from graph_trainer.fake_trace import fake_world, trace_job, trace_pipeline
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import collective_counts, is_collective
-from graph_trainer.graph.ops import is_attention, name_of
+from graph_trainer.graph.ops import is_attention, is_matmul, name_of
 from graph_trainer.graph.tags import (
     ACTIVATION,
     FSDP_ROLE,
@@ -37,6 +38,7 @@ from graph_trainer.validation import validate_config
 from models.registry import MODEL_SPECS
 from tests.conftest import ROOT
 from tests.graph_compare import node_multiset
+from tests.launch import read_losses, run_train
 
 SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2"]
 DEEPSEEK = ["--job.config_file", f"{ROOT}/configs/deepseek_v3_debug.toml", *SMALL]
@@ -192,6 +194,44 @@ def test_each_mode_lowers_the_estimated_peak():
     assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
 
 
+EVERY_OTHER = ("--activation_checkpoint.selective_matmuls", "every_other")
+
+
+def test_every_other_matmul_recomputes_each_blocks_even_matmuls():
+    """torchtitan's op-level policy: a block's 2nd, 4th, ... matmul in forward order (wk, wo, w3 of a
+    LLaMA block) is recomputed, the others saved; between 'all' and 'full' in memory."""
+    gm = _graph((*SMALL, *_ac("selective"), *EVERY_OTHER))
+    for block in ("layers.0", "layers.1"):
+        forward = [
+            n for n in gm.graph.nodes if is_matmul(n) and tags.phase(n) == "forward" and tags.unit_of(n) == block
+        ]
+        fqns = [tags.module_fqn(n).removeprefix(f"{block}.") for n in forward]
+        assert fqns == [*(f"attention.{w}" for w in ("wq", "wk", "wv", "wo")), "feed_forward.w1", "feed_forward.w3"] + [
+            "feed_forward.w2"
+        ]
+        decisions = [tags.get(n, ACTIVATION) for n in forward]
+        assert decisions[1::2] == [RECOMPUTE] * 3  # wk, wo, w3
+        assert all(d in (SAVE, None) for d in decisions[0::2])  # (w2's output: no backward reads it)
+        assert recompute_counts(gm.graph)[block]["matmuls"] == 3
+    longer = ["--training.seq_len", "256", "--training.local_batch_size", "4"]
+    training = load_config(longer).training
+    peak = lambda args: estimate_step_memory(_graph(args).graph, None, training).moments[0].activations  # noqa: E731
+    every_other = peak((*longer, *_ac("selective"), *EVERY_OTHER))
+    assert peak((*longer, *_ac("full"))) < every_other < peak((*longer, *_ac("selective")))
+
+
+def test_every_other_matmul_trains_bitwise_as_without_recomputation(tmp_path):
+    """Real 2-rank gloo jobs (FSDP=2, per-block bucketing, 3 steps): the losses of 'selective' with
+    every other matmul recomputed are bitwise those of no checkpointing (a recomputation runs the
+    same ops on the same inputs)."""
+    losses = {}
+    for name, flags in (("none", _ac("none")), ("every_other", (*_ac("selective"), *EVERY_OTHER))):
+        folder = tmp_path / name
+        run_train(2, folder, "--training.steps", "3", "--compile.passes", "transformer_block_bucketing", *flags)
+        losses[name] = read_losses(folder)
+    assert len(losses["none"]) == 3 and losses["every_other"] == losses["none"]
+
+
 def test_chunked_loss_recomputes_each_chunk_and_lowers_the_peak():
     longer = ["--training.seq_len", "256", "--training.local_batch_size", "4"]
     one = _graph(tuple(longer))
@@ -255,6 +295,12 @@ def test_config_errors():
             validate_config(load_config([*mode, "--activation_checkpoint.full_blocks", "2"]))
     cfg = load_config(["--activation_checkpoint.selective_ops", "mm, bmm"])
     assert cfg.activation_checkpoint.selective_ops == ["mm", "bmm"]
+    assert load_config([*_ac("selective"), *EVERY_OTHER]).activation_checkpoint.selective_matmuls == "every_other"
+    with pytest.raises(ConfigError, match="selective_matmuls"):
+        load_config(["--activation_checkpoint.selective_matmuls", "odd"])
+    for mode in ("none", "full"):
+        with pytest.raises(ConfigError, match="selective_matmuls = 'every_other' means something only with "):
+            validate_config(load_config([*_ac(mode), *EVERY_OTHER]))
 
 
 def test_chunked_loss_value_is_the_unchunked_one_to_an_ulp():
