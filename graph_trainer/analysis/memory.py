@@ -382,7 +382,7 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def _param_tensors(graph: fx.Graph | None, params: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
+def parameter_tensors(graph: fx.Graph | None, params: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
     """Local parameter tensors: ``params``' local shards, or the graph's parameter inputs."""
     if params is not None:
         return [local_tensor(p) for p in params]
@@ -444,7 +444,7 @@ def estimate_step_memory(
     """
     if microbatches < 1:
         raise ValueError(f"estimate_step_memory: microbatches = {microbatches} must be >= 1")
-    local = _param_tensors(graph, params)
+    local = parameter_tensors(graph, params)
     opt = optimizer_memory(optimizer)
     param_bytes = sum(_nbytes(p) for p in local)
     state_bytes = opt.state_tensors * param_bytes

@@ -14,8 +14,9 @@ its passes run (``compile.passes``, or each list given to ``--compare``, one tra
 ``none`` is the empty list; with ``--ac_modes``, each list once per activation-checkpointing
 mode), and the graph is simulated with ``graph_trainer.analysis.simulator`` on the device model
 (op by op; an inductor job as ``analysis.fusion`` fuses its kernels). Prints, per pass list, the
-collectives by type, simulated step / compute / communication / exposed communication time
-and the estimated peak memory of one rank with its parts (parameters, gradients, AdamW state,
+collectives by type, simulated step (the graph, x M microbatches, then the optimizer step:
+``analysis.optimizer_step``, its own "optim ms") / compute / communication / exposed communication
+time (one graph) and the estimated peak memory of one rank with its parts (parameters, gradients, AdamW state,
 activations: ``graph_trainer.analysis.memory.estimate_step_memory``), then the communication
 by collective kind, then per pass list the bytes one rank sends over NVLink and over
 InfiniBand, in all and by kind (``traffic_line``; ``--ranks_per_node``, at least 1, places
@@ -29,10 +30,10 @@ and estimated by ``graph_trainer.pipelining.timeline``: each stage's pieces are 
 schedule is replayed with point-to-point transfers between stages, and every pipeline rank's memory
 counts the microbatches its schedule keeps in flight. ``--pp_schedules a,b`` compares schedules
 (default: ``parallelism.pp_schedule``). Prints one row per pass list and schedule (simulated step,
-bubble fraction, tokens/s and model TFLOP/s per GPU, the highest rank's peak memory and its parts),
-then per stage its blocks, rank and the seconds of its pieces (F, B, I, W; with weights resident
-per step, ``parallelism.fsdp_collectives``, also its once-per-step gather and reduce) and what one
-microbatch holds, then the memory line of every pipeline rank.
+each rank's optimizer step last, bubble fraction, tokens/s and model TFLOP/s per GPU, the highest
+rank's peak memory and its parts), then per stage its blocks, rank and the seconds of its pieces
+(F, B, I, W; with weights resident per step, ``parallelism.fsdp_collectives``, also its once-per-step
+gather and reduce) and what one microbatch holds, then the memory line of every pipeline rank.
 
 ``--json OUT.json`` also writes the tables for scripts and plots: ``{"job": the first line,
 "summary": [...], "stages": [...], "kinds": [...]}``, one object per printed row keyed by the
@@ -42,7 +43,7 @@ a pipeline job). Its folder is checked writable before anything is traced.
 
 With ``--training.global_batch_size`` giving M > 1 microbatches per step, the simulated graph is
 one microbatch; the memory estimate counts the gradient accumulation buffer, and one line per pass
-list (``accumulation_line``) gives the step (M graphs), and what the gradient reductions send and
+list (``accumulation_line``) gives the step (M graphs and the optimizer step), and what the gradient reductions send and
 hold when every microbatch reduces its gradients (``fsdp_collectives`` per_microbatch) against
 accumulating them unreduced and reducing once.
 """
@@ -75,7 +76,7 @@ from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import is_collective
 from graph_trainer.graph.tags import FSDP_ROLE, REDUCE_GRAD
 from graph_trainer.loop.preflight import check_writable_folder
-from graph_trainer.pipelining.timeline import estimate_pipeline
+from graph_trainer.pipelining.timeline import estimate_pipeline, traced_optimizer_step
 from graph_trainer.validation import validate_config
 from models.registry import MODEL_SPECS, model_args
 
@@ -118,10 +119,9 @@ def analyze_pipeline(cfg, world_size: int, device, ranks_per_node: int = 8, opti
         traced = trace_pipeline(cfg, world_size, gpu_attention=device.fused_attention)
         traced_s = time.perf_counter() - start
         pipeline = traced.layout.pipeline
-        fused = fuses(cfg.compile.backend)
-        estimate = estimate_pipeline(
-            pipeline.plan, traced.stages, device, world_size, ranks_per_node, optimizer, traced.resident, fused
-        )
+        plan, stages, fused = pipeline.plan, traced.stages, fuses(cfg.compile.backend)
+        args = (device, world_size, ranks_per_node, optimizer, traced.resident, fused, cfg.training)
+        estimate = estimate_pipeline(plan, stages, *args)
     return estimate, pipeline.stage_blocks, traced_s, time.perf_counter() - start - traced_s
 
 
@@ -142,6 +142,7 @@ def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> t
         "stages": plan.num_stages,
         "microbatches": plan.microbatches,
         "step ms": timeline.step_seconds * 1e3,
+        "optim ms": max(o.seconds for o in estimate.optimizer.values()) * 1e3,  # (its rank's, in the step)
         "bubble %": 100 * timeline.bubble_fraction,
         "tokens/s/GPU": per_gpu,
         "TFLOP/s/GPU": per_gpu * flops / 1e12,
@@ -169,9 +170,10 @@ def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> t
     return summary, stages
 
 
-def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int, memory=None) -> dict[str, object]:
-    """One table row. ``memory`` (a ``StepMemoryEstimate``): "peak GiB" is the step's peak and
-    its parts follow; without it, "peak GiB" is the graph's own peak (no optimizer state)."""
+def summary_row(label, result, trace_s, sim_s, nodes, memory=None, optim=None, microbatches=1) -> dict[str, object]:
+    """One table row. ``memory`` (a ``StepMemoryEstimate``): "peak GiB" is the step's peak and its parts
+    follow; without it, "peak GiB" is the graph's own peak (no optimizer state). "step ms": ``microbatches``
+    graphs and ``optim``, the optimizer step (an ``OptimizerStepCost``, also its own "optim ms")."""
     counts = {k: 0 for k, _ in _KIND_COLUMNS}
     for c in result.collectives:
         counts[c.kind] = counts.get(c.kind, 0) + 1
@@ -179,7 +181,8 @@ def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int, me
     row.update({short: counts[k] for k, short in _KIND_COLUMNS})
     row.update(
         {
-            "step ms": result.step_time * 1e3,
+            "step ms": (microbatches * result.step_time + (optim.seconds if optim else 0.0)) * 1e3,
+            "optim ms": (optim.seconds if optim else 0.0) * 1e3,
             "compute ms": result.compute_time * 1e3,
             "comm ms": result.comm_time * 1e3,
             "exposed ms": result.exposed_comm_time * 1e3,
@@ -197,12 +200,7 @@ def summary_row(label: str, result, trace_s: float, sim_s: float, nodes: int, me
                 "activ GiB": peak.activations / GIB,
             }
         )
-    row.update(
-        {
-            "trace s": trace_s,
-            "sim s": sim_s,
-        }
-    )
+    row.update({"trace s": trace_s, "sim s": sim_s})
     return row
 
 
@@ -248,16 +246,17 @@ def gradient_reduction_costs(graph, result) -> tuple[float, int, int]:
     return sum(c.bytes_sent for c in records), estimate_peak_memory(graph).total_grad_bytes, unreduced
 
 
-def accumulation_line(label: str, graph, result, microbatches: int) -> str:
+def accumulation_line(label: str, graph, result, microbatches: int, optim_seconds: float = 0.0) -> str:
     """Gradient accumulation over ``microbatches`` graphs of ``result``: the step's simulated time
-    (the optimizer step is not simulated), and per step what the gradient reductions send and the
+    (with the optimizer step's ``optim_seconds``), and per step what the gradient reductions send and the
     accumulation buffer holds (``gradient_reduction_costs``) when each microbatch reduces (the
     trainer: the buffer is the reduced gradients) against accumulating the unreduced gradients and
     reducing once."""
     sent, reduced, unreduced = gradient_reduction_costs(graph, result)
     return (
         f"gradient accumulation ({label}): {microbatches} microbatches, simulated step "
-        f"{microbatches} x {result.step_time * 1e3:.1f} = {microbatches * result.step_time * 1e3:.1f} ms; "
+        f"{microbatches} x {result.step_time * 1e3:.1f} + optimizer {optim_seconds * 1e3:.1f} = "
+        f"{(microbatches * result.step_time + optim_seconds) * 1e3:.1f} ms; "
         f"reduced every microbatch: {_gb(microbatches * sent)} GB sent/rank, buffer {reduced / GIB:.2f} GiB; "
         f"unreduced, reduced once: {_gb(sent)} GB sent/rank, buffer {unreduced / GIB:.2f} GiB"
     )
@@ -428,8 +427,9 @@ def graph_report(cfg: JobConfig, label: str, command: CommandLine, optimizer, mi
     traced, result, trace_s, sim_s = analyze_job(cfg, command.world_size, command.device, command.ranks_per_node)
     graph = traced.gm.graph
     memory = estimate_step_memory(graph, None, optimizer, microbatches=microbatches)
-    accumulation = accumulation_line(label, graph, result, microbatches) if microbatches > 1 else None
-    summary = summary_row(label, result, trace_s, sim_s, len(graph.nodes), memory)
+    optim = traced_optimizer_step(traced, command.device, cfg.training, optimizer.all_at_once, command.ranks_per_node)
+    accumulation = accumulation_line(label, graph, result, microbatches, optim.seconds) if microbatches > 1 else None
+    summary = summary_row(label, result, trace_s, sim_s, len(graph.nodes), memory, optim, microbatches)
     memory_lines = [f"memory per rank ({label}): {memory.summary()}"]
     warning = memory_warning(memory, command.memory_limit, command.device.name)
     if warning:

@@ -27,6 +27,12 @@ own allocations) on top of the rank's parameters, gradient accumulation buffer a
 resident weights); the optimizer step is the other moment, as ``analysis.memory.estimate_step_memory``
 has it, and with resident weights the gradient reduction a third.
 
+The optimizer step ends the step (``analysis.optimizer_step``): each pipeline rank clips and
+updates its own stages' parameter shards (``StageCost.optimizer_params``) after its last action
+and reductions; the gradient norm's all-reduce over the pipeline waits for the last rank's
+squared norm, then every rank scales and updates (``replay_pipeline``'s ``optimizer``).
+``traced_optimizer_step`` costs the same step after a traced step without a pipeline.
+
 Reads: ``input_fqn`` on the stage graphs' placeholders (``tracer.BATCH_INPUTS``: what is held per
 microbatch rather than once), ``fsdp_role`` gathered (resident weights, not parameters). Nothing
 is written. Fails: a plan whose actions can never all run (a dependency no rank produces) raises
@@ -49,9 +55,17 @@ from graph_trainer.analysis.memory import (
     estimate_peak_memory,
     estimate_step_memory,
     optimizer_memory,
+    parameter_tensors,
     reduction_moment,
 )
+from graph_trainer.analysis.optimizer_step import (
+    OptimizerSettings,
+    OptimizerStepCost,
+    norm_reduce_groups,
+    optimizer_step_cost,
+)
 from graph_trainer.analysis.simulator import simulate
+from graph_trainer.compiler.flat_tensors import split_flat, unflatten_tensor
 from graph_trainer.compiler.resident import ResidentTrace
 from graph_trainer.compiler.tracer import BATCH_INPUTS, TracedStep
 from graph_trainer.graph import tags
@@ -88,6 +102,9 @@ class StageCost:
     once_seconds: dict[str, float] = field(default_factory=dict)
     """Weights resident per step: the simulated seconds of the stage's ``gather`` (at its first
     action of the step) and ``reduce`` (after the rank's last action)."""
+    optimizer_params: list[torch.Tensor] = field(default_factory=list, repr=False)
+    """The parameters the optimizer steps for this stage (``step_parameters``; with weights resident
+    per step, the reduced gradients' layout stands for the gathered ones)."""
 
 
 _PIECES = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
@@ -155,12 +172,15 @@ def stage_cost(
     gathered = [n for n in placeholders if tags.get(n, FSDP_ROLE) == GATHERED]
     params = [n.meta["val"] for n in placeholders if not _is_per_microbatch_input(n) and n not in gathered]
     once, reduced = {}, _bytes(grads)
-    if resident is not None:
+    if resident is None:
+        stepped = step_parameters(traced)
+    else:
         shards = [n.meta["val"] for n in resident.gather.graph.nodes if n.op == "placeholder"]
         params = shards + params
         once = {"gather": _seconds(resident.gather.graph, device, ranks_per_node)}
         once["reduce"] = _seconds(resident.reduce.graph, device, ranks_per_node)
         reduced = _bytes(grads[len(resident.weights.gathered_index) :]) + _bytes(shards)  # (the sums come first)
+        stepped = _reduced_parameters(resident) + parameter_tensors(traced.gm.graph, None)[len(gathered) :]
     return StageCost(
         seconds=seconds,
         peak_bytes=peaks,
@@ -172,7 +192,35 @@ def stage_cost(
         resident_bytes=_bytes([n.meta["val"] for n in gathered]),
         reduced_grad_bytes=reduced,
         once_seconds=once,
+        optimizer_params=stepped,
     )
+
+
+def step_parameters(traced: TracedStep) -> list[torch.Tensor]:
+    """The parameters a traced step takes, rebuilt from its graph's inputs and their flat specs
+    (DTensors where they are one: their local shard is what this rank's optimizer steps)."""
+    specs = traced.input_specs[: len(traced.param_names)]
+    inputs = [n.meta["val"] for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    flat = split_flat(inputs[: sum(spec.num_inner for spec in specs)], specs)
+    return [unflatten_tensor(inners, spec) for inners, spec in zip(flat, specs, strict=True)]
+
+
+def _reduced_parameters(resident: ResidentTrace) -> list[torch.Tensor]:
+    """The gathered parameters' gradients the reduce graph makes, rebuilt (their parameters'
+    shards and layout)."""
+    outputs = [o.meta["val"] for o in list(resident.reduce.graph.nodes)[-1].args[0]]
+    flat = split_flat(outputs, resident.reduce_specs)
+    return [unflatten_tensor(inners, spec) for inners, spec in zip(flat, resident.reduce_specs, strict=True)]
+
+
+def traced_optimizer_step(
+    traced: TracedStep, device: DeviceModel, training=None, foreach: bool = True, ranks_per_node: int = 8
+) -> OptimizerStepCost:
+    """The optimizer step after ``traced`` run without a pipeline (``analysis.optimizer_step``):
+    its parameters' shards, ``training``'s clipping and weight decay (None: the defaults)."""
+    params = step_parameters(traced)
+    settings = OptimizerSettings.of(training, foreach)
+    return optimizer_step_cost(params, device, settings, norm_reduce_groups(params), ranks_per_node)
 
 
 def p2p_seconds(nbytes: int, device: DeviceModel, inter_node: bool) -> float:
@@ -209,11 +257,15 @@ def _ready_key(action: Action, last_stage: int) -> tuple[str, int, int] | None:
 
 
 def replay_pipeline(
-    plan: PipelinePlan, costs: dict[int, StageCost], p2p: dict[int, float] | float = 0.0
+    plan: PipelinePlan,
+    costs: dict[int, StageCost],
+    p2p: dict[int, float] | float = 0.0,
+    optimizer: dict[int, OptimizerStepCost] | None = None,
 ) -> PipelineTimeline:
     """Replay ``plan`` with ``costs`` per stage (module docstring). ``p2p``: seconds of one transfer
     across the boundary between stages s and s + 1 (either way), a dict keyed by s or one figure for
-    all; none between two stages of one rank."""
+    all; none between two stages of one rank. ``optimizer``: each rank's optimizer step, run last
+    (``_optimizer_step``)."""
     last = plan.num_stages - 1
     transfer = p2p if isinstance(p2p, dict) else {s: p2p for s in range(plan.num_stages)}
     done: dict[tuple[str, int, int], tuple[float, int]] = {}  # key -> (end, rank)
@@ -256,7 +308,20 @@ def replay_pipeline(
         seconds = sum(costs[s].once_seconds.get("reduce", 0.0) for s in plan.local_stages(rank))
         clock[rank] += seconds
         busy[rank] += seconds
+    if optimizer:
+        _optimizer_step(clock, busy, optimizer)
     return PipelineTimeline(max(clock.values()), busy, events)
+
+
+def _optimizer_step(clock: dict[int, float], busy: dict[int, float], optimizer: dict[int, OptimizerStepCost]) -> None:
+    """Every rank's optimizer step after its clock: its squared gradient norm, the norm's
+    all-reduces (over the pipeline too: they start once the last rank's norm is ready), then its
+    clip and update. Moves the clocks and counts the ranks' kernels as busy."""
+    ready = max(clock[r] + optimizer[r].norm_seconds for r in clock)
+    summed = ready + max(optimizer[r].reduce_seconds for r in clock)
+    for rank in clock:
+        clock[rank] = summed + optimizer[rank].update_seconds
+        busy[rank] += optimizer[rank].norm_seconds + optimizer[rank].update_seconds
 
 
 def _activation_peak(actions: list[Action], costs: dict[int, StageCost]) -> tuple[int, str]:
@@ -320,6 +385,8 @@ class PipelineEstimate:
     timeline: PipelineTimeline
     memory: dict[int, StepMemoryEstimate]
     """Per pipeline rank."""
+    optimizer: dict[int, OptimizerStepCost] = field(default_factory=dict)
+    """Per pipeline rank, its optimizer step (part of ``timeline``'s step)."""
 
     def worst_memory(self) -> tuple[int, StepMemoryEstimate]:
         """(pipeline rank, estimate) of the rank with the highest peak."""
@@ -335,13 +402,16 @@ def estimate_pipeline(
     optimizer=None,
     resident: dict[int, ResidentTrace] | None = None,
     fused: bool = False,
+    training=None,
 ) -> PipelineEstimate:
     """Cut every stage's graph (``split.split_stage``; stages sharing one trace are costed once),
     cost it, replay ``plan`` and estimate every rank's memory (module docstring). ``world_size``
     and ``ranks_per_node`` place the pipeline ranks on nodes (pipeline outermost), which decides
     whether a point-to-point transfer crosses nodes. ``resident``: per stage, its step on weights
     resident per step (``stages`` holds its step graph). ``fused``: the pieces' compute costed as
-    Inductor fuses it (``analysis.fusion``), for ``compile.backend`` inductor."""
+    Inductor fuses it (``analysis.fusion``), for ``compile.backend`` inductor. Each rank's optimizer
+    step ends the step: ``optimizer``'s AdamW (foreach when it updates all parameters at once) with
+    ``training``'s clipping and weight decay (None: the defaults)."""
     by_trace: dict[int, StageCost] = {}
     costs = {}
     for stage, traced in stages.items():
@@ -359,9 +429,14 @@ def estimate_pipeline(
         here, there = plan.stage_to_rank[stage], plan.stage_to_rank[stage + 1]
         crosses = _boundary_crosses_nodes(here, there, stage_size, ranks_per_node)
         p2p[stage] = p2p_seconds(costs[stage].output_bytes, device, crosses)
-    timeline = replay_pipeline(plan, costs, p2p)  # (the gradient back has the forward output's size)
+    settings = OptimizerSettings.of(training, foreach=optimizer_memory(optimizer).all_at_once)
+    steps = {}
+    for rank in range(plan.pp):
+        params = [p for s in plan.local_stages(rank) for p in costs[s].optimizer_params]
+        steps[rank] = optimizer_step_cost(params, device, settings, norm_reduce_groups(params, plan.pp), ranks_per_node)
+    timeline = replay_pipeline(plan, costs, p2p, steps)  # (the gradient back has the forward output's size)
     memory = {rank: rank_memory(plan, rank, costs, optimizer) for rank in range(plan.pp)}
-    return PipelineEstimate(plan, costs, timeline, memory)
+    return PipelineEstimate(plan, costs, timeline, memory, steps)
 
 
 __all__ = [
@@ -373,4 +448,6 @@ __all__ = [
     "rank_memory",
     "replay_pipeline",
     "stage_cost",
+    "step_parameters",
+    "traced_optimizer_step",
 ]

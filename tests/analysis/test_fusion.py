@@ -1,5 +1,6 @@
 """The model of Inductor's kernels (``analysis.fusion``): which nodes fuse, what a kernel moves,
-and the fused simulation against the Inductor rows the one-GPU table measured."""
+the fused simulation against the Inductor rows the one-GPU table measured, and Inductor's gain over
+op by op, simulated on the measured rows' shapes, against the measured gain."""
 
 import json
 from pathlib import Path
@@ -172,6 +173,66 @@ def test_simulated_forward_backward_against_the_one_gpu_table(row):
     measured = row["forward_backward_ms"]
     print(f"{row['name']}: simulated {result.step_time * 1e3:.1f} ms, measured {measured:.1f} ms")
     assert result.step_time * 1e3 == pytest.approx(measured, rel=0.10)
+
+
+# The first H100 table (docs/performance.md, its first H100 run): tokens/s of the traced
+# graph op by op and under Inductor, pure bf16 parameters, one process, commit 515ebdd.
+MEASURED_GAINS = {
+    ("llama3", "8B", 2, 8192, 1): (56_061, 69_436),
+    ("llama3", "8B", 4, 8192, 1): (40_068, 47_654),
+    ("llama3", "8B", 6, 8192, 1): (30_529, 36_951),
+    ("deepseek_v3", "16B", 4, 4096, 2): (55_098, 70_522),
+}
+SPEEDUP_RTOL = 0.10
+"""The simulated speed-up (op-by-op step / Inductor step) is held to the measured one within this,
+the bound the project holds its simulated step times to (``test_calibration.py``, the H200 rows
+above): +32% simulated where +19% was measured (1.32 / 1.19 = 1.11) fails."""
+
+
+@pytest.mark.parametrize("row", list(MEASURED_GAINS), ids=lambda r: f"{r[0]}_{r[1]}x{r[2]}_{r[4]}x{r[3]}")
+def test_simulated_fusion_gain_against_the_h100_table(row):
+    """Inductor's gain over op by op on the whole step, as measured: both steps end with the same
+    optimizer step, which Inductor does not touch (the traced graph was compiled, not the optimizer:
+    single-tensor AdamW and the clipping over bf16 parameters, ``analysis.optimizer_step``)."""
+    from graph_trainer.analysis.memory import parameter_tensors
+    from graph_trainer.analysis.optimizer_step import OptimizerSettings, optimizer_step_cost
+    from tests.analysis.test_calibration import Case, simulate_case
+
+    model, flavor, layers, seq, batch = row
+    op_tokens, inductor_tokens = MEASURED_GAINS[row]
+    traced, op = simulate_case(Case("", model, flavor, layers, seq, batch, True, op_tokens, 0.0))
+    fused = simulate(traced.gm.graph, H100_SXM, record_events=False, fused=True)
+    params = parameter_tensors(traced.gm.graph, None)
+    assert {p.dtype for p in params} == {torch.bfloat16}
+    optim = optimizer_step_cost(params, H100_SXM, OptimizerSettings(foreach=False)).seconds
+    measured = inductor_tokens / op_tokens - 1
+    graph_only = op.step_time / fused.step_time - 1
+    simulated = (op.step_time + optim) / (fused.step_time + optim) - 1
+    step = seq * batch / op_tokens * 1e3, seq * batch / inductor_tokens * 1e3
+    print(
+        f"\n{row}: measured {step[0]:.1f} -> {step[1]:.1f} ms ({measured:+.1%}); simulated graph "
+        f"{op.step_time * 1e3:.1f} -> {fused.step_time * 1e3:.1f} ms ({graph_only:+.1%}), with the optimizer "
+        f"step's {optim * 1e3:.1f} ms {simulated:+.1%}"
+    )
+    assert 1 + simulated == pytest.approx(1 + measured, rel=SPEEDUP_RTOL)
+
+
+def test_simulated_fusion_gain_against_the_h200_tables_selective_pair():
+    """The H200 table's selective rows (fp32 master weights, 8 loss chunks), forward and backward as
+    measured (no optimizer step in either figure): op by op and Inductor regional."""
+    rows = {r["name"]: r for r in json.loads(TABLE.read_text())["rows"]}
+    op, regional = rows["llama3_graph_ac_selective"], rows["llama3_regional_ac_selective"]
+    from graph_trainer.cli.analyze import analyze_job
+    from graph_trainer.config_loading import load_config
+
+    command = op["command"]
+    flags = [x for f, v in zip(command[1::2], command[2::2], strict=True) if f in _JOB_FLAGS for x in (f, v)]
+    traced, simulated_op, _, _ = analyze_job(load_config(flags), 1, H200_SXM)
+    fused = simulate(traced.gm.graph, H200_SXM, record_events=False, fused=True)
+    measured = op["forward_backward_ms"] / regional["forward_backward_ms"] - 1
+    simulated = simulated_op.step_time / fused.step_time - 1
+    print(f"\nselective pair: measured {measured:+.1%}, simulated {simulated:+.1%}")
+    assert 1 + simulated == pytest.approx(1 + measured, rel=SPEEDUP_RTOL)
 
 
 def test_random_ops_stay_kernels_of_their_own():

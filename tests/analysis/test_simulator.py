@@ -242,6 +242,8 @@ def test_analyze_cli_compare(capsys, tmp_path):
     tables = json.loads((tmp_path / "out" / "analyze.json").read_text())
     assert tables["job"] == out.splitlines()[0] and tables["stages"] == []
     assert [r["passes"] for r in tables["summary"]] == ["none", "none"]
+    for row in tables["summary"]:  # one microbatch: its graph, then the optimizer step
+        assert 0 < row["optim ms"] < row["step ms"] and row["step ms"] - row["optim ms"] >= row["compute ms"]
     assert format_table(tables["summary"]) in out and format_table(tables["kinds"]) in out
     assert {r["kind"] for r in tables["kinds"]} >= {"all_gather", "reduce_scatter"}
     assert main(["--world_size", "2", "--compare", "no_such_pass"]) == 2
@@ -273,13 +275,14 @@ def test_analyze_cli_compares_pipeline_schedules(capsys, tmp_path):
     assert main([*flags, "--pp_schedules", "1F1B,GPipe,ZBVZeroBubble", "--json", str(tmp_path / "a.json")]) == 0
     lines = capsys.readouterr().out.splitlines()
     # summary rows (not the stage rows): columns passes, schedule, stages, microbatches, step ms,
-    # bubble %, tokens/s/GPU, TFLOP/s/GPU, peak GiB, ...
-    rows = {r.split()[1]: r.split() for r in lines if r.startswith("none ") and len(r.split()) == 17}
+    # optim ms, bubble %, tokens/s/GPU, TFLOP/s/GPU, peak GiB, ...
+    rows = {r.split()[1]: r.split() for r in lines if r.startswith("none ") and len(r.split()) == 18}
     assert set(rows) == {"1F1B", "GPipe", "ZBVZeroBubble"}
-    bubble = {s: float(r[5]) for s, r in rows.items()}
+    bubble = {s: float(r[6]) for s, r in rows.items()}
     assert all(0 < b < 100 for b in bubble.values())
+    assert all(0 < float(r[5]) < float(r[4]) for r in rows.values())  # the optimizer step, in the step
     # GPipe holds every microbatch in flight, 1F1B at most pp of them
-    peak = {s: float(r[8]) for s, r in rows.items()}
+    peak = {s: float(r[9]) for s, r in rows.items()}
     assert peak["GPipe"] > peak["1F1B"]
     assert sum(x.startswith("memory of pipeline rank ") for x in lines) == 2 * 3
     # --json: the same rows with the printed columns; a stage row per stage and schedule
@@ -288,7 +291,7 @@ def test_analyze_cli_compares_pipeline_schedules(capsys, tmp_path):
     summary = {r["schedule"]: r for r in tables["summary"]}
     assert set(summary) == set(rows) and tables["kinds"] == []
     for schedule, row in summary.items():
-        assert f"{row['bubble %']:.4g}" == rows[schedule][5] and f"{row['peak GiB']:.4g}" == rows[schedule][8]
+        assert f"{row['bubble %']:.4g}" == rows[schedule][6] and f"{row['peak GiB']:.4g}" == rows[schedule][9]
     assert [(r["schedule"], r["stage"]) for r in tables["stages"]] == [
         (s, k) for s in ("1F1B", "GPipe", "ZBVZeroBubble") for k in range(4 if s == "ZBVZeroBubble" else 2)
     ]
@@ -327,6 +330,7 @@ def test_gradient_accumulation_costs_of_reducing_every_microbatch_or_once(layout
     (line,) = [x for x in out.splitlines() if x.startswith("gradient accumulation (none): 2 microbatches")]
     assert f"reduced every microbatch: {2 * sent / 1e9:.3g} GB sent/rank" in line
     assert f"reduced once: {sent / 1e9:.3g} GB sent/rank" in line
+    assert f"simulated step 2 x {result.step_time * 1e3:.1f} + optimizer " in line
     assert "accumulated grads" in next(x for x in out.splitlines() if x.startswith("memory per rank (none)"))
 
 

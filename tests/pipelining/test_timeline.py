@@ -10,6 +10,7 @@ import torch
 
 from graph_trainer.analysis.devices import DEVICES
 from graph_trainer.analysis.memory import adamw_memory
+from graph_trainer.analysis.optimizer_step import OptimizerStepCost
 from graph_trainer.config_loading import load_config
 from graph_trainer.fake_trace import fake_world, trace_pipeline
 from graph_trainer.pipelining.schedule import PipelinePlan, plan_pipeline
@@ -108,8 +109,32 @@ def test_estimate_of_a_traced_pipeline_splits_the_model_over_its_ranks():
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     assert whole <= sum(m.moments[0].params for m in estimate.memory.values()) < 1.05 * whole  # (+ buffers)
     assert 0 < estimate.timeline.bubble_fraction < 1
+    # each rank steps its own stages' parameters (the model's, dp = 1; CPU: single-tensor AdamW)
+    stepped = [p for s in range(4) for p in estimate.costs[s].optimizer_params]
+    assert sum(p.numel() for p in stepped) == sum(p.numel() for p in model.parameters())
+    assert set(estimate.optimizer) == {0, 1} and all(o.seconds > 0 for o in estimate.optimizer.values())
+    assert estimate.optimizer[0].reduce_seconds > 0  # the norm summed over the pipeline
+    assert estimate.timeline.step_seconds > replay_pipeline(plan, estimate.costs).step_seconds
     # the first stage holds no stage input to differentiate; its dI is empty
     assert estimate.costs[0].seconds["I"] == 0 and estimate.costs[1].seconds["I"] > 0
+
+
+def test_the_optimizer_step_ends_the_step_once_every_ranks_norm_is_summed():
+    """Each rank's squared norm after its last action; the all-reduce over the pipeline starts once
+    the last of them is ready; then each rank clips and updates its own parameters."""
+    plan = plan_pipeline("1F1B", 2, 4)
+    without = replay_pipeline(plan, _uniform(plan))
+    steps = {0: OptimizerStepCost(0.5, 0.25, 1.0), 1: OptimizerStepCost(4.0, 0.25, 0.125)}
+    timeline = replay_pipeline(plan, _uniform(plan), optimizer=steps)
+    last = {r: max(end for rank, _, _, end in without.events if rank == r) for r in steps}
+    assert last[0] > last[1]  # (1F1B: the first rank runs the last backward)
+    summed = max(last[r] + steps[r].norm_seconds for r in steps) + 0.25
+    assert summed == last[1] + 4.25  # the second rank's norm is the later one here
+    assert timeline.step_seconds == pytest.approx(summed + 1.0)
+    for rank, step in steps.items():
+        assert timeline.busy_seconds[rank] == pytest.approx(
+            without.busy_seconds[rank] + step.norm_seconds + step.update_seconds
+        )
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
