@@ -34,7 +34,7 @@ LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"]
 Float8Recipe = Literal["none", "tensorwise", "rowwise", "rowwise_with_gw_hp"]
 """torchao's float8 training recipes by name (``Float8LinearConfig.from_recipe_name``), and 'none'."""
-SimulatedDevice = Literal["none", "h100", "h200", "cpu"]
+SimulatedDevice = Literal["none", "h100", "h200", "h100_hbm2e_500w", "cpu"]
 """'none' and the keys of ``graph_trainer.analysis.devices.DEVICES`` (a test holds them equal)."""
 
 SELECTIVE_OPS = [*MATMUL_OP_NAMES, *ATTENTION_FORWARD_OP_NAMES]

@@ -24,17 +24,23 @@ the rest. A device without it (``CPU_2CORE``) uses its global ``flops_efficiency
 ``bandwidth_efficiency``. ``H100_SXM``'s classes are calibrated on profiles of real H100 steps
 (the scaled matmuls on an H200's matmul rates); ``H100_KERNELS`` says from which ops and numbers.
 
-Collectives follow ring models over the slowest link the group crosses. Each rank of a group
-of ``n`` sends ``ring_factor * bytes`` (``collective_traffic``): ``(n-1)/n`` for all_gather,
-reduce_scatter and all_to_all, ``2*(n-1)/n`` for all_reduce, the whole buffer for a broadcast;
-``bytes`` is ``collective_bytes``, the full (gathered / unreduced) buffer, the larger of input
-and output for all_to_all. A collective lasts ``collective_latency + sent / bw``. ``bw`` is
-NVLink when all the group's ranks sit on one node (``rank // ranks_per_node`` equal, from the
-group's global ranks when the process group can be resolved, otherwise ``n <= ranks_per_node``)
-and InfiniBand per GPU otherwise. The bytes are counted on that same link: all of a spanning
-group's bytes are *inter-node*, because the NIC is the link that sets its time (NCCL's rings
-send part of them over NVLink, so this bounds what crosses nodes from above). Concurrent
-collectives are assumed not to share bandwidth.
+Collectives follow NCCL's algorithms. Each rank of a group of ``n`` sends ``ring_factor * bytes``
+(``collective_traffic``): ``(n-1)/n`` for all_gather, reduce_scatter and all_to_all, ``2*(n-1)/n``
+for all_reduce, the whole buffer for a broadcast; ``bytes`` is ``collective_bytes`` (the full
+buffer; the larger of input and output for all_to_all). Global rank ``r`` sits on node
+``r // ranks_per_node`` (the group's ranks if its process group resolves, else ``n`` consecutive
+ranks from 0), ``g`` of the group's ranks on a node (``GroupInfo.ranks_on_node``, the fewest on
+any), one NIC per GPU. Inside a node every byte goes over NVLink. Across nodes
+(``inter_node_share``): ring collectives run one ring per NIC of a node (rail-optimised), each
+leaving the node through another GPU, the buffer split evenly over them; a rank's ring neighbour
+is off its node in one of its ``g`` rings, so ``1/g`` of its bytes cross its NIC and ``(g-1)/g``
+go over NVLink, the node's ``g`` NICs carrying the crossing together (NCCL's maintainers,
+github.com/NVIDIA/nccl/issues/601: with NVLink NCCL splits an operation in N parts over N NICs;
+nccl-tests' doc/PERFORMANCE.md: a ring's bus bandwidth is its bottleneck link's). An all_to_all
+sends ``bytes/n`` to each peer: ``(n-g)/n`` of the buffer through its own NIC, ``(g-1)/n`` over
+NVLink. A collective lasts ``collective_latency + max(NVLink bytes / NVLink bandwidth, NIC bytes
+/ NIC bandwidth)`` at ``bandwidth_efficiency``, the links running at once; ``CollectiveTraffic``
+keeps both parts (``analyze`` reports them). Concurrent collectives do not share bandwidth.
 
 Data-dependent sizes (expert-parallel ``all_to_all_single`` split sizes read with
 ``.tolist()``) are unbacked symbols without hints. ``SizeHints.from_graph`` assigns them by
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -103,49 +110,18 @@ FILLS = {
 }
 """Ops that write their output without reading a tensor input (at most a 0-d value)."""
 # Kernel classes by op name (overload-independent), see ``kernel_class``.
-_COMPUTE_CLASSES = {
-    "matmul",
-    "grouped_mm",
-    "scaled_mm_tensorwise",
-    "scaled_mm_rowwise",
-    "attention_forward",
-    "attention_backward",
-}
+_COMPUTE_CLASSES = set(
+    "matmul grouped_mm scaled_mm_tensorwise scaled_mm_rowwise attention_forward attention_backward".split()
+)
 _SOFTMAX_FORWARD = {"_log_softmax", "_softmax", "_safe_softmax"}
 _SOFTMAX_BACKWARD = {"_log_softmax_backward_data", "_softmax_backward_data"}
-_SCATTER_ADD = {
-    "index_add",
-    "index_add_",
-    "scatter_add",
-    "scatter_add_",
-    "scatter_reduce",
-    "scatter_reduce_",
-    "_embedding_bag_backward",
-}
-_REDUCTIONS = {
-    "sum",
-    "mean",
-    "amax",
-    "amin",
-    "max",
-    "min",
-    "prod",
-    "var",
-    "var_mean",
-    "std",
-    "norm",
-    "linalg_vector_norm",
-    "argmax",
-    "argmin",
-    "any",
-    "all",
-    "logsumexp",
-    "cumsum",
-    "cumprod",
-    "topk",
-    "sort",
-    "histc",
-}
+_SCATTER_ADD = set(
+    "index_add index_add_ scatter_add scatter_add_ scatter_reduce scatter_reduce_ _embedding_bag_backward".split()
+)
+_REDUCTIONS = set(
+    "sum mean amax amin max min prod var var_mean std norm linalg_vector_norm argmax argmin any all logsumexp "
+    "cumsum cumprod topk sort histc".split()
+)
 _CONCATS = {"cat", "stack"}
 _CASTS = {"_to_copy", "to", "copy", "copy_", "_to_dtype"}
 
@@ -352,17 +328,23 @@ def _resolve_group(group_name: str):
 
 @dataclass(frozen=True)
 class GroupInfo:
+    """A collective's process group as the link model sees it."""
+
     size: int
     spans_nodes: bool
+    ranks_on_node: int
+    """Ranks of the group on each node it occupies, the fewest on any one of them (``size``
+    when it does not span nodes): the NICs a ring spreads its node-crossing bytes over."""
 
 
 def group_info(node: fx.Node, ranks_per_node: int = 8, group_size: int | None = None) -> GroupInfo:
-    """Size of a collective's group and whether it crosses nodes.
+    """Size of a collective's group, whether it crosses nodes and how many of its ranks share a node.
 
     The size is ``group_size`` if given, else the op's own ``group_size`` argument
-    (all_gather / reduce_scatter), else the size of the resolved process group; the ranks of
-    the resolved group decide node crossing (``rank // ranks_per_node``), or without them
-    ``group_size > ranks_per_node``. ``ranks_per_node`` must be >= 1.
+    (all_gather / reduce_scatter), else the size of the resolved process group. The ranks of
+    the resolved group place it (global rank ``r`` on node ``r // ranks_per_node``); without them
+    the group is taken as consecutive ranks from 0 (full nodes, the last one holding the rest).
+    ``ranks_per_node`` must be >= 1.
     """
     if ranks_per_node < 1:
         raise ValueError(f"ranks_per_node = {ranks_per_node} must be >= 1")
@@ -376,11 +358,11 @@ def group_info(node: fx.Node, ranks_per_node: int = 8, group_size: int | None = 
         group_size = group_size_arg(node) or (len(ranks) if ranks else None)
     if group_size is None:
         raise ValueError(f"cannot find the group size of {node.name}: pass group_size")
-    if ranks and len(ranks) == group_size:
-        spans = len({r // ranks_per_node for r in ranks}) > 1
-    else:
-        spans = group_size > ranks_per_node
-    return GroupInfo(int(group_size), spans)
+    size = int(group_size)
+    if not (ranks and len(ranks) == size):
+        ranks = list(range(size))
+    per_node = Counter(r // ranks_per_node for r in ranks)
+    return GroupInfo(size, len(per_node) > 1, min(per_node.values()))
 
 
 def ring_factor(kind: str, group_size: int) -> float:
@@ -397,17 +379,48 @@ def ring_factor(kind: str, group_size: int) -> float:
     return 2 * factor if kind == "all_reduce" else factor
 
 
+def inter_node_share(kind: str, group: GroupInfo) -> float:
+    """Fraction of the bytes a rank sends for a collective of ``kind`` on ``group`` that leaves its
+    node through its own NIC (the rest goes over NVLink); the module docstring derives it.
+
+    0 inside a node. all_to_all: the share of its peers on other nodes, ``(n - g) / (n - 1)``.
+    Ring collectives: ``1 / g``, NCCL running one ring per NIC of the node, each leaving the
+    node through another of the group's ``g`` ranks there."""
+    if not group.spans_nodes or group.size <= 1:
+        return 0.0
+    n, g = group.size, group.ranks_on_node
+    if kind == "all_to_all":
+        return (n - g) / (n - 1)
+    return 1.0 / g
+
+
 @dataclass(frozen=True)
 class CollectiveTraffic:
-    """What one rank sends for one collective (the module docstring's convention)."""
+    """What one rank sends for one collective or transfer (the module docstring's convention)."""
 
     kind: str
     group_size: int
     bytes_sent: float
-    """``ring_factor(kind, group_size) * collective_bytes``: bytes this rank sends on the network."""
-    inter_node: bool
-    """True when the group spans nodes: all of ``bytes_sent`` is counted over the inter-node
-    links (the ring's slowest link, the one ``traffic_time`` divides by)."""
+    """Bytes this rank sends over all its links: ``ring_factor(kind, group_size) * collective_bytes``."""
+    bytes_inter_node: float = 0.0
+    """Of ``bytes_sent``, the bytes over this rank's inter-node NIC; the rest go over NVLink."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bytes_inter_node, bool) or not 0 <= self.bytes_inter_node <= self.bytes_sent * (1 + 1e-12):
+            raise ValueError(
+                f"bytes_inter_node = {self.bytes_inter_node!r} must be a number of bytes in [0, bytes_sent = "
+                f"{self.bytes_sent}]"
+            )
+
+    @property
+    def bytes_intra_node(self) -> float:
+        """Of ``bytes_sent``, the bytes over NVLink."""
+        return self.bytes_sent - self.bytes_inter_node
+
+    @property
+    def inter_node(self) -> bool:
+        """Whether any of the bytes leave the node."""
+        return self.bytes_inter_node > 0
 
 
 def collective_traffic(
@@ -415,24 +428,23 @@ def collective_traffic(
     group_size: int | None = None,
     ranks_per_node: int = 8,
     hints: SizeHints | None = None,
-    spans_nodes: bool | None = None,
+    group: GroupInfo | None = None,
 ) -> CollectiveTraffic:
-    """The bytes one rank sends for collective ``node`` and whether they cross nodes.
+    """The bytes one rank sends for collective ``node``, split into NVLink and InfiniBand bytes.
 
-    ``group_size`` and ``spans_nodes`` override what ``group_info`` finds (the simulator passes
-    them once per group); ``hints`` resolves data-dependent sizes (default: from the graph).
+    ``group`` (the simulator resolves it once per process group) replaces what ``group_info``
+    finds from ``group_size`` and ``ranks_per_node``; ``hints`` resolves data-dependent sizes
+    (default: from the graph).
     """
-    if group_size is None or spans_nodes is None:
-        info = group_info(node, ranks_per_node, group_size)
-        group_size = info.size
-        spans_nodes = info.spans_nodes if spans_nodes is None else spans_nodes
+    if group is None:
+        group = group_info(node, ranks_per_node, group_size)
     if hints is None:
         hints = SizeHints.from_graph(node.graph)
     kind = collectives.kind(node)
     if kind is None:
         raise ValueError(f"{node.name} is not a collective launch")
-    sent = ring_factor(kind, group_size) * collective_bytes(node, hints)
-    return CollectiveTraffic(kind, group_size, sent, spans_nodes)
+    sent = ring_factor(kind, group.size) * collective_bytes(node, hints)
+    return CollectiveTraffic(kind, group.size, sent, sent * inter_node_share(kind, group))
 
 
 def collective_time(
@@ -441,17 +453,20 @@ def collective_time(
     group_size: int | None = None,
     ranks_per_node: int = 8,
     hints: SizeHints | None = None,
-    spans_nodes: bool | None = None,
+    group: GroupInfo | None = None,
 ) -> float:
     """Seconds a collective occupies its group's stream (``traffic_time`` of its ``collective_traffic``)."""
-    return traffic_time(collective_traffic(node, group_size, ranks_per_node, hints, spans_nodes), device)
+    return traffic_time(collective_traffic(node, group_size, ranks_per_node, hints, group), device)
 
 
 def traffic_time(traffic: CollectiveTraffic, device: DeviceModel) -> float:
-    """Seconds ``traffic`` takes on ``device``: ``collective_latency`` plus its bytes over the
-    achieved bandwidth of the link they are counted on (NIC per GPU, or NVLink)."""
-    peak = device.inter_node_bandwidth if traffic.inter_node else device.intra_node_bandwidth
-    return device.collective_latency + traffic.bytes_sent / (peak * device.bandwidth_efficiency)
+    """Seconds ``traffic`` takes on ``device``: ``collective_latency`` plus the longer of its NVLink
+    bytes over NVLink and its InfiniBand bytes over the NIC, at the achieved fraction
+    (``bandwidth_efficiency``) of each; the two links carry their parts at the same time."""
+    efficiency = device.bandwidth_efficiency
+    nvlink = traffic.bytes_intra_node / (device.intra_node_bandwidth * efficiency)
+    nic = traffic.bytes_inter_node / (device.inter_node_bandwidth * efficiency)
+    return device.collective_latency + max(nvlink, nic)
 
 
 __all__ = [
@@ -461,6 +476,7 @@ __all__ = [
     "collective_time",
     "collective_traffic",
     "group_info",
+    "inter_node_share",
     "is_free",
     "kernel_class",
     "node_bytes",

@@ -5,9 +5,14 @@ which fraction of the roofline each class of kernel reaches (``cost_model.kernel
 node into its class). ``H100_SXM`` is calibrated per kernel class on torch.profiler tables of one
 H100 (the comments at ``H100_KERNELS`` say from which ops; the runs are in docs/performance.md,
 the tables in docs/h100_profiles/); ``H200_SXM`` is the H100 with the H200's memory bandwidth;
-``CPU_2CORE`` is a rough model for sanity checks.
-``DEVICES`` names them for the command lines (``analyze``) and the passes (``auto_bucketing``
-always decides for the H100).
+``H100_HBM2E_500W`` is the H100 of torchtitan's published Llama 3.1 benchmark (96 GB HBM2e at
+2.4 TB/s, a 500 W power limit); ``CPU_2CORE`` is a rough model for sanity checks.
+``DEVICES`` names them for the command lines (``analyze``, ``metrics.simulate_device``) and the
+passes (``auto_bucketing`` always decides for the H100).
+
+The attention kernel is software, not hardware: ``ATTENTION_KERNELS`` holds the rates of cuDNN's
+fused attention (the calibrated ``H100_KERNELS`` ones), FlashAttention-2 and FlashAttention-3 on
+the H100, and ``with_attention(device, name)`` is ``device`` running that kernel.
 """
 
 from __future__ import annotations
@@ -89,6 +94,17 @@ class DeviceModel:
         if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             return 2 * self.peak_flops_bf16
         return self.peak_flops_fp32
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """Rates of one fused attention implementation, as ``KernelEfficiency``'s attention fields."""
+
+    name: str
+    forward: float
+    """Forward FLOP/s over the device's peak (``KernelEfficiency.attention_forward``)."""
+    backward: float
+    """Backward FLOP/s over the device's peak (``KernelEfficiency.attention_backward``)."""
 
 
 # Calibration of H100_SXM's kernels (the runs are in docs/performance.md, the two
@@ -185,7 +201,76 @@ CPU_2CORE = DeviceModel(
     launch_overhead=10e-6,
 )
 
-DEVICES: dict[str, DeviceModel] = {"h100": H100_SXM, "h200": H200_SXM, "cpu": CPU_2CORE}
+H100_HBM2E_500W = replace(
+    H100_SXM,
+    name="H100 96GB HBM2e, 500 W",
+    # torchtitan's benchmarks/llama3_h100_202412_torchtitan.md ("Hardware"): Grand Teton hosts of
+    # 8 H100s "fully connected with NVLink", each "equipped with 96GB HBM2e with 2.4 TB/sec peak
+    # memory bandwidth", "backend RDMA network with 400 Gb/s per GPU" (H100_SXM's 50e9 B/s
+    # inter-node), "the default 500W power limit". NVLink and NIC are kept from H100_SXM.
+    hbm_bandwidth=2.4e12,
+    # Matmul and attention rates: H100_SXM's (989 TFLOP/s bf16 and the kernel efficiencies
+    # calibrated on a 700 W H100 80GB HBM3). No published or measured sustained bf16 matmul
+    # rate of an H100 at a 500 W limit was found to derive one from: the file's own footnote says
+    # the card's peak "is between SXM and NVL, and we don't know its exact value" (NVIDIA's
+    # datasheets: SXM 989 TFLOP/s dense bf16 at 700 W, NVL 835 at 350-400 W: peaks of other
+    # cards, not a sustained rate under a 500 W limit), and the power-capping study of an HBM2e
+    # H100 found (arXiv 2604.11391, caps of 200-700 W) reports fp64 DGEMM, not bf16 matmuls. So
+    # this model reads fast wherever the 500 W limit lowers the clock of compute-bound kernels.
+)
+
+# The same GH100 compute on every device here (989 TFLOP/s dense bf16), so one set of rates.
+# FLOPs are counted as ``cost_model._attention_flops`` counts them and as the FlashAttention
+# papers do (causal: half of 4*B*H*S*S*D; backward 2.5x the forward).
+ATTENTION_KERNELS: dict[str, AttentionKernel] = {
+    # cuDNN fused attention (sm90): H100_KERNELS' calibrated rates (its comments say from which profiles).
+    "cudnn": AttentionKernel("cuDNN", forward=H100_KERNELS.attention_forward, backward=H100_KERNELS.attention_backward),
+    # FlashAttention-2 (PyTorch's SDPA flash backend is FA2), and FlashAttention-3: the FA3 paper
+    # (Shah et al., arXiv 2407.08608v2), H100 80GB SXM5, bf16, head dim 128, at sequence length 8k
+    # (the 8B rows' 8192): forward with causal mask (Fig. 5) FA2 333, FA3 602 TFLOP/s; backward
+    # (Fig. 6, published without causal mask only) FA2 318, FA3 559 TFLOP/s; over 989 TFLOP/s.
+    # (cuDNN in the same figures: 529 forward, 518 backward; the 1k-16k range of FA2 forward is
+    # 260-335, of FA3 423-616.)
+    "fa2": AttentionKernel("FlashAttention-2", forward=333 / 989, backward=318 / 989),
+    "fa3": AttentionKernel("FlashAttention-3", forward=602 / 989, backward=559 / 989),
+}
 
 
-__all__ = ["CPU_2CORE", "DEVICES", "H100_KERNELS", "H100_SXM", "H200_SXM", "DeviceModel", "KernelEfficiency"]
+def with_attention(device: DeviceModel, kernel: str) -> DeviceModel:
+    """``device`` running its fused attention with ``ATTENTION_KERNELS[kernel]``'s rates (its name
+    says which); raises ``ValueError`` for an unknown kernel or a device without fused attention."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose from {', '.join(ATTENTION_KERNELS)}")
+    if device.kernel_efficiency is None or not device.fused_attention:
+        raise ValueError(f"{device.name} runs no fused attention kernel: it has no attention kernel to choose")
+    rates = ATTENTION_KERNELS[kernel]
+    return replace(
+        device,
+        name=f"{device.name}, {rates.name} attention",
+        kernel_efficiency=replace(
+            device.kernel_efficiency, attention_forward=rates.forward, attention_backward=rates.backward
+        ),
+    )
+
+
+DEVICES: dict[str, DeviceModel] = {
+    "h100": H100_SXM,
+    "h200": H200_SXM,
+    "h100_hbm2e_500w": H100_HBM2E_500W,
+    "cpu": CPU_2CORE,
+}
+
+
+__all__ = [
+    "ATTENTION_KERNELS",
+    "CPU_2CORE",
+    "DEVICES",
+    "H100_HBM2E_500W",
+    "H100_KERNELS",
+    "H100_SXM",
+    "H200_SXM",
+    "AttentionKernel",
+    "DeviceModel",
+    "KernelEfficiency",
+    "with_attention",
+]

@@ -20,8 +20,8 @@ Execution model (the one NCCL + one CUDA compute stream give in eager PyTorch):
 ``comm_time`` the sum of collective durations and ``exposed_comm_time`` the sum of blocked
 time (so ``step_time == compute_time + exposed_comm_time`` when every collective is waited).
 ``by_kind`` and ``sent_bytes`` total the bytes one rank sends per collective kind, split into
-intra-node (NVLink) and inter-node (InfiniBand) links by ``cost_model.collective_traffic``'s
-convention: a group that spans nodes counts all its bytes as inter-node.
+intra-node (NVLink) and inter-node (InfiniBand) links as ``cost_model.collective_traffic`` splits
+each collective's.
 The peak memory estimate is ``graph_trainer.analysis.memory.estimate_peak_memory``.
 """
 
@@ -69,7 +69,9 @@ class CollectiveRecord:
     bytes_sent: float = 0.0
     """Bytes this rank sends for it (``cost_model.collective_traffic``), not ``bytes``'s full buffer."""
     inter_node: bool = False
-    """Whether ``bytes_sent`` is counted over inter-node links (the group spans nodes)."""
+    """Whether any of ``bytes_sent`` leaves the node."""
+    bytes_inter_node: float = 0.0
+    """Of ``bytes_sent``, the bytes over this rank's inter-node NIC; the rest go over NVLink."""
 
     @property
     def duration(self) -> float:
@@ -115,12 +117,13 @@ class SimulationResult:
             row["bytes"] += c.bytes
             row["time"] += c.duration
             row["exposed"] += c.exposed
-            row[_sent_key(c.inter_node)] += c.bytes_sent
+            row["sent_inter_node"] += c.bytes_inter_node
+            row["sent_intra_node"] += c.bytes_sent - c.bytes_inter_node
         return out
 
     def sent_bytes(self, inter_node: bool) -> float:
         """Bytes this rank sends in the step over inter-node (True) or intra-node (False) links."""
-        return sum(c.bytes_sent for c in self.collectives if c.inter_node == inter_node)
+        return sum(c.bytes_inter_node if inter_node else c.bytes_sent - c.bytes_inter_node for c in self.collectives)
 
     def to_chrome_trace(self, path: str) -> None:
         """Write a Chrome/Perfetto trace: a compute track and one track per process group."""
@@ -170,6 +173,7 @@ class SimulationResult:
                 bytes=c.bytes,
                 bytes_sent=c.bytes_sent,
                 inter_node=c.inter_node,
+                bytes_inter_node=c.bytes_inter_node,
                 group_size=c.group_size,
                 exposed_us=c.exposed * 1e6,
                 module_fqn=c.module_fqn,
@@ -296,7 +300,7 @@ class _StepSimulation:
         holds the stream for its transfer time. Returns when it ends."""
         group, info = self._group(node)
         start = max(self.now, self.stream_free.get(group, 0.0), inputs_ready)
-        traffic = collective_traffic(node, info.size, self.ranks_per_node, self.hints, info.spans_nodes)
+        traffic = collective_traffic(node, hints=self.hints, group=info)
         end = start + traffic_time(traffic, self.device)
         self.stream_free[group] = end
         record = CollectiveRecord(
@@ -311,6 +315,7 @@ class _StepSimulation:
             module_fqn=tags.module_fqn(node),
             bytes_sent=traffic.bytes_sent,
             inter_node=traffic.inter_node,
+            bytes_inter_node=traffic.bytes_inter_node,
         )
         self.launches[node] = record
         self.records.append(record)
@@ -352,11 +357,6 @@ class _StepSimulation:
             wait_events=self.wait_events,
             compute_by_class=self.by_class,
         )
-
-
-def _sent_key(inter_node: bool) -> str:
-    """``by_kind``'s key for the bytes sent over one kind of link."""
-    return "sent_inter_node" if inter_node else "sent_intra_node"
 
 
 def format_table(rows: list[dict[str, object]]) -> str:

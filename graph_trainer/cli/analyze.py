@@ -1,7 +1,8 @@
 """Simulate a job's training step on a device model, from one CPU process.
 
-    python -m graph_trainer.cli.analyze --world_size N [--device h100|cpu] [--ranks_per_node 8]
-        [--trace_out trace.json] [--compare "none;pass_a;pass_a,pass_b"] [--ac_modes none,selective,full]
+    python -m graph_trainer.cli.analyze --world_size N [--device h100|h200|h100_hbm2e_500w|cpu]
+        [--attention cudnn|fa2|fa3] [--ranks_per_node 8] [--trace_out trace.json]
+        [--compare "none;pass_a;pass_a,pass_b"] [--ac_modes none,selective,full]
         [--device_memory_gib G] [--json OUT.json] [--section.key value ...]
 
     python -m graph_trainer.cli.analyze --world_size 8 --model.flavor 8B --training.seq_len 8192 \\
@@ -13,7 +14,9 @@ above are taken out first. The job is traced on the fake process group at ``worl
 its passes run (``compile.passes``, or each list given to ``--compare``, one trace per list;
 ``none`` is the empty list; with ``--ac_modes``, each list once per activation-checkpointing
 mode), and the graph is simulated with ``graph_trainer.analysis.simulator`` on the device model
-(op by op; an inductor job as ``analysis.fusion`` fuses its kernels). Prints, per pass list, the
+(op by op; an inductor job as ``analysis.fusion`` fuses its kernels): ``--device`` names one of
+``analysis.devices.DEVICES``, ``--attention`` the rates of its fused attention kernel (cuDNN,
+FlashAttention-2 or -3; default the device's own; ``cli.device_flags``). Prints, per pass list, the
 collectives by type, simulated step (the graph, x M microbatches, then the optimizer step:
 ``analysis.optimizer_step``, its own "optim ms") / compute / communication / exposed communication
 time (one graph) and the estimated peak memory of one rank with its parts (parameters, gradients, AdamW state,
@@ -56,16 +59,16 @@ import sys
 import time
 from dataclasses import dataclass
 
-from graph_trainer.analysis.devices import DEVICES, DeviceModel
+from graph_trainer.analysis.devices import DeviceModel
 from graph_trainer.analysis.fusion import fuses
 from graph_trainer.analysis.memory import (
-    DEVICE_MEMORY_BYTES,
     adamw_memory,
     estimate_peak_memory,
     estimate_step_memory,
     memory_warning,
 )
 from graph_trainer.analysis.simulator import format_table, simulate
+from graph_trainer.cli.device_flags import take_device_flags
 from graph_trainer.compiler.memory_policy import ac_description
 from graph_trainer.config import JobConfig
 from graph_trainer.config_loading import load_config, normalize_pass_list, take_flag
@@ -221,8 +224,8 @@ def kind_rows(label: str, result) -> list[dict[str, object]]:
 
 def traffic_line(label: str, result) -> str:
     """The bytes one rank sends in the step over NVLink and over InfiniBand, in all and per
-    collective kind present ("NVLink + InfiniBand" each): ``SimulationResult.by_kind``, whose
-    split follows ``cost_model.collective_traffic`` (a group spanning nodes counts as InfiniBand)."""
+    collective kind present ("NVLink + InfiniBand" each): ``SimulationResult.by_kind``, each
+    collective split as ``cost_model.collective_traffic`` splits it (its NIC's share, the rest NVLink)."""
     kinds = result.by_kind()
     order = [k for k, _ in _KIND_COLUMNS if k in kinds] + sorted(set(kinds) - {k for k, _ in _KIND_COLUMNS})
     parts = ", ".join(f"{k} {_gb(kinds[k]['sent_intra_node'])} + {_gb(kinds[k]['sent_inter_node'])}" for k in order)
@@ -298,11 +301,10 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     """Take this command's flags out of ``argv``, read the job's config from the rest and build
     (and validate) one config per compared variant; raises ``ConfigError`` on a wrong flag or job."""
     argv, world_size = take_flag(argv, "--world_size", 8, int)
-    argv, device_name = take_flag(argv, "--device", "h100")
+    argv, d = take_device_flags(argv)  # --device, --attention, --device_memory_gib
     argv, ranks_per_node = take_flag(argv, "--ranks_per_node", 8, int)
     argv, trace_out = take_flag(argv, "--trace_out", None)
     argv, compare = take_flag(argv, "--compare", None)
-    argv, device_memory_gib = take_flag(argv, "--device_memory_gib", None, float)
     argv, ac_modes = take_flag(argv, "--ac_modes", None)
     argv, pp_schedules = take_flag(argv, "--pp_schedules", None)
     argv, json_out = take_flag(argv, "--json", None)
@@ -310,9 +312,6 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         check_json_path(json_out)
     if ranks_per_node < 1:
         raise ConfigError(f"--ranks_per_node {ranks_per_node} must be >= 1 (GPUs per node)")
-    if device_name not in DEVICES:
-        raise ConfigError(f"unknown --device {device_name!r}; choose from {', '.join(DEVICES)}")
-    limit = round(device_memory_gib * GIB) if device_memory_gib is not None else DEVICE_MEMORY_BYTES.get(device_name)
     cfg = load_config(argv)
     pass_lists = parse_pass_lists(compare) if compare is not None else [cfg.compile.passes]
     modes = _comma_list(ac_modes) if ac_modes is not None else [cfg.activation_checkpoint.mode]
@@ -325,7 +324,7 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         for c in configs
     ]
     return CommandLine(
-        world_size, device_name, DEVICES[device_name], ranks_per_node, trace_out, json_out, limit, cfg, configs, labels
+        world_size, d.name, d.model, ranks_per_node, trace_out, json_out, d.memory_limit, cfg, configs, labels
     )
 
 

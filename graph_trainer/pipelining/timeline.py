@@ -225,7 +225,7 @@ def traced_optimizer_step(
 
 def p2p_seconds(nbytes: int, device: DeviceModel, inter_node: bool) -> float:
     """One point-to-point transfer of ``nbytes`` between neighbouring stages' ranks."""
-    return traffic_time(CollectiveTraffic("send", 2, float(nbytes), inter_node), device)
+    return traffic_time(CollectiveTraffic("send", 2, float(nbytes), float(nbytes) if inter_node else 0.0), device)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ import torch
 import torch.fx as fx
 
 from graph_trainer.analysis.cost_model import (
+    CollectiveTraffic,
+    GroupInfo,
     collective_time,
     collective_traffic,
     group_info,
@@ -160,8 +162,9 @@ def test_collective_time_ring_model():
 def test_nvlink_vs_infiniband():
     ar = _collective_graph("all_reduce", 1 << 26)
     inside = collective_time(ar, D, 8) - 15 * US
-    across = collective_time(ar, D, 16) - 15 * US  # 16 ranks cannot fit in one node of 8
-    assert across / inside == pytest.approx((15 / 16) / (7 / 8) * 450 / 50)
+    # 16 ranks on two nodes of 8: 1/8 of each rank's bytes over its own NIC, 7/8 over NVLink.
+    across = collective_time(ar, D, 16) - 15 * US
+    assert across / inside == pytest.approx((15 / 16) / (7 / 8) * (1 / 8) * 450 / 50)
     assert collective_time(ar, D, 8, ranks_per_node=4) > collective_time(ar, D, 8)
     with pytest.raises(ValueError):  # all_reduce carries no group size and no PG is live
         collective_time(ar, D)
@@ -181,20 +184,66 @@ def test_traffic_is_what_the_time_model_sends(kind):
     mb = 1 << 26
     node = _collective_graph(kind, mb)
     t = collective_traffic(node, 8)
-    assert (t.kind, t.group_size, t.inter_node) == (kind, 8, False)
+    assert (t.kind, t.group_size, t.inter_node, t.bytes_inter_node) == (kind, 8, False, 0.0)
     assert t.bytes_sent == pytest.approx(ring_factor(kind, 8) * collective_bytes(node))
     assert collective_time(node, D, 8) == pytest.approx(15 * US + t.bytes_sent / (450e9 * 0.8))
     across = collective_traffic(node, 16)  # 16 ranks cannot fit in one node of 8
-    assert across.inter_node and across.bytes_sent == pytest.approx(ring_factor(kind, 16) * collective_bytes(node))
-    assert collective_time(node, D, 16) == pytest.approx(15 * US + across.bytes_sent / (50e9 * 0.8))
+    ring = ring_factor(kind, 16) * collective_bytes(node)
+    assert across.inter_node and across.bytes_sent == pytest.approx(ring)
+    assert across.bytes_inter_node + across.bytes_intra_node == pytest.approx(ring)
+    nic = 8 / 16 * collective_bytes(node) if kind == "all_to_all" else ring / 8  # 8 peers off the node
+    assert across.bytes_inter_node == pytest.approx(nic)
+    expected = max(across.bytes_intra_node / (450e9 * 0.8), nic / (50e9 * 0.8))
+    assert collective_time(node, D, 16) == pytest.approx(15 * US + expected)
 
 
-def test_traffic_rejects_non_collectives_and_bad_ranks_per_node():
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce"])
+def test_spanning_ring_time_scales_with_one_over_the_ranks_per_node(kind):
+    # 64 ranks, g of them on each node: the ring's node-crossing bytes spread over g NICs.
+    node = _collective_graph(kind, 1 << 28)
+    ring = ring_factor(kind, 64) * collective_bytes(node)
+    seconds = {}
+    for g in (1, 2, 4, 8):
+        group = GroupInfo(64, True, g)
+        t = collective_traffic(node, group=group)
+        assert t.bytes_sent == pytest.approx(ring)
+        assert (t.bytes_inter_node, t.bytes_intra_node) == (pytest.approx(ring / g), pytest.approx(ring * (g - 1) / g))
+        seconds[g] = collective_time(node, D, group=group) - 15 * US
+        # The same from consecutive ranks on nodes of g (group_info's placement without a live group).
+        assert collective_time(node, D, 64, ranks_per_node=g) - 15 * US == pytest.approx(seconds[g])
+    assert seconds[1] == pytest.approx(ring / (50e9 * 0.8))  # one NIC carries it all
+    assert all(seconds[g] * g == pytest.approx(seconds[1]) for g in seconds)  # not constant: 1/g
+
+
+def test_all_to_all_sends_its_off_node_share_through_its_own_nic():
+    node = _collective_graph("all_to_all", 1 << 28)
+    buffer = collective_bytes(node)
+    for g in (1, 2, 4, 8):
+        t = collective_traffic(node, group=GroupInfo(64, True, g))
+        assert t.bytes_inter_node == pytest.approx((64 - g) / 64 * buffer)  # not spread over the node's NICs
+        assert t.bytes_intra_node == pytest.approx((g - 1) / 64 * buffer)
+        assert collective_time(node, D, group=GroupInfo(64, True, g)) == pytest.approx(
+            15 * US + t.bytes_inter_node / (50e9 * 0.8)
+        )
+
+
+def test_traffic_rejects_non_collectives_bad_ranks_per_node_and_bad_splits():
     g, mm = _mm_graph(8, 8, 8, torch.bfloat16)
     with pytest.raises(ValueError, match="not a collective"):
         collective_traffic(mm, 8)
     with pytest.raises(ValueError, match="ranks_per_node"):
         group_info(_collective_graph("all_gather", 1024), ranks_per_node=0)
+    for bad in (True, -1.0, 2048.0):  # a link flag where bytes belong, or outside [0, bytes_sent]
+        with pytest.raises(ValueError, match="bytes_inter_node"):
+            CollectiveTraffic("send", 2, 1024.0, bad)
+
+
+def test_group_info_places_consecutive_ranks_without_a_live_group():
+    ag = _collective_graph("all_gather", 1024)
+    assert group_info(ag, 8, 8) == GroupInfo(8, False, 8)
+    assert group_info(ag, 8, 16) == GroupInfo(16, True, 8)
+    assert group_info(ag, 8, 12) == GroupInfo(12, True, 4)  # a full node and one holding 4
+    assert group_info(ag, 4, 8) == GroupInfo(8, True, 4)
 
 
 def test_traffic_of_a_live_group_inside_and_across_nodes():
@@ -208,9 +257,11 @@ def test_traffic_of_a_live_group_inside_and_across_nodes():
         inside = collective_traffic(shard)  # ranks 0..7: one node of 8
         assert not inside.inter_node and inside.bytes_sent == pytest.approx(2 * 7 / 8 * (1 << 20))
         split = collective_traffic(shard, ranks_per_node=4)  # the same ranks on two nodes of 4
-        assert split.inter_node and split.bytes_sent == pytest.approx(inside.bytes_sent)
+        assert split.bytes_sent == pytest.approx(inside.bytes_sent)
+        assert split.bytes_inter_node == pytest.approx(inside.bytes_sent / 4)  # over the 4 NICs of a node
         replicate = _collective_graph("all_reduce", 1 << 20, group=mesh.get_group("replicate").group_name)
-        assert collective_traffic(replicate).inter_node  # ranks 0 and 8, on two nodes
+        across = collective_traffic(replicate)  # ranks 0 and 8, one per node: all over the NIC
+        assert across.bytes_inter_node == pytest.approx(across.bytes_sent) and across.bytes_intra_node == 0.0
 
 
 def test_group_info_from_live_fake_groups():
@@ -220,11 +271,15 @@ def test_group_info_from_live_fake_groups():
 
     with fake_world(16):
         mesh = init_device_mesh("cpu", (2, 8), mesh_dim_names=("replicate", "shard"))
-        for dim, size, spans in (("replicate", 2, True), ("shard", 8, False)):
+        for dim, rpn, expected in (
+            ("replicate", 8, GroupInfo(2, True, 1)),
+            ("shard", 8, GroupInfo(8, False, 8)),
+            ("shard", 4, GroupInfo(8, True, 4)),
+            ("replicate", 16, GroupInfo(2, False, 2)),
+        ):
             ar = _collective_graph("all_reduce", 1024, group=mesh.get_group(dim).group_name)
-            info = group_info(ar)
-            assert (info.size, info.spans_nodes) == (size, spans)
-        # A 2-rank group across nodes is limited by InfiniBand despite its size.
+            assert group_info(ar, rpn) == expected, (dim, rpn)
+        # A 2-rank group across nodes, one rank per node, is limited by InfiniBand despite its size.
         ar = _collective_graph("all_reduce", 1 << 26, group=mesh.get_group("replicate").group_name)
         assert collective_time(ar, D) == pytest.approx(15 * US + 2 * (1 / 2) * (1 << 26) / (50e9 * 0.8))
 

@@ -121,10 +121,10 @@ def test_partial_overlap_and_group_size_override():
     ar = b._call(c10d.all_reduce.default, (b.x, "sum", "tp"), b.x.meta["val"])
     mm = b.mm()
     w = b.wait(ar)
-    r = simulate(b.done(w), D, group_sizes={"tp": 16})
+    r = simulate(b.done(w), D, group_sizes={"tp": 16}, ranks_per_node=1)  # one rank per node
     rec = r.collectives[0]
     assert rec.group_size == 16
-    assert rec.duration > node_compute_time(mm, D)  # 128 MiB all_reduce over IB outlasts one matmul
+    assert rec.duration > node_compute_time(mm, D)  # 128 MiB all_reduce over one NIC outlasts one matmul
     assert rec.exposed == pytest.approx(rec.duration - node_compute_time(mm, D))
 
 
@@ -145,16 +145,17 @@ def test_sent_bytes_split_by_link_and_kind():
         pytest.approx(ag_sent),
         0.0,
     )
+    # Two nodes of 8: a ring per NIC, 1/8 of each rank's bytes over its NIC, the rest over NVLink.
     assert (kinds["all_reduce"]["sent_intra_node"], kinds["all_reduce"]["sent_inter_node"]) == (
-        0.0,
-        pytest.approx(ar_sent),
+        pytest.approx(ar_sent * 7 / 8),
+        pytest.approx(ar_sent / 8),
     )
-    assert r.sent_bytes(inter_node=False) == pytest.approx(ag_sent)
-    assert r.sent_bytes(inter_node=True) == pytest.approx(ar_sent)
-    # Nodes of 4: the 8-rank group spans two of them, so its bytes cross nodes too.
+    assert r.sent_bytes(inter_node=False) == pytest.approx(ag_sent + ar_sent * 7 / 8)
+    assert r.sent_bytes(inter_node=True) == pytest.approx(ar_sent / 8)
+    # Nodes of 4: the 8-rank group spans two of them, so a quarter of its bytes cross nodes too.
     r4 = simulate(graph, D, ranks_per_node=4, group_sizes={"dp": 16})
-    assert r4.sent_bytes(inter_node=False) == 0.0
-    assert r4.sent_bytes(inter_node=True) == pytest.approx(ag_sent + ar_sent)
+    assert r4.sent_bytes(inter_node=False) == pytest.approx((ag_sent + ar_sent) * 3 / 4)
+    assert r4.sent_bytes(inter_node=True) == pytest.approx((ag_sent + ar_sent) / 4)
     assert r4.comm_time > r.comm_time  # the all_gather's bytes now go over the slower NIC
 
 
