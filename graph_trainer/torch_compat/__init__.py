@@ -6,7 +6,7 @@ this is, ``private_api``), ``fx`` (tracing metadata hooks, autograd node sequenc
 tensor modes, lazily recompiled graph modules, ``torch._grouped_mm``, ``torch._scaled_mm`` and
 its CPU kernel, replaced by ours),
 ``distributed`` (``_StridedShard``, the dp-over-tp placement SimpleFSDP needs; mesh flattening;
-process groups by name and their timeouts; the fake process group's store; functional all_to_all;
+process groups by name and their timeouts; the fake process group's store; functional all_reduce and all_to_all;
 gloo's worker-thread count), ``checkpoint`` (DCP internals: the classes a checkpoint's metadata
 pickle holds, a reader that unpickles it safely), ``pipelining`` (the action order of PyTorch's
 pipeline schedules), ``profiler`` (the record-function ops a graph can call, the CUDA allocator's
@@ -30,6 +30,7 @@ from graph_trainer.torch_compat.checkpoint import (
 from graph_trainer.torch_compat.distributed import (
     ONE_THREAD_GLOO,
     StridedShard,
+    all_reduce,
     all_to_all_single,
     all_to_all_single_autograd,
     clear_dtensor_sharding_caches,
@@ -101,6 +102,7 @@ __all__ = [
     "TORCH_VERSION",
     "SCALED_MM_ARGUMENTS",
     "UNPAIRED_SEQ_NR",
+    "all_reduce",
     "all_to_all_single",
     "all_to_all_single_autograd",
     "clear_dtensor_sharding_caches",

@@ -1,5 +1,5 @@
 """Private APIs of torch.distributed: ``_StridedShard``, mesh flattening, process groups by name
-and their timeouts, the fake process group's store, functional all_to_all, gloo's worker threads."""
+and their timeouts, the fake process group's store, functional all_reduce and all_to_all, gloo's worker threads."""
 
 from __future__ import annotations
 
@@ -73,6 +73,17 @@ def all_to_all_single_autograd(x: torch.Tensor, output_split_sizes, input_split_
     with private_api("torch.distributed._functional_collectives.all_to_all_single_autograd"):
         from torch.distributed._functional_collectives import all_to_all_single_autograd as exchange
     return exchange(x, output_split_sizes, input_split_sizes, group)
+
+
+def all_reduce(x: torch.Tensor, op: str, group) -> torch.Tensor:
+    """Functional ``all_reduce`` (``"sum"``, ``"max"``, ...) without autograd (``_functional_collectives``):
+    one ``_c10d_functional.all_reduce`` node and its wait in a traced graph; eagerly, the reduced tensor
+    once it has arrived (``group``: a process group or a 1-D device mesh)."""
+    with private_api("torch.distributed._functional_collectives.all_reduce"):
+        import torch.distributed._functional_collectives as funcol
+
+        reduced = funcol.all_reduce(x, op, group)
+        return reduced.wait() if isinstance(reduced, funcol.AsyncCollectiveTensor) else reduced
 
 
 ONE_THREAD_GLOO = "gloo_one_thread"

@@ -274,3 +274,19 @@ def test_autograd_sums_after_a_dtensor_backward_pair_with_no_forward_op_only_whe
             assert add.meta["seq_nr"] > max(n.meta["seq_nr"] for n in forward)
         else:
             assert add.meta["seq_nr"] == loss_sum.meta["seq_nr"] == max(n.meta["seq_nr"] for n in forward)
+
+
+def test_functional_all_reduce_is_one_node_and_its_wait_when_traced():
+    # The vocabulary-parallel loss reduces its row maxima and sums over tp with it (graph_trainer.loss).
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.fake_trace import fake_world
+    from graph_trainer.torch_compat import all_reduce
+
+    with fake_world(2):
+        gm = make_fx(lambda x: all_reduce(x, "max", dist.group.WORLD) + 1, tracing_mode="fake")(torch.randn(3))
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    c10d = torch.ops._c10d_functional
+    assert [n.target for n in calls] == [c10d.all_reduce.default, c10d.wait_tensor.default, torch.ops.aten.add.Tensor]
+    assert calls[0].args[1] == "max" and calls[1].args[0] is calls[0]
