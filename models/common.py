@@ -178,8 +178,9 @@ def keep_stage(model: nn.Module, blocks, first: bool, last: bool) -> nn.Module:
 
 def run_stack(model: nn.Module, tokens: torch.Tensor, head=None) -> torch.Tensor:
     """Both families' forward after their own checks: embedding, blocks, final norm, then the
-    output projection or ``head(normed hidden state, output module)`` (the loss, which computes the
-    logits itself, e.g. in chunks: ``graph_trainer.loss``). A pipeline stage without the embedding
+    output projection (under tensor parallel its logits split over the vocabulary: ``split_vocabulary``)
+    or ``head(normed hidden state, output module)`` (the loss, which computes the logits itself, e.g.
+    in chunks: ``graph_trainer.loss``). A pipeline stage without the embedding
     takes the previous stage's hidden state [B, S / model.sequence_shards, dim] (its piece of the
     sequence under sequence parallel); one without the norm returns its own."""
     seq = tokens.shape[1] * (1 if model.tok_embeddings is not None else model.sequence_shards)
@@ -333,21 +334,38 @@ def init_plain_parameters(model: nn.Module, rules: dict[str, InitRule], seed: in
 def split_vocabulary(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
     """Tensor parallel on the vocabulary, as both models use it: ``tok_embeddings`` row-parallel
     (each rank looks up its rows; the sum is all-reduced, or under ``sequence_parallel``
-    reduce-scattered along the sequence), ``output`` column-parallel with the logits gathered
-    (Replicate) for the loss. Under ``sequence_parallel`` the final norm's input is gathered along
-    the sequence first (``gather_sequence``, as a plain tensor): the norm and the loss head see
-    every token, the norm computed whole on each tp rank, its weight's gradient the same on all."""
+    reduce-scattered along the sequence), ``output`` column-parallel with its logits left split
+    over the vocabulary: a ``Shard(-1)`` DTensor of this rank's [tokens, vocab / tp] slice, from
+    which the loss computes the cross-entropy (loss parallel, ``graph_trainer.loss``). Under
+    ``sequence_parallel`` the final norm computes on this rank's piece of the sequence (its weight
+    replicated over tp, the weight's gradient summed there) and its output is all-gathered along
+    the sequence (``gather_norm_output``): the output projection and the loss see every token."""
     plan = {}
     if model.tok_embeddings is not None:  # (a pipeline stage may hold neither: keep_stage)
         stream = Shard(1) if sequence_parallel else Replicate()
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
     if model.output is not None:
         if isinstance(model.output, nn.Linear):  # (a tied output computes with the embedding's split weight)
-            plan["output"] = ColwiseParallel(output_layouts=Replicate())
+            plan["output"] = ColwiseParallel(use_local_output=False)
         if sequence_parallel:
-            gather_sequence(model.norm, tp_mesh, local=True)
+            plan["norm"] = SequenceParallel(use_local_output=False)
     if plan:
         parallelize_module(model, tp_mesh, plan)
+    if model.output is not None and sequence_parallel:
+        gather_norm_output(model.norm)
+
+
+def gather_norm_output(norm: nn.Module) -> None:
+    """After a ``SequenceParallel`` norm (its output this rank's piece of the sequence, a sharded
+    DTensor), the whole sequence as a ``Replicate`` DTensor (an all-gather tagged ``tp_role``
+    sequence_gather); backward, its gradient, partial over tp from the column-parallel projection
+    reading it, is reduce-scattered back to the piece."""
+
+    def gather(_module: nn.Module, _args: tuple, piece: DTensor) -> DTensor:
+        with annotate({TP_ROLE: SEQUENCE_GATHER}):
+            return piece.redistribute(piece.device_mesh, [Replicate()])
+
+    norm.register_forward_hook(gather)
 
 
 def region_output(sequence_parallel: bool, sequence_dim: int = 1) -> RowwiseParallel:
@@ -417,6 +435,7 @@ __all__ = [
     "block_costs",
     "draw_parameter",
     "feed_forward_plan",
+    "gather_norm_output",
     "gather_sequence",
     "head_modules",
     "init_plain_parameters",

@@ -23,11 +23,13 @@ Tensor parallel (``tp > 1``, the ``tp`` mesh dim), Megatron style:
   are expert-parallel ranks too (``ep = ep_dp x tp``, ``ParallelDims.experts_span_tp``): no work
   is repeated and every expert lives on one rank of its ep group;
 - ``tok_embeddings`` row-parallel over the vocabulary, ``output`` column-parallel over the
-  vocabulary with the logits gathered (Replicate) for the loss, as llama3.
+  vocabulary with its logits left split, the cross-entropy computed from each rank's slice (loss
+  parallel: ``graph_trainer.loss``), as llama3.
 
 Sequence parallel (``ParallelDims.sequence_parallel``), as llama3's: the residual stream between
-the regions is split over tp along the sequence, the block norms compute on the rank's piece, and
-``wo`` and the dense feed-forward's ``w2`` reduce-scatter their outputs. Attention gathers its
+the regions is split over tp along the sequence, the block norms and the final norm compute on the
+rank's piece (the final norm's output all-gathered for the output projection), and ``wo`` and the
+dense feed-forward's ``w2`` reduce-scatter their outputs. Attention gathers its
 normed input as a plain tensor (the replicated down-projections compute on it too; its gradient
 comes back whole from the column-parallel up-projections' all-reduces and the rotary key's sum, and
 each rank keeps its slice). A MoE layer with ep > 1 computes on the rank's piece: its router on

@@ -142,8 +142,10 @@ class TiedOutput(nn.Module):
     embedding's weight (``[vocab, dim]``, as a linear's), the one parameter, which stays the
     embedding's (its name, its SimpleFSDP gather and gradient reduction; each use gathers it).
     Under tensor parallel that weight is split over the vocabulary (``Shard(0)``), as an untied
-    column-parallel output projection's: the input is taken as replicated, the logits gathered
-    (``Replicate``), as that projection's plan does."""
+    column-parallel output projection's: the input is taken as replicated (a plain tensor, or the
+    ``Replicate`` DTensor of a sequence-parallel final norm) and the logits stay split over the
+    vocabulary (a ``Shard(-1)`` DTensor, for the loss: ``graph_trainer.loss``), as that
+    projection's plan makes them."""
 
     def __init__(self, embedding: nn.Embedding):
         super().__init__()
@@ -151,10 +153,9 @@ class TiedOutput(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self._embedding[0].weight
-        if not isinstance(weight, DTensor):
-            return F.linear(x, weight)
-        x = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
-        return F.linear(x, weight).redistribute(placements=[Replicate()]).to_local()
+        if isinstance(weight, DTensor) and not isinstance(x, DTensor):
+            x = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
+        return F.linear(x, weight)
 
 
 # --------------------------------------------------------------------------------------
@@ -203,7 +204,8 @@ class Transformer(nn.Module):
         self, tokens: torch.Tensor, head: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None
     ) -> torch.Tensor:
         """``tokens`` [B, S] int64 at positions 0..S-1 -> logits [B, S, vocab] in the
-        output weight's dtype (callers upcast for the loss); with ``head``,
+        output weight's dtype (callers upcast for the loss; under tensor parallel a DTensor split
+        over the vocabulary, ``full_tensor()`` gathers it); with ``head``,
         ``head(final normed hidden state, output module)`` instead (the loss, which then
         computes the logits itself: ``graph_trainer.loss``)."""
         return run_stack(self, tokens, head)

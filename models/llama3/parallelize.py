@@ -6,7 +6,9 @@ Tensor parallel (``tp`` mesh dim), Megatron style:
   n_kv_heads/tp kv heads), ``wo`` row-parallel (an all_reduce of the output);
 - feed-forward: ``w1``, ``w3`` column-parallel, ``w2`` row-parallel;
 - ``tok_embeddings`` row-parallel over the vocabulary, ``output`` column-parallel over the
-  vocabulary with the logits gathered (Replicate) for the loss;
+  vocabulary with its logits left split: each rank holds [tokens, vocab / tp] of them, and the
+  cross-entropy is computed from the slices (loss parallel: ``graph_trainer.loss``, two small
+  all-reduces per row block forward, none backward); the full-vocabulary logits never exist;
 - without sequence parallel the norms are replicated: every tp rank holds the whole residual
   stream and computes them on every token.
 
@@ -16,8 +18,9 @@ compute on the rank's piece (``SequenceParallel``: their weights are replicated 
 gradients are summed over tp); attention and the feed-forward all-gather their normed input along
 the sequence (backward: a reduce-scatter of its gradient), and ``wo`` and ``w2`` reduce-scatter
 their outputs along the sequence instead of all-reducing them; the embedding reduce-scatters its
-lookup; the final norm gathers the sequence and runs whole, before the loss. A pipeline stage sends
-and receives its piece of the hidden state. Same values as without it (row-wise norms on the same
+lookup; the final norm computes on the rank's piece too and its output is all-gathered along the
+sequence for the output projection (backward: a reduce-scatter of its gradient). A pipeline stage
+sends and receives its piece of the hidden state. Same values as without it (row-wise norms on the same
 rows; the sums over tp are the all-reduce's, split), the norm weights' gradients summed in another
 order (per piece, then over tp).
 

@@ -165,7 +165,10 @@ def test_the_plan_places_each_parameter(world_size, flags, dp_dims, expert_dims)
         assert layout[f"layers.1.moe.experts.{w}"][0] == expert_dims
     assert _on_tp(layout, "tok_embeddings.weight") == Shard(0)  # rows: the vocabulary
     assert _on_tp(layout, "output.weight") == Shard(0)  # output features: the vocabulary
-    assert layout["norm.weight"][0] == dp_dims
+    if sequence_parallel:  # the final norm computes on this rank's piece of the sequence, as the block norms
+        assert layout["norm.weight"][0] == (*dp_dims, "tp") and _on_tp(layout, "norm.weight") == Replicate()
+    else:
+        assert layout["norm.weight"][0] == dp_dims
 
 
 def test_the_plan_with_a_low_rank_query_and_no_shared_experts():
