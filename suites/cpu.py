@@ -254,6 +254,15 @@ CPU_MEMORY_POLICY_CASES = [
     Case("fsdp2_loss_chunks4", 2, _CHUNKED_LOSS, close_to="single_b4"),
     Case("fsdp2_loss_chunks4_eager", 2, [*_CHUNKED_LOSS, "--compile.mode", "eager"], same_as="fsdp2_loss_chunks4"),
     Case("fsdp2_loss_chunks4_ac_selective", 2, [*_CHUNKED_LOSS, *ac_flags("selective")], same_as="fsdp2_loss_chunks4"),
+    # loss parallel in row blocks: each block's logits split over the vocabulary, its maxima and sums
+    # reduced over tp, the block's projection recomputed in backward from them
+    Case("tp2_loss_chunks4", 2, [*_CPU_LAYOUTS["tp2"][1], *_CHUNKED_LOSS], close_to="single_graph"),
+    Case(
+        "tp2_loss_chunks4_eager",
+        2,
+        [*_CPU_LAYOUTS["tp2"][1], *_CHUNKED_LOSS, "--compile.mode", "eager"],
+        same_as="tp2_loss_chunks4",
+    ),
 ]
 CPU_DEEPSEEK_MEMORY_POLICY_CASES = [
     *[
