@@ -209,17 +209,20 @@ H100_HBM2E_500W = replace(
     # memory bandwidth", "backend RDMA network with 400 Gb/s per GPU" (H100_SXM's 50e9 B/s
     # inter-node), "the default 500W power limit". NVLink and NIC are kept from H100_SXM.
     hbm_bandwidth=2.4e12,
-    # Matmul and attention rates: H100_SXM's (989 TFLOP/s bf16 and the kernel efficiencies
-    # calibrated on a 700 W H100 80GB HBM3). No published or measured sustained bf16 matmul
-    # rate of an H100 at a 500 W limit was found to derive one from: the file's own footnote says
-    # the card's peak "is between SXM and NVL, and we don't know its exact value" (NVIDIA's
-    # datasheets: SXM 989 TFLOP/s dense bf16 at 700 W, NVL 835 at 350-400 W: peaks of other
-    # cards, not a sustained rate under a 500 W limit), and the power-capping study of an HBM2e
-    # H100 found (arXiv 2604.11391, caps of 200-700 W) reports fp64 DGEMM, not bf16 matmuls. So
-    # this model reads fast wherever the 500 W limit lowers the clock of compute-bound kernels.
+    # Peak tensor-core rate: no published bf16 matmul rate of an H100 at a 500 W limit exists (the
+    # power-capping study of an HBM2e H100, arXiv 2604.11391, caps 200-700 W, reports fp64 DGEMM).
+    # torchtitan's footnote places the card's peak "between SXM and NVL" ("we don't know its exact
+    # value"). NVIDIA's H100 datasheet gives two operating points of the same GH100 tensor cores:
+    # SXM 989 TFLOP/s dense bf16 at up to 700 W, NVL 835 (1,671 with sparsity) at 350-400 W.
+    # Interpolated linearly in the power limit between them (NVL at its 400 W end):
+    # 835 + (989 - 835) * (500 - 400) / (700 - 400) = 886 TFLOP/s, and fp32 scaled alike. The kernel
+    # efficiencies stay those calibrated on a 700 W H100 80GB HBM3 (fractions of the peak).
+    peak_flops_bf16=886e12,
+    peak_flops_fp32=67e12 * 886 / 989,
 )
 
-# The same GH100 compute on every device here (989 TFLOP/s dense bf16), so one set of rates.
+# Measured on the 989 TFLOP/s H100 SXM5 and kept as fractions of a device's peak: on the 500 W
+# card, whose peak is lower, each kernel runs at the same fraction of that lower peak.
 # FLOPs are counted as ``cost_model._attention_flops`` counts them and as the FlashAttention
 # papers do (causal: half of 4*B*H*S*S*D; backward 2.5x the forward).
 ATTENTION_KERNELS: dict[str, AttentionKernel] = {

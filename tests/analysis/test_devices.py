@@ -57,11 +57,22 @@ def test_devices_by_name_and_the_calibrated_models_kept():
     assert (H200_SXM.hbm_bandwidth, H200_SXM.kernel_efficiency) == (4.8e12, H100_KERNELS)
 
 
-def test_the_published_runs_h100_differs_from_the_sxm_only_in_its_memory_bandwidth():
+def test_the_published_runs_h100_differs_from_the_sxm_in_its_memory_bandwidth_and_peak():
     assert H100_HBM2E_500W.name == "H100 96GB HBM2e, 500 W"
     assert H100_HBM2E_500W.hbm_bandwidth == 2.4e12  # torchtitan's benchmark file
     assert H100_HBM2E_500W.inter_node_bandwidth == 400e9 / 8  # 400 Gb/s per GPU
-    same = {f.name for f in dataclasses.fields(H100_SXM)} - {"name", "hbm_bandwidth"}
+    # between the NVL's 835 TFLOP/s (400 W) and the SXM's 989 (700 W), linear in the power limit
+    assert H100_HBM2E_500W.peak_flops_bf16 == pytest.approx(
+        835e12 + (989e12 - 835e12) * (500 - 400) / (700 - 400), rel=1e-3
+    )
+    ratio = H100_HBM2E_500W.peak_flops_bf16 / H100_SXM.peak_flops_bf16
+    assert H100_HBM2E_500W.peak_flops_fp32 == pytest.approx(H100_SXM.peak_flops_fp32 * ratio)
+    same = {f.name for f in dataclasses.fields(H100_SXM)} - {
+        "name",
+        "hbm_bandwidth",
+        "peak_flops_bf16",
+        "peak_flops_fp32",
+    }
     assert all(getattr(H100_HBM2E_500W, f) == getattr(H100_SXM, f) for f in same)
 
 
