@@ -359,10 +359,14 @@ def group_info(node: fx.Node, ranks_per_node: int = 8, group_size: int | None = 
     if group_size is None:
         raise ValueError(f"cannot find the group size of {node.name}: pass group_size")
     size = int(group_size)
-    if not (ranks and len(ranks) == size):
-        ranks = list(range(size))
+    return placed_group(ranks if ranks and len(ranks) == size else range(size), ranks_per_node)
+
+
+def placed_group(ranks, ranks_per_node: int = 8) -> GroupInfo:
+    """The ``GroupInfo`` of a group of global ``ranks`` (rank ``r`` on node ``r // ranks_per_node``);
+    ``range(n)`` for a group of ``n`` consecutive ranks from 0 where the ranks are not known."""
     per_node = Counter(r // ranks_per_node for r in ranks)
-    return GroupInfo(size, len(per_node) > 1, min(per_node.values()))
+    return GroupInfo(sum(per_node.values()), len(per_node) > 1, min(per_node.values()))
 
 
 def ring_factor(kind: str, group_size: int) -> float:
@@ -476,6 +480,7 @@ __all__ = [
     "collective_time",
     "collective_traffic",
     "group_info",
+    "placed_group",
     "inter_node_share",
     "is_free",
     "kernel_class",

@@ -54,7 +54,13 @@ from dataclasses import dataclass
 
 import torch
 
-from graph_trainer.analysis.cost_model import CollectiveTraffic, ring_factor, traffic_time
+from graph_trainer.analysis.cost_model import (
+    CollectiveTraffic,
+    inter_node_share,
+    placed_group,
+    ring_factor,
+    traffic_time,
+)
 from graph_trainer.analysis.devices import DeviceModel
 from graph_trainer.distributed.parallel_dims import local_tensor
 
@@ -233,8 +239,11 @@ def optimizer_step_cost(
 
 def _norm_all_reduce(size: int, device: DeviceModel, ranks_per_node: int) -> float:
     """Seconds of one all-reduce of the 4-byte squared norm over ``size`` ranks."""
+    group = placed_group(range(size), ranks_per_node)
     sent = ring_factor("all_reduce", size) * 4
-    return traffic_time(CollectiveTraffic("all_reduce", size, sent, sent if size > ranks_per_node else 0.0), device)
+    return traffic_time(
+        CollectiveTraffic("all_reduce", size, sent, sent * inter_node_share("all_reduce", group)), device
+    )
 
 
 def norm_reduce_groups(params: Iterable[torch.Tensor], pp: int = 1) -> list[int]:
