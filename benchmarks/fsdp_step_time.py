@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
 
         def eager_step(tokens: torch.Tensor, labels: torch.Tensor) -> float:
             tokens, labels = tokens.to(device), labels.to(device)
-            loss = model(tokens, head=lambda h, output: token_cross_entropy(h, output, labels))
+            loss = model(tokens, head=lambda h, output, local: token_cross_entropy(h, output, local(labels)))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             optimizer.step()

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from graph_trainer.compiler.passes import PassContext, prepare_model_for_passes
-from graph_trainer.config import JobConfig, weights_per_step
+from graph_trainer.config import JobConfig
 from graph_trainer.distributed.parallel_dims import (
     ParallelDims,
     build_mesh,
@@ -46,13 +46,16 @@ from graph_trainer.distributed.parallel_dims import (
     microbatches_per_step,
     pp_rank,
     resolve_parallel_degrees,
+    weights_per_step,
 )
 from graph_trainer.distributed.simple_fsdp import MixedPrecision, clean_fqn
+from graph_trainer.errors import ConfigError
 from graph_trainer.pipelining.schedule import RankPipeline, plan_pipeline
 from graph_trainer.pipelining.stages import stage_ranges
 from models import float8
 from models.common import block_costs, draw_parameter, keep_stage, stage_view
 from models.registry import MODEL_SPECS, model_args
+from models.sequence import SequenceLayout
 
 logger = logging.getLogger("graph_trainer")
 
@@ -117,12 +120,12 @@ class JobLayout:
     pipeline: RankPipeline | None = None
     """The pipeline (``parallelism.pp`` > 1): schedule, stages' blocks, this rank's stages."""
     weights_per_step: bool = False
-    """SimpleFSDP's gathers and reductions run once per step (``config.weights_per_step``)."""
+    """SimpleFSDP's gathers and reductions run once per step (``parallel_dims.weights_per_step``)."""
 
     @property
     def loss_scale(self) -> float:
         """The factor each microbatch's loss gets before backward (``parallel.loss_scale``)."""
-        return loss_scale(self.dims.dp_size, self.microbatches)
+        return loss_scale(self.dims.dp_size, self.microbatches, self.dims.cp)
 
 
 def build_layout(cfg: JobConfig, world_size: int, device_type: str, args=None) -> JobLayout:
@@ -174,11 +177,12 @@ def build_job_model(
     param_dtype: torch.dtype | None = None,
     check=None,
     init: bool = True,
+    document_start: tuple[str, int] | None = None,
 ) -> nn.Module:
     """The job's model of ``layout.model_args`` on ``layout``, ready to trace (module docstring,
     step 2). ``param_dtype`` casts the floating-point parameters after building
     (``cast_parameters``: analyses of pure low-precision runs); ``check``, ``init``: see
-    ``build_model``."""
+    ``build_model``; ``document_start``: where the tokenizer's documents start (``sequence_layout``)."""
     spec, args = MODEL_SPECS[cfg.model.name], layout.model_args
     pipeline = layout.pipeline
 
@@ -195,8 +199,27 @@ def build_job_model(
     model = build_model(spec.build, args, device, cfg.training.seed, parallelize=parallelize, check=check, init=init)
     if param_dtype is not None:
         cast_parameters(model, param_dtype)
+    model.sequence_layout = sequence_layout(cfg, layout, document_start)
     prepare_model_for_passes(model, cfg)
     return model
+
+
+def sequence_layout(cfg: JobConfig, layout: JobLayout, document_start: tuple[str, int] | None) -> SequenceLayout:
+    """What the model's attention sees (``models.sequence``): ``training.attention_mask`` (block_causal
+    needs ``document_start``, ``data.tokenizer.document_start`` of the job's tokenizer) and this
+    rank's place among the context-parallel ranks."""
+    t, dims = cfg.training, layout.dims
+    if t.attention_mask == "block_causal" and document_start is None:
+        raise ConfigError("training.attention_mask block_causal: the model needs where the tokenizer's documents start")
+    cp_mesh = layout.mesh["cp"] if dims.cp > 1 else None
+    return SequenceLayout(
+        mask=t.attention_mask,
+        cp=dims.cp,
+        cp_rank=cp_mesh.get_local_rank() if cp_mesh is not None else 0,
+        cp_mesh=cp_mesh,
+        document_start=document_start if t.attention_mask == "block_causal" else None,
+        positions_per_document=t.positions_per_document,
+    )
 
 
 def pass_context(cfg: JobConfig, layout: JobLayout, model: nn.Module) -> PassContext:
@@ -229,5 +252,6 @@ __all__ = [
     "init_parameters",
     "pass_context",
     "rank_pipeline",
+    "sequence_layout",
     "stage_modules",
 ]

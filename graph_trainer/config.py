@@ -1,5 +1,5 @@
-"""Job configuration: the documented dataclass sections of one job, and the one path two of their
-fields combine into (``checkpoint_root``).
+"""Job configuration: the documented dataclass sections of one job (where their paths point on disk:
+``graph_trainer.config_paths``).
 
 A job is one ``JobConfig`` with the sections ``job, model, training, parallelism, compile, float8,
 activation_checkpoint, metrics, validation, profiling, checkpoint, comm, debug``. Every field says
@@ -10,7 +10,6 @@ checks that involve several fields, the model or the world size are ``graph_trai
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -29,6 +28,7 @@ CompileMode = Literal["graph", "eager"]
 Backend = Literal["none", "inductor"]
 InductorScope = Literal["regional", "full"]
 AcMode = Literal["none", "selective", "full"]
+AttentionMask = Literal["causal", "block_causal"]
 SelectiveMatmuls = Literal["all", "every_other"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"]
@@ -80,6 +80,13 @@ class Training:
     (gradient accumulation); the loss is the mean over all tokens of the global batch."""
     seq_len: int = 256
     """Tokens per sequence; at most the flavor's max_seq_len."""
+    attention_mask: AttentionMask = "causal"
+    """'causal': a token attends to every earlier token of its sequence, across the packed documents'
+    boundaries (torchtitan's default); 'block_causal': only to earlier tokens of its own document, the
+    documents as the loader packed them (models/sequence.py; docs/parallelism.md says when to choose it)."""
+    positions_per_document: bool = False
+    """With block_causal: each document's rotary positions start at 0 (else a token's position is its
+    index in the sequence)."""
     lr: float = 8e-4
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.1
@@ -165,6 +172,11 @@ class Parallelism:
     tp rank holds the whole sequence and the regions all-reduce their outputs."""
     ep: int = 1
     """Expert-parallel degree (MoE models only)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over this many ranks, two chunks each (one early,
+    one late, so causal attention costs every rank the same), keys and values all-gathered over them
+    for attention (docs/parallelism.md). training.seq_len must be a multiple of 2 x cp (x tp under
+    sequence parallel). llama3 only."""
     fsdp_reshard_after_forward: ReshardAfterForward = "default"
     """'always': backward re-gathers parameters instead of keeping them from forward; 'never': keep them;
     'default': re-gather all but the final norm's and output projection's, which the backward
@@ -467,34 +479,3 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
-
-
-def weights_per_step(p: Parallelism, dp_size: int) -> bool:
-    """Whether SimpleFSDP gathers weights and reduces gradients once per step (``fsdp_collectives``)
-    at data-parallel degree ``dp_size`` (without data parallelism nothing is gathered or reduced)."""
-    chosen = p.fsdp_collectives == "per_step" or (p.fsdp_collectives == "default" and p.pp > 1)
-    return chosen and dp_size > 1
-
-
-def in_dump_folder(cfg: JobConfig, folder: str) -> str:
-    """An output folder setting: ``folder``, relative to ``job.dump_folder`` unless absolute."""
-    return folder if os.path.isabs(folder) else os.path.join(cfg.job.dump_folder, folder)
-
-
-def checkpoint_root(cfg: JobConfig) -> str:
-    """The checkpoint folder: ``checkpoint.folder``, relative to ``job.dump_folder`` unless absolute."""
-    return in_dump_folder(cfg, cfg.checkpoint.folder)
-
-
-LOCAL_DATASET_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt")
-"""The files a local ``training.dataset`` or ``validation.dataset`` (a file, or a folder of them)
-may be (``graph_trainer/data/documents.py`` reads each with its ``datasets`` builder)."""
-
-
-def is_local_dataset(dataset: str) -> bool:
-    """Whether the dataset setting ``dataset`` names a local file or folder rather than a hub dataset
-    ("org/name"): it exists, or it is spelled as a path (absolute, ``.``, ``~``) or as a data file."""
-    if os.path.exists(os.path.expanduser(dataset)):
-        return True
-    suffix = os.path.splitext(dataset)[1].lower()
-    return os.path.isabs(dataset) or dataset.startswith((".", "~")) or suffix in LOCAL_DATASET_SUFFIXES

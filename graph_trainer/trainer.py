@@ -58,7 +58,7 @@ from graph_trainer.checkpoint.hf import HFWeights, load_hf_weights, open_hf_weig
 from graph_trainer.config import JobConfig
 from graph_trainer.config_loading import changed_fields, config_to_toml
 from graph_trainer.data.loader import build_dataloader
-from graph_trainer.data.tokenizer import build_tokenizer
+from graph_trainer.data.tokenizer import build_tokenizer, document_start
 from graph_trainer.distributed import comm
 from graph_trainer.distributed.parallel_dims import (
     ParallelDims,
@@ -247,6 +247,7 @@ class Trainer:
             device,
             check=lambda m: check_model_state_fits(cfg, m, device.type, self.layout.weights_per_step),
             init=init,
+            document_start=self._document_start(),
         )
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("model built in %.2fs: %s parameters", time.perf_counter() - start, f"{n_params:,}")
@@ -258,6 +259,12 @@ class Trainer:
                 *(self.microbatches * b * dp, self.microbatches, b, dp),
             )
         return model
+
+    def _document_start(self) -> tuple[str, int] | None:
+        """Where the packed documents start, for block_causal attention (None for causal)."""
+        if self.cfg.training.attention_mask != "block_causal":
+            return None
+        return document_start(build_tokenizer(self.cfg.training.tokenizer_path))
 
     def _resume(self, resume_step: int | None) -> int:
         """Load the checkpoint to resume (``resolve_load_step``); the step it ends (0 without one)."""

@@ -21,11 +21,12 @@ import torch
 
 from graph_trainer.build import rank_pipeline
 from graph_trainer.compiler.passes import PASS_REGISTRY, unknown_pass
-from graph_trainer.config import JobConfig, Parallelism, Validation, is_local_dataset, weights_per_step
+from graph_trainer.config import JobConfig, Parallelism, Validation
 from graph_trainer.config_loading import choices, field_types, not_allowed
-from graph_trainer.distributed.parallel_dims import job_microbatches, resolve_parallel_degrees
+from graph_trainer.config_paths import is_local_dataset
+from graph_trainer.distributed.parallel_dims import job_microbatches, resolve_parallel_degrees, weights_per_step
 from graph_trainer.errors import ConfigError, require
-from models.float8 import EXPERTS_RECIPE, SCALED_MM_MULTIPLE, select_linears, torchao_float8
+from graph_trainer.validation_float8 import check_float8
 from models.registry import HF_FLAVOR, MODEL_SPECS, model_args
 
 
@@ -114,11 +115,6 @@ def _check_training(cfg: JobConfig, args) -> None:
         1 <= t.seq_len <= args.max_seq_len,
         f"training.seq_len = {t.seq_len} must be between 1 and the flavor's max_seq_len {args.max_seq_len}",
     )
-    require(
-        1 <= t.loss_chunks <= t.local_batch_size * t.seq_len,
-        f"training.loss_chunks = {t.loss_chunks} must be between 1 and the tokens per batch "
-        f"({t.local_batch_size * t.seq_len})",
-    )
     require(t.lr > 0 and math.isfinite(t.lr), f"training.lr = {t.lr} must be a positive number")
     require(t.weight_decay >= 0, f"training.weight_decay = {t.weight_decay} must be >= 0")
     require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "training.beta1 and training.beta2 must be in [0, 1)")
@@ -148,6 +144,7 @@ def _check_parallelism(cfg: JobConfig, world_size: int, args) -> dict[str, int]:
         "(each tp rank holds an equal piece of the sequence); change one, or set "
         "parallelism.sequence_parallel false",
     )
+    _check_sequence(cfg, degrees)
     require(shards >= 1, f"training.dataset_shards = {shards} must be >= 1")
     require(
         t.local_batch_size * dp % shards == 0,
@@ -155,6 +152,42 @@ def _check_parallelism(cfg: JobConfig, world_size: int, args) -> dict[str, int]:
         f"ranks (training.local_batch_size x data-parallel degree = {t.local_batch_size} x {dp})",
     )
     return degrees
+
+
+def _check_sequence(cfg: JobConfig, degrees: dict[str, int]) -> None:
+    """Context parallel's chunks against the sequence, and document masking against the layout."""
+    t, cp, tp = cfg.training, degrees["cp"], degrees["tp"]
+    require(
+        cp == 1 or t.seq_len % (2 * cp) == 0,
+        f"training.seq_len = {t.seq_len} must be a multiple of 2 x parallelism.cp = {2 * cp} (each context-parallel "
+        "rank holds two equal chunks of every sequence)",
+    )
+    pieces = tp if cfg.parallelism.sequence_parallel else 1
+    require(
+        (t.seq_len // cp) % pieces == 0,
+        f"training.seq_len / parallelism.cp = {t.seq_len // cp} tokens per context-parallel rank must be a multiple "
+        f"of parallelism.tp = {tp} under sequence parallel; change one, or set parallelism.sequence_parallel false",
+    )
+    require(
+        1 <= t.loss_chunks <= t.local_batch_size * t.seq_len // cp,
+        f"training.loss_chunks = {t.loss_chunks} must be between 1 and the tokens per batch of a rank "
+        f"({t.local_batch_size * t.seq_len // cp})",
+    )
+    require(
+        t.attention_mask == "block_causal" or not t.positions_per_document,
+        "training.positions_per_document restarts the positions at each document: it needs training.attention_mask "
+        "'block_causal' (it is 'causal'); leave it out or set that too",
+    )
+    require(
+        t.attention_mask == "causal" or degrees["pp"] == 1,
+        f"training.attention_mask {t.attention_mask!r} with parallelism.pp = {degrees['pp']}: the stages after the "
+        "first do not see the tokens that mark the documents; use pp = 1 or the causal mask",
+    )
+    require(
+        t.attention_mask == "causal" or "ep_overlap" not in cfg.compile.passes,
+        f"training.attention_mask {t.attention_mask!r} with the ep_overlap pass: its chunks of a block's tokens do "
+        "not split the documents' masks; use one or the other",
+    )
 
 
 def _check_fsdp_collectives(p: Parallelism, dp: int) -> None:
@@ -208,78 +241,6 @@ def _check_compile(cfg: JobConfig, degrees: dict[str, int]) -> None:
     require(
         not unknown,
         f"activation_checkpoint.selective_ops: {', '.join(unknown)} is not an aten op name (e.g. mm, addmm, bmm)",
-    )
-
-
-def _check_float8(cfg: JobConfig, args, degrees: dict[str, int]) -> None:
-    """FP8 linears: torchao importable, the router setting only for a model with a router, every
-    ``filter_fqns`` entry matching a linear of the model (built on meta: no memory), the float8
-    all-gather only where there is a gather per microbatch to make float8, the float8 dispatch
-    only where tokens are dispatched (expert parallel)."""
-    f = cfg.float8
-    if f.enable_fsdp_float8_all_gather:
-        _check_float8_all_gather(cfg, degrees)
-    if f.recipe_name == "none":
-        return
-    torchao_float8()
-    require(
-        not f.convert_router or cfg.model.name == "deepseek_v3",
-        f"float8.convert_router: {cfg.model.name} has no router (only deepseek_v3 has one)",
-    )
-    require(
-        not (f.convert_output and getattr(args, "tie_embeddings", False)),
-        "float8.convert_output: this model's output projection computes with its embedding's weight "
-        "(tied), which is no linear to convert",
-    )
-    with torch.device("meta"):
-        model = MODEL_SPECS[cfg.model.name].build(args)
-    select_linears(model, f, degrees["tp"])
-    if f.convert_routed_experts:
-        _check_float8_experts(cfg, args)
-        require(
-            not f.dispatch_in_float8 or degrees["ep"] > 1,
-            f"float8.dispatch_in_float8 sends expert parallel's tokens in float8: it needs parallelism.ep > 1 "
-            f"(it is {degrees['ep']}; no token is sent)",
-        )
-
-
-def _check_float8_experts(cfg: JobConfig, args) -> None:
-    name = "float8.convert_routed_experts"
-    require(
-        cfg.float8.recipe_name == EXPERTS_RECIPE,
-        f"{name} computes the experts' weight gradients in high precision: it needs float8.recipe_name "
-        f"{EXPERTS_RECIPE!r} (it is {cfg.float8.recipe_name!r})",
-    )
-    require(
-        getattr(args, "n_routed_experts", 0) > 0,
-        f"{name}: {cfg.model.name} ({cfg.model.flavor}) has no routed experts",
-    )
-    for what in ("dim", "moe_inter_dim"):
-        size = getattr(args, what)
-        require(
-            size % SCALED_MM_MULTIPLE == 0,
-            f"{name}: the experts' {what} ({size}) is not a multiple of {SCALED_MM_MULTIPLE}, as _scaled_mm needs",
-        )
-
-
-def _check_float8_all_gather(cfg: JobConfig, degrees: dict[str, int]) -> None:
-    name, recipe = "float8.enable_fsdp_float8_all_gather", cfg.float8.recipe_name
-    require(
-        recipe == "tensorwise",
-        f"{name} casts each weight with one scale for the whole tensor: it needs float8.recipe_name "
-        f"'tensorwise' (it is {recipe!r})",
-    )
-    require(
-        degrees["dp_shard"] > 1,
-        f"{name} makes SimpleFSDP's all-gathers float8: it needs parallelism.dp_shard > 1 "
-        f"(it is {degrees['dp_shard']}; nothing is gathered)",
-    )
-    require(
-        not weights_per_step(cfg.parallelism, degrees["dp_shard"] * degrees["dp_replicate"]),
-        f"{name} casts the weights each microbatch gathers; with weights gathered once per step "
-        f"(parallelism.fsdp_collectives {cfg.parallelism.fsdp_collectives!r}"
-        f"{', the default under pp > 1' if cfg.parallelism.fsdp_collectives == 'default' else ''}) "
-        "there is no such gather: set parallelism.fsdp_collectives = 'per_microbatch' or leave it out",
     )
 
 
@@ -472,7 +433,7 @@ def validate_config(cfg: JobConfig, world_size: int = 1) -> None:
     _check_training(cfg, args)
     degrees = _check_parallelism(cfg, world_size, args)
     _check_compile(cfg, degrees)
-    _check_float8(cfg, args, degrees)
+    check_float8(cfg, args, degrees)
     _check_around_the_loop(cfg)
     _check_settings_in_use(cfg)
     _check_held_out(cfg)

@@ -61,14 +61,16 @@ class FeedForward(nn.Module):
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate each pair (x[..., 2i], x[..., 2i+1]) of ``x`` [B, S, H, head_dim] by the angle
-    of (position, i); ``table`` is ``rope_table(...)[:S]``. Computed in float32, returned
+    of (position, i); ``table`` is ``rope_table(...)`` at the tokens' positions ([S, head_dim], or
+    [B, S, head_dim] when rows differ: ``SequencePlan.rope``). Computed in float32, returned
     in ``x``'s dtype.
 
     Same as multiplying the complex number x[2i] + j*x[2i+1] by exp(j*angle).
     """
     half = x.shape[-1] // 2
-    cos = table[:, :half].view(1, x.shape[1], 1, half)
-    sin = table[:, half:].view(1, x.shape[1], 1, half)
+    rows = table.shape[0] if table.dim() == 3 else 1  # (per-row positions: [B, S, head_dim])
+    cos = table[..., :half].view(rows, x.shape[1], 1, half)
+    sin = table[..., half:].view(rows, x.shape[1], 1, half)
     pairs = x.float().reshape(*x.shape[:-1], half, 2)
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
@@ -179,21 +181,26 @@ def keep_stage(model: nn.Module, blocks, first: bool, last: bool) -> nn.Module:
 def run_stack(model: nn.Module, tokens: torch.Tensor, head=None) -> torch.Tensor:
     """Both families' forward after their own checks: embedding, blocks, final norm, then the
     output projection (under tensor parallel its logits split over the vocabulary: ``split_vocabulary``)
-    or ``head(normed hidden state, output module)`` (the loss, which computes the logits itself, e.g.
-    in chunks: ``graph_trainer.loss``). A pipeline stage without the embedding
+    or ``head(normed hidden state, output module, local)`` (the loss, which computes the logits itself,
+    e.g. in chunks: ``graph_trainer.loss``; ``local`` takes this rank's tokens of the labels:
+    ``models.sequence``). Rotary positions, masks and this rank's tokens under context parallel come
+    from ``model.sequence_layout`` (``models.sequence``). A pipeline stage without the embedding
     takes the previous stage's hidden state [B, S / model.sequence_shards, dim] (its piece of the
     sequence under sequence parallel); one without the norm returns its own."""
-    seq = tokens.shape[1] * (1 if model.tok_embeddings is not None else model.sequence_shards)
+    first = model.tok_embeddings is not None
+    seq = tokens.shape[1] * (1 if first else model.sequence_shards)
     if seq > model.args.max_seq_len:
         raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {model.args.max_seq_len}")
-    rope = model.rope_cache[:seq]
-    h = model.tok_embeddings(tokens) if model.tok_embeddings is not None else tokens
+    plan = model.sequence_layout.plan(tokens if first else None, seq, tokens.device)
+    h = model.tok_embeddings(plan.local(tokens)) if first else tokens
+    plan = plan.with_masks(h.dtype)  # (in the blocks' compute dtype)
+    rope = plan.rope(model.rope_cache)
     for block in model.layers.values():
-        h = block(h, rope)
+        h = block(h, rope, plan)
     if model.norm is None:
         return h
     if head is not None:
-        return head(model.norm(h), model.output)
+        return head(model.norm(h), model.output, plan.local)
     return model.output(model.norm(h))
 
 

@@ -79,7 +79,8 @@ from graph_trainer.checkpoint.state import (
     write_metadata,
     write_train_state,
 )
-from graph_trainer.config import JobConfig, checkpoint_root
+from graph_trainer.config import JobConfig
+from graph_trainer.config_paths import checkpoint_root
 from graph_trainer.distributed.comm import agree
 from graph_trainer.errors import ConfigError, JobError
 from graph_trainer.loop.guards import check_state

@@ -210,9 +210,11 @@ STAGE_TARGET_NAMES = {True: "labels", False: "output_grad"}
 BATCH_INPUTS = frozenset((*STAGE_INPUT_NAMES.values(), *STAGE_TARGET_NAMES.values()))
 
 
-def loss_head(labels: torch.Tensor, chunks: int) -> Callable[[torch.Tensor, nn.Module], torch.Tensor]:
-    """The models' ``head``: the mean token cross-entropy (``graph_trainer.loss``)."""
-    return lambda hidden, output: token_cross_entropy(hidden, output, labels, chunks)
+def loss_head(labels: torch.Tensor, chunks: int) -> Callable[..., torch.Tensor]:
+    """The models' ``head(hidden, output, local)``: the mean token cross-entropy (``graph_trainer.loss``)
+    of this rank's tokens against their labels (``local``: the rank's positions of a whole-sequence
+    tensor, ``models.sequence.SequencePlan.local``)."""
+    return lambda hidden, output, local: token_cross_entropy(hidden, output, local(labels), chunks)
 
 
 def batch_signature(tokens: torch.Tensor, labels: torch.Tensor) -> tuple:

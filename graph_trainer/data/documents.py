@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-from graph_trainer.config import is_local_dataset
+from graph_trainer.config_paths import is_local_dataset
 from graph_trainer.data.tokenizer import Tokenizer, with_specials
 from graph_trainer.errors import ConfigError, one_line
 

@@ -25,6 +25,7 @@ __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
     "build_tokenizer",
+    "document_start",
     "with_specials",
 ]
 
@@ -143,6 +144,20 @@ def build_tokenizer(tokenizer_path: str) -> Tokenizer:
             f"built-in byte tokenizer, or the path of a Hugging Face tokenizer.json (or its folder)"
         )
     return HFTokenizer(path)
+
+
+def document_start(tokenizer: Tokenizer) -> tuple[str, int]:
+    """Where the loader's packed documents start (``models.sequence.document_ids``): at each BOS token
+    when the tokenizer has one (``with_specials`` puts it first), else after each EOS token; a
+    ``ConfigError`` for a tokenizer with neither (its packed documents cannot be told apart)."""
+    if tokenizer.bos_id is not None:
+        return ("bos", tokenizer.bos_id)
+    if tokenizer.eos_id is not None:
+        return ("eos", tokenizer.eos_id)
+    raise ConfigError(
+        "training.attention_mask block_causal needs a tokenizer with a BOS or an EOS token, which mark where "
+        "the packed documents start; this tokenizer has neither (use causal, or another tokenizer)"
+    )
 
 
 def with_specials(tokenizer: Tokenizer, ids: list[int]) -> list[int]:

@@ -2,7 +2,11 @@
 
 The world is laid out as a mesh with dims ``("dp_replicate", "dp_shard", "tp")`` (row-major,
 so tp neighbours are adjacent ranks). Data-parallel ranks are the (dp_replicate, dp_shard)
-coordinates; ranks that differ only in tp see the same batch. With pipeline parallelism
+coordinates; ranks that differ only in tp see the same batch. With context parallelism
+(``cp > 1``) a ``"cp"`` dim sits between ``"dp_shard"`` and ``"tp"``: ranks that differ only in cp see
+the same batch and each computes on its own chunks of every sequence (``models.sequence``); they hold
+different tokens, so SimpleFSDP shards (and sums gradients) over ``("dp_shard", "cp")``, flattened
+into ``"dp_shard_cp"``. With pipeline parallelism
 (``pp > 1``) a ``"pp"`` dim comes first (outermost): ranks that differ only in pp hold different
 stages of the same model replica and see the same batch.
 
@@ -65,20 +69,21 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     pp: int = 1
+    cp: int = 1
     sequence_parallel: bool = False
     """The residual stream is split over ``tp`` along the sequence (``parallelism.sequence_parallel``
     with tp > 1; ``from_degrees`` drops it where tp is 1)."""
 
     @classmethod
     def from_degrees(cls, degrees: dict[str, int], sequence_parallel: bool = False) -> ParallelDims:
-        named = {k: degrees.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "ep", "pp")}
+        named = {k: degrees.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp")}
         return cls(**named, sequence_parallel=sequence_parallel and named["tp"] > 1)
 
     @property
     def sequence_shards(self) -> int:
-        """Pieces the sequence of the residual stream is split into on each rank (tp under sequence
-        parallel, else 1): a stage's hidden state is [batch, seq / sequence_shards, dim]."""
-        return self.tp if self.sequence_parallel else 1
+        """Pieces the sequence of the residual stream is split into on each rank (cp, times tp under
+        sequence parallel): a stage's hidden state is [batch, seq / sequence_shards, dim]."""
+        return self.cp * (self.tp if self.sequence_parallel else 1)
 
     @property
     def experts_span_tp(self) -> bool:
@@ -88,7 +93,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp_size(self) -> int:
@@ -103,8 +108,9 @@ class ParallelDims:
 
     @property
     def fsdp_mode(self) -> str | None:
-        """SimpleFSDP mode for dense parameters, or None without data parallelism."""
-        return _fsdp_mode(self.dp_replicate, self.dp_shard)
+        """SimpleFSDP mode for dense parameters, or None without data or context parallelism (the
+        context-parallel ranks are shard ranks: module docstring)."""
+        return _fsdp_mode(self.dp_replicate, self.dp_shard * self.cp)
 
     @property
     def expert_fsdp_mode(self) -> str | None:
@@ -112,9 +118,16 @@ class ParallelDims:
         return _fsdp_mode(self.dp_replicate, self.efsdp)
 
     def as_dict(self) -> dict[str, int]:
-        """The degrees by name (``pp`` only when > 1, so single-stage jobs read as before)."""
+        """The degrees by name (``pp`` and ``cp`` only when > 1, so other jobs read as before)."""
         degrees = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "ep": self.ep}
-        return {**degrees, "pp": self.pp} if self.pp > 1 else degrees
+        return {**degrees, **{k: v for k, v in (("pp", self.pp), ("cp", self.cp)) if v > 1}}
+
+
+def weights_per_step(p: Parallelism, dp_size: int) -> bool:
+    """Whether SimpleFSDP gathers weights and reduces gradients once per step (``fsdp_collectives``)
+    at data-parallel degree ``dp_size`` (without data parallelism nothing is gathered or reduced)."""
+    chosen = p.fsdp_collectives == "per_step" or (p.fsdp_collectives == "default" and p.pp > 1)
+    return chosen and dp_size > 1
 
 
 def microbatches_per_step(global_batch_size: int, local_batch_size: int, dp_size: int, pp_microbatches: int = 0) -> int:
@@ -149,31 +162,35 @@ def job_microbatches(parallelism: Parallelism, global_batch_size: int, local_bat
     return microbatches_per_step(global_batch_size, local_batch_size, dims.dp_size, parallelism.pp_microbatches)
 
 
-def loss_scale(dp_size: int, microbatches: int) -> float:
+def loss_scale(dp_size: int, microbatches: int, cp: int = 1) -> float:
     """What each rank scales its microbatch loss by before backward: every rank's loss is the mean
-    over its microbatch's tokens and the gradients are summed over ranks and microbatches, so
-    1 / (dp_size x microbatches) makes the update that of the mean over the global batch's tokens
-    (every microbatch holds the same number of tokens, all of them counted)."""
-    return 1.0 / (dp_size * microbatches)
+    over its microbatch's tokens (under context parallel, its 1/cp of them) and the gradients are
+    summed over ranks and microbatches, so 1 / (dp_size x cp x microbatches) makes the update that
+    of the mean over the global batch's tokens (every microbatch, and every rank's share of one,
+    holds the same number of tokens, all of them counted)."""
+    return 1.0 / (dp_size * cp * microbatches)
 
 
 def resolve_parallel_degrees(p: Parallelism, world_size: int) -> dict[str, int]:
     """Fill in dp_shard=-1 and check that the degrees multiply to the world size."""
-    for name in ("dp_replicate", "tp", "ep", "pp"):
+    for name in ("dp_replicate", "tp", "ep", "pp", "cp"):
         require(getattr(p, name) >= 1, f"parallelism.{name} = {getattr(p, name)} must be >= 1")
     require(p.dp_shard == -1 or p.dp_shard >= 1, f"parallelism.dp_shard = {p.dp_shard} must be >= 1 or -1")
-    others = p.pp * p.dp_replicate * p.tp
+    others = p.pp * p.dp_replicate * p.cp * p.tp
     dp_shard = p.dp_shard
     if dp_shard == -1:
-        named = "pp*dp_replicate*tp" if p.pp > 1 else "dp_replicate*tp"
+        named = "*".join(
+            n for n in ("pp", "dp_replicate", "cp", "tp") if n in ("dp_replicate", "tp") or getattr(p, n) > 1
+        )
         require(world_size % others == 0, f"world size {world_size} is not divisible by {named} = {others}")
         dp_shard = world_size // others
-    product = p.pp * p.dp_replicate * dp_shard * p.tp
+    product = p.pp * p.dp_replicate * dp_shard * p.cp * p.tp
     pp = f"pp={p.pp} x " if p.pp > 1 else ""
+    cp = f"cp={p.cp} x " if p.cp > 1 else ""
     require(
         product == world_size,
-        f"parallelism degrees {pp}dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x tp={p.tp} = {product} "
-        f"do not match the world size {world_size}",
+        f"parallelism degrees {pp}dp_replicate={p.dp_replicate} x dp_shard={dp_shard} x {cp}tp={p.tp} = "
+        f"{product} do not match the world size {world_size}",
     )
     # Experts are split over a sub-group of the data-parallel shard ranks, with the tp ranks under
     # sequence parallel (see the module docstring).
@@ -190,7 +207,7 @@ def resolve_parallel_degrees(p: Parallelism, world_size: int) -> dict[str, int]:
             f"parallelism.ep = {p.ep} must divide parallelism.dp_shard = {dp_shard} (experts are split over "
             f"data-parallel shard ranks)",
         )
-    return {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "ep": p.ep, "pp": p.pp}
+    return {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "ep": p.ep, "pp": p.pp, "cp": p.cp}
 
 
 def _fsdp_mode(replicate: int, shard: int) -> str | None:
@@ -212,7 +229,7 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
     outer = (("pp", dims.pp),) if dims.pp > 1 else ()
     replicate, tp = ("dp_replicate", dims.dp_replicate), ("tp", dims.tp)
     if dims.ep == 1:
-        inner = (replicate, ("dp_shard", dims.dp_shard), tp)
+        inner = (replicate, ("dp_shard", dims.dp_shard), *((("cp", dims.cp),) if dims.cp > 1 else ()), tp)
     elif dims.experts_span_tp:
         inner = (replicate, ("efsdp", dims.efsdp), ("ep_dp", dims.ep // dims.tp), tp)
     else:
@@ -226,11 +243,15 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
         flatten_mesh_dims(mesh, ("ep_dp", "tp"), "ep")
     elif dims.ep > 1:
         flatten_mesh_dims(mesh, ("efsdp", "ep"), "dp_shard")
+    if dims.cp > 1:
+        flatten_mesh_dims(mesh, ("dp_shard", "cp"), DP_SHARD_CP)
     if dims.pp > 1:  # the ranks of one pipeline stage: what sums over "every rank but the pipeline" use
         flatten_mesh_dims(mesh, tuple(name for name, _ in inner), STAGE_RANKS)
     return mesh
 
 
+DP_SHARD_CP = "dp_shard_cp"
+"""Mesh dim (cp > 1 only) flattening ``("dp_shard", "cp")``: the ranks SimpleFSDP shards over."""
 STAGE_RANKS = "stage_ranks"
 """Mesh dim (pp > 1 only) flattening every dim but ``pp``: the ranks that hold the same stages."""
 
@@ -256,7 +277,7 @@ def _mode_dims(mode: str | None, shard_dim: str) -> tuple[str, ...]:
 
 def dp_mesh_dims(dims: ParallelDims) -> tuple[str, ...]:
     """Names of the mesh dims SimpleFSDP lays dense parameters over."""
-    return _mode_dims(dims.fsdp_mode, "dp_shard")
+    return _mode_dims(dims.fsdp_mode, DP_SHARD_CP if dims.cp > 1 else "dp_shard")
 
 
 def expert_dp_mesh_dims(dims: ParallelDims) -> tuple[str, ...]:
@@ -277,7 +298,8 @@ def average_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     """Mean of a scalar over the data-parallel ranks (for logging the global loss).
 
     Ranks that differ only in tp (or pp, once the pipeline has shared the last stage's loss) hold
-    the same value, so the mean over the whole world is the mean over data-parallel ranks.
+    the same value, and ranks that differ only in cp the mean over equal shares of the same tokens,
+    so the mean over the whole world is the mean over data-parallel ranks.
     """
     if dims.world_size == 1:
         return value

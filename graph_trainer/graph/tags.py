@@ -39,6 +39,7 @@ FSDP_BUCKET = "fsdp_bucket"
 FSDP_PARAMS = "fsdp_params"
 EP_ROLE = "ep_role"
 TP_ROLE = "tp_role"
+CP_ROLE = "cp_role"
 MOE_FQN = "moe_fqn"
 CHUNKED_MODULE = "chunked_module"
 CHUNK_ID = "chunk_id"
@@ -101,6 +102,11 @@ KEYS = (
         "memory policy (may recompute it for backward)",
     ),
     KeyDoc(
+        (CP_ROLE,),
+        "models.sequence: KV_GATHER on the all-gather of keys and values over the context-parallel ranks",
+        "memory policy (may recompute it for backward)",
+    ),
+    KeyDoc(
         (CHUNKED_MODULE, CHUNK_ID),
         "chunking (ep_overlap's model preparation): the chunked module, chunk 0 or 1",
         "ep_overlap",
@@ -137,6 +143,9 @@ COUNT_EXCHANGE, DISPATCH, COMBINE, EXPERT_COMPUTE = "count_exchange", "dispatch"
 SEQUENCE_GATHER = "sequence_gather"
 """TP_ROLE of the forward nodes that all-gather a tensor-parallel region's input along the sequence
 (sequence parallel: ``models.common.gather_sequence``)."""
+KV_GATHER = "kv_gather"
+"""CP_ROLE of the forward nodes that all-gather attention's keys and values over the context-parallel
+ranks (``models.sequence.gather_over_cp``)."""
 SAVE, RECOMPUTE = "save", "recompute"
 """Values of ACTIVATION."""
 

@@ -51,8 +51,9 @@ import os
 import tempfile
 
 from graph_trainer.analysis.memory import StepMemoryEstimate, optimizer_memory
-from graph_trainer.config import LOCAL_DATASET_SUFFIXES, JobConfig, checkpoint_root, in_dump_folder, is_local_dataset
+from graph_trainer.config import JobConfig
 from graph_trainer.config_loading import load_config
+from graph_trainer.config_paths import LOCAL_DATASET_SUFFIXES, checkpoint_root, in_dump_folder, is_local_dataset
 from graph_trainer.distributed.parallel_dims import largest_local_numel
 from graph_trainer.distributed.resident import resident_bytes
 from graph_trainer.errors import ConfigError

@@ -35,7 +35,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-from graph_trainer.config import JobConfig, in_dump_folder
+from graph_trainer.config import JobConfig
+from graph_trainer.config_paths import in_dump_folder
 from graph_trainer.errors import TorchCompatError, one_line
 from graph_trainer.torch_compat import dump_cuda_memory_snapshot, record_cuda_memory_history
 

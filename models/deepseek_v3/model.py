@@ -52,6 +52,7 @@ from models.common import (
     stack_init_rules,
 )
 from models.deepseek_v3.flavors import DeepSeekV3Args
+from models.sequence import SequenceLayout, SequencePlan
 
 # --------------------------------------------------------------------------------------
 # Rotary position embedding with YaRN
@@ -127,7 +128,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         self.k_rope_grad_reduce: nn.Module = nn.Identity()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, plan: SequencePlan) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
         # "-1" heads: under tensor parallel wq(_b)/wkv_b are column-sharded over heads and
@@ -145,11 +146,9 @@ class Attention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(batch, seq, n_heads, self.qk_rope_head_dim)], dim=-1)
 
-        # SDPA wants [B, H, S, head_dim]; v's head dim may differ from q/k's.
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale
-        )
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        # v's head dim may differ from q/k's; the mask: ``models.sequence``.
+        out = plan.attend(q, k, v, scale=self.softmax_scale)
+        return self.wo(out.reshape(batch, seq, -1))
 
 
 # --------------------------------------------------------------------------------------
@@ -365,8 +364,8 @@ class TransformerBlock(nn.Module):
     def is_moe(self) -> bool:
         return hasattr(self, "moe")
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, plan: SequencePlan) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, plan)
         ffn = self.moe if self.is_moe else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -388,6 +387,8 @@ class DeepSeekV3(nn.Module):
         """Pieces each rank's hidden state splits the sequence into (tensor parallel's degree under
         sequence parallel, set by the parallelize function): a pipeline stage without the embedding
         takes [B, S / sequence_shards, dim]."""
+        self.sequence_layout = SequenceLayout()
+        """What attention sees (``models.sequence``; set by the build)."""
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)

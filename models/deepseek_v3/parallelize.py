@@ -94,6 +94,11 @@ def tp_split_sizes(args: DeepSeekV3Args) -> list[tuple[str, int]]:
 def validate_parallelism(args: DeepSeekV3Args, degrees: dict[str, int]) -> None:
     """Reject degrees the model's shapes cannot be split by (one ``ConfigError`` line each)."""
     tp, ep = degrees["tp"], degrees["ep"]
+    if degrees.get("cp", 1) > 1:
+        raise ConfigError(
+            f"parallelism.cp = {degrees['cp']}: context parallel is built for llama3's attention; deepseek_v3's "
+            "MLA does not split its sequences yet (use cp = 1)"
+        )
     for field, size in tp_split_sizes(args):
         if size % tp != 0:
             raise ConfigError(f"parallelism.tp = {tp} does not divide the model's {field} ({size})")

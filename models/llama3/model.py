@@ -37,6 +37,7 @@ from models.common import (
     stack_init_rules,
 )
 from models.llama3.flavors import Llama3Args, RopeScaling
+from models.sequence import SequenceLayout, SequencePlan
 
 # --------------------------------------------------------------------------------------
 # Rotary position embedding
@@ -90,7 +91,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, plan: SequencePlan) -> torch.Tensor:
         batch, seq, _ = x.shape
         # "-1" heads: under tensor parallel wq/wk/wv are column-sharded and their outputs
         # hold only this rank's heads, so the head counts are read from the shapes here.
@@ -98,27 +99,10 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-
-        n_heads, n_kv_heads = q.shape[2], k.shape[2]
-        if n_heads != n_kv_heads:
-            # GQA: query head h reads kv head h // n_rep (each kv head repeated n_rep times
-            # in a row), so SDPA sees equal head counts.
-            n_rep = n_heads // n_kv_heads
-            k = (
-                k.unsqueeze(3)
-                .expand(batch, seq, n_kv_heads, n_rep, self.head_dim)
-                .reshape(batch, seq, n_heads, self.head_dim)
-            )
-            v = (
-                v.unsqueeze(3)
-                .expand(batch, seq, n_kv_heads, n_rep, self.head_dim)
-                .reshape(batch, seq, n_heads, self.head_dim)
-            )
-
-        # SDPA wants [B, H, S, head_dim].
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        out = out.transpose(1, 2).reshape(batch, seq, -1)
-        return self.wo(out)
+        # Grouped-query heads, the mask, and under context parallel the keys and values of the
+        # other ranks' tokens: ``models.sequence``.
+        out = plan.attend(q, k, v)
+        return self.wo(out.reshape(batch, seq, -1))
 
 
 class TransformerBlock(nn.Module):
@@ -132,8 +116,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, plan: SequencePlan) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, plan)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -181,6 +165,9 @@ class Transformer(nn.Module):
         """Pieces each rank's hidden state splits the sequence into (tensor parallel's degree under
         sequence parallel, set by the parallelize function): a pipeline stage without the embedding
         takes [B, S / sequence_shards, dim]."""
+        self.sequence_layout = SequenceLayout()
+        """Which tokens of a sequence this rank holds and what attention sees (``models.sequence``;
+        set by the build)."""
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed "0".."N-1" keeps FQNs "layers.3...." and lets pipeline
         # stages delete blocks without renumbering the rest.

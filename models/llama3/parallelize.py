@@ -24,6 +24,12 @@ sends and receives its piece of the hidden state. Same values as without it (row
 rows; the sums over tp are the all-reduce's, split), the norm weights' gradients summed in another
 order (per piece, then over tp).
 
+Context parallel (``dims.cp`` > 1) needs no plan here: each rank computes on its chunks of every
+sequence with whole weights (``models.sequence``: the forward takes the rank's tokens, attention
+gathers keys and values over ``cp``), and SimpleFSDP shards the parameters over ``dp_shard x cp``,
+so the gradients are summed over the cp ranks too. A pipeline stage sends and receives the hidden
+state of the rank's chunks.
+
 Then every parameter goes to SimpleFSDP over the data-parallel dims
 (``graph_trainer.distributed.simple_fsdp``). The tracer tags every node with its module FQN, which is
 what the passes use to find blocks; ``models.common.block_bucket_plan`` lists the groups of FQNs
@@ -87,8 +93,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             gather_sequence(block.attention, tp_mesh)  # (x, rope): the rope table passes as it is
             gather_sequence(block.feed_forward, tp_mesh)
         parallelize_module(block, tp_mesh, plan)
-    if sequence_parallel:
-        model.sequence_shards = tp_mesh.size()
 
 
 def parallelize_llama3(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims, mp: MixedPrecision) -> nn.Module:
@@ -96,6 +100,7 @@ def parallelize_llama3(model: nn.Module, mesh: DeviceMesh | None, dims: Parallel
     mixed-precision cast). Model is on meta."""
     if mesh is None:
         return cast_for_compute(model, mp)
+    model.sequence_shards = dims.sequence_shards  # (context parallel's chunks, sequence parallel's pieces)
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
     dp_dims = dp_mesh_dims(dims)

@@ -87,6 +87,7 @@ def test_llama_differs_from_transformers_only_by_its_rope_table_and_the_order_of
     import torch.nn.functional as F
 
     import models.llama3.model as llama
+    import models.sequence as sequence
     from models.llama3.flavors import FLAVORS
     from models.llama3.hf import sources
 
@@ -106,7 +107,7 @@ def test_llama_differs_from_transformers_only_by_its_rope_table_and_the_order_of
         def attention(q, k, v, **kwargs):
             return F.scaled_dot_product_attention(q[..., rotate_half_order], k[..., rotate_half_order], v, **kwargs)
 
-        monkeypatch.setattr(llama, "F", SimpleNamespace(scaled_dot_product_attention=attention))
+        monkeypatch.setattr(sequence, "F", SimpleNamespace(scaled_dot_product_attention=attention))
         assert torch.equal(ours(tokens).float(), reference)
 
 

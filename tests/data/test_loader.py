@@ -386,7 +386,7 @@ def test_missing_dataset_path_names_the_path(tmp_path, monkeypatch):
 
 
 def test_every_local_dataset_suffix_has_its_builder():
-    from graph_trainer.config import LOCAL_DATASET_SUFFIXES
+    from graph_trainer.config_paths import LOCAL_DATASET_SUFFIXES
     from graph_trainer.data.documents import _BUILDERS
 
     assert sorted(_BUILDERS) == sorted(LOCAL_DATASET_SUFFIXES)

@@ -82,8 +82,10 @@ from graph_trainer.graph.ops import (
 from graph_trainer.graph.tags import (
     ACTIVATION,
     BACKWARD,
+    CP_ROLE,
     FORWARD,
     FSDP_ROLE,
+    KV_GATHER,
     LOSS,
     LOSS_CHUNK,
     PHASE,
@@ -109,7 +111,7 @@ def _may_run_twice(node: fx.Node) -> bool:
     """Whether copying ``node`` is safe: a pure, deterministic tensor op that is not a collective."""
     if node.op != "call_function" or not _is_tensor(node):
         return False
-    if tags.get(node, TP_ROLE) == SEQUENCE_GATHER:
+    if tags.get(node, TP_ROLE) == SEQUENCE_GATHER or tags.get(node, CP_ROLE) == KV_GATHER:
         return True  # (the gather, its wait and the reshuffle into the sequence dim: deterministic)
     if collective_name(node) is not None or node.target is SCALAR_READ or has_side_effects(node):
         return False

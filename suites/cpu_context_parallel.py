@@ -1,0 +1,36 @@
+"""The cpu suite's context-parallel and document-masking cases (the suite runs them after ``suites.cpu``'s).
+Their references are cases of ``suites.cpu``: ``single_graph`` (one process, 2 sequences),
+``single_b4`` and ``single_4l_b8`` (4 blocks, 8 sequences, the pipeline cases' reference)."""
+
+from __future__ import annotations
+
+from suites.cases import Case, layout_cases
+
+# (suites.cpu's pp2_1f1b: 4 blocks, the global batch of 8 as microbatches of 2 through 2 stages)
+_PIPELINE = ["--model.n_layers", "4", "--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"]
+_PIPELINE += ["--training.global_batch_size", "8"]
+
+# ---- context parallel: every sequence split over 2 cp ranks (two chunks each, one early and one
+# late), keys and values all-gathered for attention; cp does not change the data-parallel degree, so
+# each layout's reference is one process on its data-parallel ranks' global batch. Document masking
+# (block_causal) against one process with the same mask; each document's rotary positions from 0
+# (positions_per_document) match the sequence's positions to rounding, RoPE being relative and the
+# mask keeping every query inside its document. Graph == eager bitwise for each.
+_CP2 = ["--parallelism.cp", "2"]
+_BLOCK_CAUSAL = ["--training.attention_mask", "block_causal"]
+_CPU_CONTEXT_PARALLEL_LAYOUTS = {
+    "cp2": (2, _CP2, "single_graph"),
+    "cp2xfsdp2": (4, [*_CP2, "--parallelism.dp_shard", "2"], "single_b4"),
+    "cp2xtp2": (4, [*_CP2, "--parallelism.tp", "2"], "single_graph"),
+    "pp2xcp2": (4, [*_PIPELINE, *_CP2], "single_4l_b8"),
+    "block_causal": (1, _BLOCK_CAUSAL, ""),
+    "cp2_block_causal": (2, [*_CP2, *_BLOCK_CAUSAL], "block_causal_graph"),
+}
+CPU_CONTEXT_PARALLEL_CASES = layout_cases(_CPU_CONTEXT_PARALLEL_LAYOUTS) + [
+    Case(
+        "cp2_block_causal_document_positions",
+        2,
+        [*_CP2, *_BLOCK_CAUSAL, "--training.positions_per_document"],
+        close_to="block_causal_graph",
+    ),
+]
