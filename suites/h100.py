@@ -21,6 +21,8 @@ _8B_LAYOUTS = {
     "fsdp8": (8, [], ""),
     "hsdp2x4": (8, ["--parallelism.dp_replicate", "2"], ""),
     "fsdp4xtp2": (8, ["--parallelism.tp", "2"], ""),
+    # context parallel: every sequence in 4 chunks over 2 ranks, keys and values all-gathered
+    "fsdp4xcp2": (8, ["--parallelism.cp", "2"], ""),
     # FP8 linears at the 8B's shapes (torchao's tensorwise recipe, the output projection in bf16)
     "fsdp8_float8": (8, ["--float8.recipe_name", "tensorwise"], ""),
 }
