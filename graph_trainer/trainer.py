@@ -287,7 +287,7 @@ class Trainer:
             device=self.dist.device,
             flops_per_token=MODEL_SPECS[cfg.model.name].flops_per_token(self.model_args, cfg.training.seq_len),
             peak_flops=peak_flops_per_device(self.dist.device, cfg.metrics.peak_tflops or None),
-            num_devices_per_replica=self.dims.tp * self.dims.pp,
+            num_devices_per_replica=self.dims.tp * self.dims.pp * self.dims.cp,  # (ranks sharing a batch)
             logger=self.logger,
             append_losses=append_losses,  # losses.txt continues the resumed run's file
             json_lines=cfg.metrics.json_lines,
