@@ -148,20 +148,17 @@ class SequenceLayout:
         keep = None
         if self.cp > 1:
             keep = torch.cat([torch.arange(q.position, q.keys, device=device) for q in chunks])
-        documents = positions = None
+        documents, positions = None, keep  # (the tokens' positions in the sequence; None: 0..seq-1)
         if self.mask == "block_causal":
             if tokens is None:
                 raise ValueError("block_causal attention needs the whole sequences' tokens")
             documents = document_ids(tokens, self.document_start)
             if self.positions_per_document:
-                positions = positions_in_documents(documents)
-        if positions is None and keep is not None:
-            positions = keep
-        elif positions is not None and keep is not None:
-            positions = positions[:, keep]
+                in_documents = positions_in_documents(documents)
+                positions = in_documents if keep is None else in_documents[:, keep]
         masked = self.mask == "block_causal" or self.cp > 1
         gather = None if self.cp == 1 else self._gather
-        return SequencePlan(seq, chunks, keep, positions, masked, documents, None, gather)
+        return SequencePlan(seq, chunks, keep, positions, masked, documents, None, gather, device)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.cp_mesh is None:
@@ -202,16 +199,15 @@ class SequencePlan:
     """Each chunk's additive mask (``chunk_bias``, once ``with_masks`` made them)."""
     gather: Callable[[torch.Tensor], torch.Tensor] | None
     """[B, S_local, ...] -> [B, S, ...] in sequence order, over the cp ranks (None without cp)."""
+    device: torch.device | str | None = None
+    """Where the forward computes (the masks' device)."""
 
     def with_masks(self, dtype: torch.dtype) -> SequencePlan:
         """This plan with its chunks' masks in ``dtype`` (the attention's compute dtype), made once
         for every block; itself where no mask is needed."""
         if not self.masked or self.biases is not None:
             return self
-        device = self.documents.device if self.documents is not None else None
-        if self.keep is not None:
-            device = self.keep.device
-        biases = tuple(chunk_bias(q, self.documents, dtype, device) for q in self.chunks)
+        biases = tuple(chunk_bias(q, self.documents, dtype, self.device) for q in self.chunks)
         return dataclasses.replace(self, biases=biases)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
