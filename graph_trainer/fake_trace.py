@@ -20,6 +20,16 @@ traces exactly what the trainer traces on this machine):
   kernel, or for unequal q/v head dims (DeepSeek MLA) an fp32 math decomposition whose cost
   has nothing to do with the GPU's. The fused ops only have fake/meta kernels here, so such a
   graph is for analysis, not for running on CPU.
+
+  With an ``attn_mask`` (context parallel, document masking: ``models.sequence``) SDPA's flash
+  kernel does not apply, and PyTorch's default order (flash, memory-efficient, math) runs the
+  memory-efficient kernel: ``_scaled_dot_product_efficient_attention`` with the mask as its
+  bias, as SDPA passes it: a boolean mask turned into 0 / -inf in the query's dtype, expanded to
+  [B, H, Lq, Lk], copied into a row padded to a multiple of 16 where Lk is not one. That kernel
+  computes every query x key pair of the bias (no tile is skipped), which is what
+  ``cost_model``'s attention FLOPs count for a call without ``is_causal``. (Builds that put cuDNN
+  first on an H100 may run cuDNN's kernel with the same bias: the same FLOPs, and the same rates
+  in the device model, which gives both kernel classes the fused attention's rates.)
 """
 
 from __future__ import annotations
@@ -73,11 +83,17 @@ class _GpuAttention(TorchFunctionMode):
 
 def _gpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """The output of the fused GPU attention op for these inputs, or None where PyTorch would
-    not pick one (masks, GQA inside the op): the caller then traces the original call."""
-    if attn_mask is not None or enable_gqa:
+    not pick one (GQA inside the op): the caller then traces the original call. A mask runs the
+    memory-efficient kernel with it as its bias (module docstring)."""
+    if enable_gqa:
         return None
     aten = torch.ops.aten
     # compute_log_sumexp=True: training keeps the logsumexp for the backward kernel.
+    if attn_mask is not None:
+        bias = _attention_bias(attn_mask, query, key)
+        return aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, True, dropout_p, is_causal, scale=scale
+        )[0]
     if query.dtype in (torch.bfloat16, torch.float16):
         return aten._scaled_dot_product_cudnn_attention(
             query, key, value, None, True, dropout_p, is_causal, False, scale=scale
@@ -85,6 +101,25 @@ def _gpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     return aten._scaled_dot_product_efficient_attention(
         query, key, value, None, True, dropout_p, is_causal, scale=scale
     )[0]
+
+
+BIAS_ALIGNMENT = 16
+"""Elements a bias row of the memory-efficient kernel must start on (SDPA pads the rows to it)."""
+
+
+def _attention_bias(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``attn_mask`` as SDPA hands it to the memory-efficient kernel: additive in the query's dtype
+    (a boolean mask: 0 where True, -inf where False), expanded to [B, H, Lq, Lk] (a view), and
+    copied into rows padded to ``BIAS_ALIGNMENT`` elements where Lk is not a multiple of it."""
+    if attn_mask.dtype == torch.bool:
+        zeros = torch.zeros(attn_mask.shape, dtype=query.dtype, device=attn_mask.device)
+        attn_mask = zeros.masked_fill(attn_mask.logical_not(), float("-inf"))
+    keys = key.shape[-2]
+    bias = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], keys)
+    if keys % BIAS_ALIGNMENT:
+        padded = F.pad(bias, (0, BIAS_ALIGNMENT - keys % BIAS_ALIGNMENT))
+        bias = padded[..., :keys]
+    return bias
 
 
 def trace_without_passes(

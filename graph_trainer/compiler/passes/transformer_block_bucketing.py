@@ -289,11 +289,13 @@ def transformer_block_bucketing(gm: fx.GraphModule, context: PassContext) -> fx.
 
 
 def check_config(cfg: Any, degrees: dict[str, int]) -> None:
-    if degrees.get("dp_shard", 1) <= 1 and degrees.get("dp_replicate", 1) <= 1:
+    # SimpleFSDP shards over dp_shard x cp: context-parallel ranks gather and reduce like data-parallel ones
+    shard, cp, replicate = (degrees.get(k, 1) for k in ("dp_shard", "cp", "dp_replicate"))
+    if shard * cp <= 1 and replicate <= 1:
         raise ConfigError(
             "compile.passes: transformer_block_bucketing buckets FSDP all-gathers and gradient "
-            "reductions and needs data parallelism: parallelism.dp_shard or dp_replicate > 1 "
-            f"(got dp_shard = {degrees.get('dp_shard', 1)}, dp_replicate = {degrees.get('dp_replicate', 1)})"
+            "reductions and needs data parallelism: parallelism.dp_shard, cp or dp_replicate > 1 "
+            f"(got dp_shard = {shard}, cp = {cp}, dp_replicate = {replicate})"
         )
 
 

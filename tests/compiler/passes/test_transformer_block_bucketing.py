@@ -41,6 +41,8 @@ LAYOUTS = {
     "fsdp2xtp2": ["--parallelism.tp", "2"],
     "reshard_never": ["--parallelism.fsdp_reshard_after_forward", "never"],
     "reshard_always": ["--parallelism.fsdp_reshard_after_forward", "always"],
+    # SimpleFSDP over the cp ranks alone (dp_shard 1): their collectives are bucketed, the K/V gathers kept
+    "cp4": ["--parallelism.cp", "4"],
     # float8 weights: each gather's chain holds an amax all-reduce and the scale (float8_gather)
     "float8_all_gather": [
         *["--parallelism.tp", "2", "--float8.recipe_name", "tensorwise", "--float8.enable_fsdp_float8_all_gather"]
@@ -188,7 +190,7 @@ def test_float8_backward_gathers_copied_out_transposed():
     assert all(after[w.removesuffix(".weight")] == before[w.removesuffix(".weight")] for w in read_transposed)
 
 
-@pytest.mark.parametrize("layout", ["fsdp4", "fsdp2xtp2", "float8_all_gather", "reshard_always"])
+@pytest.mark.parametrize("layout", ["fsdp4", "fsdp2xtp2", "float8_all_gather", "reshard_always", "cp4"])
 def test_gathers_are_prefetched_and_reduce_scatters_deferred(layout):
     gm = _trace(tuple(LAYOUTS[layout]))
     forward_compute, backward_compute = _compute(gm, "forward"), _compute(gm, "backward")
@@ -259,7 +261,11 @@ def test_deepseek_expert_parallel_gets_one_collective_per_bucket_and_group():
 
 
 # (fp32 FSDP2, HSDP2x2, DDP2, FSDP2xTP2, EP2: the cpu suite's *_tbb cases, losses and step-1 gradients)
-@pytest.mark.parametrize("nproc,extra", [(2, ["--training.mixed_precision_param", "bfloat16"])], ids=["fsdp2_bf16"])
+@pytest.mark.parametrize(
+    "nproc,extra",
+    [(2, ["--training.mixed_precision_param", "bfloat16"]), (2, ["--parallelism.cp", "2"])],
+    ids=["fsdp2_bf16", "cp2"],
+)
 def test_loss_and_every_gradient_bitwise(nproc, extra, tmp_path):
     _launch(nproc, *FAST_ARGS, "--job.dump_folder", str(tmp_path), *extra)
     reports = [(tmp_path / f"bitwise_rank{r}.txt").read_text() for r in range(nproc)]
@@ -280,7 +286,7 @@ def test_mixed_dtype_gather_bucket_is_bitwise(tmp_path):
 def test_rejected_at_config_validation_without_data_parallelism():
     with pytest.raises(ConfigError) as info:
         validate_config(load_config(["--compile.passes", TBB]), world_size=1)
-    assert "\n" not in str(info.value) and "parallelism.dp_shard or dp_replicate > 1" in str(info.value)
+    assert "\n" not in str(info.value) and "parallelism.dp_shard, cp or dp_replicate > 1" in str(info.value)
     # DDP alone is accepted: its gradient all-reduces are bucketed
     validate_config(load_config(["--compile.passes", TBB, "--parallelism.dp_replicate", "2"]), world_size=2)
     result = subprocess.run(
