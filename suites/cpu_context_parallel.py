@@ -22,6 +22,8 @@ _CPU_CONTEXT_PARALLEL_LAYOUTS = {
     "cp2": (2, _CP2, "single_graph"),
     "cp2xfsdp2": (4, [*_CP2, "--parallelism.dp_shard", "2"], "single_b4"),
     "cp2xtp2": (4, [*_CP2, "--parallelism.tp", "2"], "single_graph"),
+    # HSDP: 2 replicas, each sharding its weights over its 2 cp ranks (hybrid_shard over dp_shard x cp)
+    "replicate2xcp2": (4, [*_CP2, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"], "single_b4"),
     "pp2xcp2": (4, [*_PIPELINE, *_CP2], "single_4l_b8"),
     "block_causal": (1, _BLOCK_CAUSAL, ""),
     "cp2_block_causal": (2, [*_CP2, *_BLOCK_CAUSAL], "block_causal_graph"),
