@@ -1,9 +1,10 @@
 """Trace a job at any world size in one CPU process, on the fake process group.
 
 ``fake_world(world_size)`` starts PyTorch's fake process group (collectives are recorded,
-never run) as rank 0 of ``world_size``; ``trace_job(cfg)`` then builds the job's model on the
-meta device with its real parallel layout (``graph_trainer.build``, as the trainer does),
-traces the training step on fake tensors and runs its memory policy and passes
+never run) as rank 0 of ``world_size`` (or another rank: ``fake_world(world_size, rank)``);
+``trace_job(cfg)`` then builds the job's model on the meta device with its real parallel layout
+(``graph_trainer.build``, as the trainer does), traces the training step on fake tensors and runs
+its memory policy and passes
 (``graph_trainer.compiler.chain.transform_graph``). Nothing is allocated at model size: this is
 how real-size layouts (Llama3-8B at FSDP=8 ...) are inspected and simulated on a machine
 without GPUs.
@@ -56,11 +57,15 @@ from graph_trainer.torch_compat import clear_dtensor_sharding_caches, fake_store
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """A fake process group of ``world_size`` ranks (this process is rank 0) while active."""
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks, this process being global rank ``rank``, while
+    active: a job traced inside it is that rank's (its mesh coordinates: the context-parallel
+    chunks it holds, the groups its collectives run on)."""
     if dist.is_initialized():
         raise RuntimeError("fake_world needs a process without a process group")
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of the {world_size} ranks (0 to {world_size - 1})")
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 
 from graph_trainer.analysis.cost_model import node_flops
@@ -87,3 +88,9 @@ def test_a_boolean_mask_becomes_an_additive_bias_in_rows_padded_to_16():
     k32 = torch.randn(2, 4, 32, 16)
     gm = make_fx(lambda q, k, v, m: _gpu_attention(q, k, v, m), tracing_mode="fake")(q, k32, k32, torch.zeros(8, 32))
     assert "constant_pad_nd" not in {name_of(n) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_fake_world_refuses_a_rank_outside_it():
+    with pytest.raises(ValueError, match="rank 4 is not one of the 4 ranks"):
+        with fake_world(4, 4):
+            pass

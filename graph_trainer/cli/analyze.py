@@ -1,6 +1,6 @@
 """Simulate a job's training step on a device model, from one CPU process.
 
-    python -m graph_trainer.cli.analyze --world_size N [--device h100|h200|h100_hbm2e_500w|cpu]
+    python -m graph_trainer.cli.analyze --world_size N [--rank R] [--device h100|h200|h100_hbm2e_500w|cpu]
         [--attention cudnn|fa2|fa3] [--ranks_per_node 8] [--trace_out trace.json]
         [--compare "none;pass_a;pass_a,pass_b"] [--ac_modes none,selective,full]
         [--device_memory_gib G] [--json OUT.json] [--section.key value ...]
@@ -9,8 +9,10 @@
         --training.local_batch_size 1 --training.mixed_precision_param bfloat16
 
 The job flags are those of ``train.py`` (``graph_trainer.config_loading.load_config``); the flags
-above are taken out first. The job is traced on the fake process group at ``world_size``
-(``graph_trainer.fake_trace``: fake tensors, nothing allocated, no communication),
+above are taken out first (``cli.analyze_flags``). The job is traced on the fake process group at
+``world_size`` as global rank ``--rank`` (default 0: its mesh coordinates, e.g. which
+context-parallel chunks it holds; ``graph_trainer.fake_trace``: fake tensors, nothing allocated,
+no communication),
 its passes run (``compile.passes``, or each list given to ``--compare``, one trace per list;
 ``none`` is the empty list; with ``--ac_modes``, each list once per activation-checkpointing
 mode), and the graph is simulated with ``graph_trainer.analysis.simulator`` on the device model
@@ -59,7 +61,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-from graph_trainer.analysis.devices import DeviceModel
 from graph_trainer.analysis.fusion import fuses
 from graph_trainer.analysis.memory import (
     adamw_memory,
@@ -68,19 +69,16 @@ from graph_trainer.analysis.memory import (
     memory_warning,
 )
 from graph_trainer.analysis.simulator import format_table, simulate
-from graph_trainer.cli.device_flags import take_device_flags
+from graph_trainer.cli.analyze_flags import CommandLine, parse_command_line
 from graph_trainer.compiler.memory_policy import ac_description
 from graph_trainer.config import JobConfig
-from graph_trainer.config_loading import load_config, normalize_pass_list, take_flag
 from graph_trainer.distributed.parallel_dims import ParallelDims, job_microbatches, resolve_parallel_degrees
 from graph_trainer.errors import ConfigError
 from graph_trainer.fake_trace import fake_world, trace_job, trace_pipeline
 from graph_trainer.graph import tags
 from graph_trainer.graph.collectives import is_collective
 from graph_trainer.graph.tags import FSDP_ROLE, REDUCE_GRAD
-from graph_trainer.loop.preflight import check_writable_folder
 from graph_trainer.pipelining.timeline import estimate_pipeline, traced_optimizer_step
-from graph_trainer.validation import validate_config
 from models.registry import MODEL_SPECS, model_args
 
 GIB = float(1 << 30)
@@ -89,22 +87,13 @@ GB = 1e9
 _KIND_COLUMNS = (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", "AR"), ("all_to_all", "A2A"))
 
 
-def parse_pass_lists(spec: str) -> list[list[str]]:
-    """'none;a;a,b' -> [[], ['a'], ['a', 'b']]."""
-    lists = []
-    for item in spec.split(";"):
-        passes = normalize_pass_list([item])
-        lists.append([] if passes in ([], ["none"]) else passes)
-    return lists
-
-
-def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
-    """Trace ``cfg`` on the fake process group and simulate it.
+def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8, rank: int = 0):
+    """Trace ``cfg`` on the fake process group as global rank ``rank`` and simulate it.
 
     Returns (traced step, SimulationResult, seconds tracing + passes, seconds simulating).
     """
     start = time.perf_counter()
-    with fake_world(world_size):
+    with fake_world(world_size, rank):
         traced = trace_job(cfg, world_size, gpu_attention=device.fused_attention)
         traced_s = time.perf_counter() - start
         # Groups are resolved while the fake process group is alive.
@@ -112,13 +101,14 @@ def analyze_job(cfg, world_size: int, device, ranks_per_node: int = 8):
     return traced, result, traced_s, time.perf_counter() - start - traced_s
 
 
-def analyze_pipeline(cfg, world_size: int, device, ranks_per_node: int = 8, optimizer=None):
-    """Trace a pipeline job stage by stage on the fake process group and estimate its step.
+def analyze_pipeline(cfg, world_size: int, device, ranks_per_node: int = 8, optimizer=None, rank: int = 0):
+    """Trace a pipeline job stage by stage on the fake process group (as global ``rank``'s mesh
+    coordinates outside pp) and estimate its step.
 
     Returns (``timeline.PipelineEstimate``, the stages' blocks, seconds tracing + passes, seconds estimating).
     """
     start = time.perf_counter()
-    with fake_world(world_size):
+    with fake_world(world_size, rank):
         traced = trace_pipeline(cfg, world_size, gpu_attention=device.fused_attention)
         traced_s = time.perf_counter() - start
         pipeline = traced.layout.pipeline
@@ -276,89 +266,6 @@ def _trace_path(path: str, label: str, several: bool) -> str:
     return f"{root}.{label.replace(',', '+').replace(' ', '_')}{ext or '.json'}"
 
 
-@dataclass
-class CommandLine:
-    """The command line read: this command's own flags and the jobs to analyze, one config per pass
-    list, activation-checkpointing mode and pipeline schedule compared (``labels``: what each row
-    calls its job)."""
-
-    world_size: int
-    device_name: str
-    device: DeviceModel
-    ranks_per_node: int
-    trace_out: str | None
-    json_out: str | None
-    """Where ``--json`` writes the tables (None: not written)."""
-    memory_limit: int | None
-    """Bytes of device memory a rank's peak is warned against (None: no warning)."""
-    cfg: JobConfig
-    """The job as given, before the comparisons replace its passes, mode and schedule."""
-    configs: list[JobConfig]
-    labels: list[str]
-
-
-def parse_command_line(argv: list[str]) -> CommandLine:
-    """Take this command's flags out of ``argv``, read the job's config from the rest and build
-    (and validate) one config per compared variant; raises ``ConfigError`` on a wrong flag or job."""
-    argv, world_size = take_flag(argv, "--world_size", 8, int)
-    argv, d = take_device_flags(argv)  # --device, --attention, --device_memory_gib
-    argv, ranks_per_node = take_flag(argv, "--ranks_per_node", 8, int)
-    argv, trace_out = take_flag(argv, "--trace_out", None)
-    argv, compare = take_flag(argv, "--compare", None)
-    argv, ac_modes = take_flag(argv, "--ac_modes", None)
-    argv, pp_schedules = take_flag(argv, "--pp_schedules", None)
-    argv, json_out = take_flag(argv, "--json", None)
-    if json_out is not None:
-        check_json_path(json_out)
-    if ranks_per_node < 1:
-        raise ConfigError(f"--ranks_per_node {ranks_per_node} must be >= 1 (GPUs per node)")
-    cfg = load_config(argv)
-    pass_lists = parse_pass_lists(compare) if compare is not None else [cfg.compile.passes]
-    modes = _comma_list(ac_modes) if ac_modes is not None else [cfg.activation_checkpoint.mode]
-    schedules = _comma_list(pp_schedules) if pp_schedules is not None else [cfg.parallelism.pp_schedule]
-    if pp_schedules is not None and cfg.parallelism.pp == 1:
-        raise ConfigError("--pp_schedules compares pipeline schedules: it needs --parallelism.pp > 1")
-    configs = _job_variants(argv, world_size, pass_lists, modes, schedules)
-    labels = [
-        (",".join(c.compile.passes) or "none") + (f" ac={c.activation_checkpoint.mode}" if ac_modes is not None else "")
-        for c in configs
-    ]
-    return CommandLine(
-        world_size, d.name, d.model, ranks_per_node, trace_out, json_out, d.memory_limit, cfg, configs, labels
-    )
-
-
-def check_json_path(path: str) -> None:
-    """``--json``'s file can be written: not a folder, in a folder this process can write in
-    (made if missing); else a one-line ``ConfigError``."""
-    if os.path.isdir(path):
-        raise ConfigError(f"--json {path!r} is a folder; give a file name, e.g. {os.path.join(path, 'analyze.json')}")
-    check_writable_folder(os.path.dirname(os.path.abspath(path)), "the folder of --json")
-
-
-def _comma_list(spec: str) -> list[str]:
-    """'a, b,' -> ['a', 'b']."""
-    return [x.strip() for x in spec.split(",") if x.strip()]
-
-
-def _job_variants(
-    argv: list[str], world_size: int, pass_lists: list[list[str]], modes: list[str], schedules: list[str]
-) -> list[JobConfig]:
-    """The job read from ``argv`` once per (pass list, activation-checkpointing mode, pipeline
-    schedule), in that nesting, each validated at ``world_size``."""
-    configs = []
-    for passes in pass_lists:
-        for mode in modes:
-            for schedule in schedules:
-                c = load_config(argv)
-                c.compile.passes = passes
-                c.activation_checkpoint.mode = mode
-                c.parallelism.pp_schedule = schedule
-                validate_config(c, world_size)
-                configs.append(c)
-    return configs
-
-
 def main(argv: list[str] | None = None) -> int:
     """The command (module docstring); returns its exit code, 2 for a wrong flag or job config."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -399,7 +306,7 @@ def job_header(command: CommandLine, microbatches: int) -> str:
     fp8 = f", float8 {cfg.float8.recipe_name}{gather}" if cfg.float8.recipe_name != "none" else ""
     compute = "kernels fused as Inductor fuses them (model)" if fuses(cfg.compile.backend) else "op by op"
     return (
-        f"{cfg.model.name} {cfg.model.flavor}, world size {command.world_size}, per-rank batch "
+        f"{cfg.model.name} {cfg.model.flavor}, world size {command.world_size} (rank {command.rank}), per-rank batch "
         f"{t.local_batch_size}x{t.seq_len}{accumulating}, param dtype {t.mixed_precision_param}, reduce dtype "
         f"{t.mixed_precision_reduce}, activation checkpointing {ac_description(cfg.activation_checkpoint)}, "
         f"loss chunks {t.loss_chunks}{fp8}; simulated on {command.device.name} ({command.ranks_per_node} ranks/node), "
@@ -423,7 +330,8 @@ class GraphReport:
 def graph_report(cfg: JobConfig, label: str, command: CommandLine, optimizer, microbatches: int) -> GraphReport:
     """Trace and simulate one job (``analyze_job``) and estimate its step's memory; with
     ``--trace_out``, write its timeline and say where."""
-    traced, result, trace_s, sim_s = analyze_job(cfg, command.world_size, command.device, command.ranks_per_node)
+    c = command
+    traced, result, trace_s, sim_s = analyze_job(cfg, c.world_size, c.device, c.ranks_per_node, c.rank)
     graph = traced.gm.graph
     memory = estimate_step_memory(graph, None, optimizer, microbatches=microbatches)
     optim = traced_optimizer_step(traced, command.device, cfg.training, optimizer.all_at_once, command.ranks_per_node)
@@ -470,8 +378,9 @@ class PipelineReport:
 
 def pipeline_report(cfg: JobConfig, label: str, command: CommandLine, optimizer) -> PipelineReport:
     """Trace a pipeline job stage by stage and estimate its step (``analyze_pipeline``)."""
+    c = command
     estimate, stage_blocks, trace_s, estimate_s = analyze_pipeline(
-        cfg, command.world_size, command.device, command.ranks_per_node, optimizer
+        cfg, c.world_size, c.device, c.ranks_per_node, optimizer, c.rank
     )
     row, stage_rows = pipeline_rows(label, cfg, command.world_size, estimate, stage_blocks)
     name = f"{label}, {estimate.plan.schedule}"
