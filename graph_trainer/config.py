@@ -64,6 +64,9 @@ class Model:
     n_layers: int = 0
     """Transformer blocks to build: 0 = the flavor's; N = the flavor's shapes with only N blocks
     (e.g. to measure a real block's speed and memory on one GPU). Logs, MFU and the memory estimate use N."""
+    max_seq_len: int = 0
+    """Positions the rotary table covers (training.seq_len at most this): 0 = the flavor's; N = the
+    flavor with N (e.g. Llama 3.1's 131072 for long-context training; no weight depends on it)."""
 
 
 @dataclass
@@ -79,7 +82,7 @@ class Training:
     rank per step and sums their gradients before one clip, AdamW update and schedule step
     (gradient accumulation); the loss is the mean over all tokens of the global batch."""
     seq_len: int = 256
-    """Tokens per sequence; at most the flavor's max_seq_len."""
+    """Tokens per sequence; at most the model's max_seq_len (model.max_seq_len)."""
     attention_mask: AttentionMask = "causal"
     """'causal': a token attends to every earlier token of its sequence, across the packed documents'
     boundaries (torchtitan's default); 'block_causal': only to earlier tokens of its own document, the

@@ -93,11 +93,13 @@ def _check_model(cfg: JobConfig):
     if cfg.model.flavor not in (*spec.flavors, HF_FLAVOR):
         raise not_allowed(f"model.flavor (for {cfg.model.name})", cfg.model.flavor, (*spec.flavors, HF_FLAVOR))
     require(cfg.model.n_layers >= 0, f"model.n_layers = {cfg.model.n_layers} must be >= 0 (0: the flavor's)")
+    require(cfg.model.max_seq_len >= 0, f"model.max_seq_len = {cfg.model.max_seq_len} must be >= 0 (0: the flavor's)")
     try:
         return model_args(cfg)
     except ValueError as e:  # the flavor's own shape checks (e.g. DeepSeek-V3's dense layers)
         raise ConfigError(
-            f"model.n_layers = {cfg.model.n_layers} does not fit flavor {cfg.model.flavor}: {e}"
+            f"model.n_layers = {cfg.model.n_layers} / model.max_seq_len = {cfg.model.max_seq_len} does not fit "
+            f"flavor {cfg.model.flavor}: {e}"
         ) from None
 
 
@@ -113,7 +115,8 @@ def _check_training(cfg: JobConfig, args) -> None:
     require(t.local_batch_size >= 1, f"training.local_batch_size = {t.local_batch_size} must be >= 1")
     require(
         1 <= t.seq_len <= args.max_seq_len,
-        f"training.seq_len = {t.seq_len} must be between 1 and the flavor's max_seq_len {args.max_seq_len}",
+        f"training.seq_len = {t.seq_len} must be between 1 and the model's max_seq_len {args.max_seq_len} (the "
+        "flavor's, or model.max_seq_len: the positions its rotary table covers)",
     )
     require(t.lr > 0 and math.isfinite(t.lr), f"training.lr = {t.lr} must be a positive number")
     require(t.weight_decay >= 0, f"training.weight_decay = {t.weight_decay} must be >= 0")

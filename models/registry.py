@@ -81,7 +81,8 @@ HF_FLAVOR = "hf"
 
 def model_args(cfg: JobConfig):
     """The model's shape: the flavor's arguments (flavor ``hf``: those ``config.json`` of
-    ``checkpoint.initial_load_hf`` describes), with ``model.n_layers`` applied when set."""
+    ``checkpoint.initial_load_hf`` describes), with ``model.n_layers`` and ``model.max_seq_len``
+    applied when set."""
     spec = MODEL_SPECS[cfg.model.name]
     if cfg.model.flavor == HF_FLAVOR:
         folder = cfg.checkpoint.initial_load_hf
@@ -93,7 +94,9 @@ def model_args(cfg: JobConfig):
         args = spec.hf.args_from_config(folder_config(folder))
     else:
         args = spec.flavors[cfg.model.flavor]
-    return dataclasses.replace(args, n_layers=cfg.model.n_layers) if cfg.model.n_layers else args
+    if cfg.model.n_layers:
+        args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
+    return dataclasses.replace(args, max_seq_len=cfg.model.max_seq_len) if cfg.model.max_seq_len else args
 
 
 def model_record(cfg: JobConfig) -> dict:
