@@ -2,7 +2,7 @@
 Llama3-405B at 128K tokens on 512 GPUs, one ``analyze`` per traced rank.
 
     .venv/bin/python -m benchmarks.long_context [--rows NAME,...] [--cp_ranks all|first]
-        [--config_dir DIR] [--n_layers N] [--json OUT.json]
+        [--n_layers N] [--json OUT.json]
 
 Every row is one job of ``graph_trainer.cli.analyze`` (called in this process, reading the ``--json``
 it writes; each call's command is printed so it can be run alone): sequences of ``seq_len`` tokens cut
@@ -15,10 +15,9 @@ with sequence parallel. Simulated on ``DEVICE`` (torchtitan's benchmark H100: 50
 ``ATTENTION`` (FlashAttention-2) rates: the masked memory-efficient kernel has no measured or
 published rate here and runs at FA2's causal rates, a rate that flatters it.
 
-The model's shapes are its flavor's, given to ``analyze`` as a Hugging Face ``config.json``
-(``--model.flavor hf``) that this script writes under ``--config_dir``: the project's flavors stop at
-8,192 positions, Llama 3.1's published context is ``CONTEXT`` (131,072) and the 256K row extends the
-rotary table to its length (no published checkpoint has one that long).
+The model is its flavor with ``--model.max_seq_len`` positions: Llama 3.1's published context,
+``CONTEXT`` (131,072; the project's flavors keep their pre-training 8,192), and for the 256K rows
+their length (no published checkpoint has a rotary table that long).
 
 Per row the script traces every context-parallel rank (``--cp_ranks all``; ``first``: cp rank 0
 only), at data-parallel and tensor-parallel coordinate 0: cp ranks hold different chunks (different
@@ -32,7 +31,6 @@ the simulated card. Every figure is simulated.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -42,8 +40,6 @@ from dataclasses import dataclass
 from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES
 from graph_trainer.analysis.simulator import format_table
 from graph_trainer.cli import analyze
-from models.llama3.flavors import FLAVORS
-from models.llama3.hf import hf_config
 
 DEVICE = "h100_hbm2e_500w"
 """torchtitan's benchmark H100 (``analysis.devices.H100_HBM2E_500W``), as in benchmarks/vs_torchtitan_h100.py."""
@@ -56,7 +52,7 @@ CONTEXT = 131072
 LOSS_CHUNKS = 8
 """The loss and output projection in 8 pieces of a rank's tokens (the project's 8B config)."""
 _COMMON = (
-    "--model.name llama3 --model.flavor hf --training.local_batch_size 1 --training.mixed_precision_param bfloat16 "
+    "--model.name llama3 --training.local_batch_size 1 --training.mixed_precision_param bfloat16 "
     "--training.mixed_precision_reduce float32 --activation_checkpoint.mode full --float8.recipe_name tensorwise "
     f"--compile.passes transformer_block_bucketing --compile.backend inductor --training.loss_chunks {LOSS_CHUNKS}"
 ).split()
@@ -86,14 +82,14 @@ class Row:
         tp = f" x TP {self.tp} (sequence parallel)" if self.tp > 1 else ""
         return f"FSDP {self.dp} x CP {self.cp}{tp}"
 
-    def argv(self, config_dir: str, n_layers: int = 0) -> list[str]:
-        """``analyze``'s flags for this row (its config folder under ``config_dir``)."""
+    def argv(self, n_layers: int = 0) -> list[str]:
+        """``analyze``'s flags for this row (``n_layers``: blocks, 0 for the flavor's)."""
         tp = ["--parallelism.tp", str(self.tp), "--parallelism.sequence_parallel", "True"] if self.tp > 1 else []
         layers = ["--model.n_layers", str(n_layers)] if n_layers else []
         return [
             *("--world_size", str(self.world_size), "--device", DEVICE, "--attention", ATTENTION),
             *("--device_memory_gib", f"{MEMORY_LIMIT_GIB:.1f}", *_COMMON),
-            *("--checkpoint.initial_load_hf", config_folder(config_dir, self.flavor, self.seq_len)),
+            *("--model.flavor", self.flavor, "--model.max_seq_len", str(max(CONTEXT, self.seq_len))),
             *("--training.seq_len", str(self.seq_len), "--parallelism.cp", str(self.cp)),
             *("--parallelism.dp_shard", str(self.dp), *tp, *layers),
         ]
@@ -127,19 +123,6 @@ def mark_best(table: list[dict[str, object]]) -> None:
         row["best"] = bool(row["fits"]) and row["tokens/s/GPU"] == max(r["tokens/s/GPU"] for r in rivals)
 
 
-def config_folder(root: str, flavor: str, seq_len: int) -> str:
-    """A Hugging Face folder holding the ``config.json`` of ``flavor`` with ``max(CONTEXT, seq_len)``
-    positions (written if missing): the project's LLaMA-3 adapter's config of the flavor's shapes."""
-    positions = max(CONTEXT, seq_len)
-    folder = os.path.join(root, f"llama3_{flavor}_{positions}")
-    os.makedirs(folder, exist_ok=True)
-    args = dataclasses.replace(FLAVORS[flavor], max_seq_len=positions)
-    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config(args, "bfloat16"), f, indent=1)
-        f.write("\n")
-    return folder
-
-
 def analyze_rank(argv: list[str], rank: int) -> dict:
     """``analyze``'s summary row of the job ``argv`` traced as global ``rank``; RuntimeError if refused."""
     with tempfile.TemporaryDirectory() as folder:
@@ -153,9 +136,9 @@ def analyze_rank(argv: list[str], rank: int) -> dict:
             return json.load(f)["summary"][0]
 
 
-def simulate_row(row: Row, config_dir: str, cp_ranks: str = "all", n_layers: int = 0) -> dict[str, object]:
+def simulate_row(row: Row, cp_ranks: str = "all", n_layers: int = 0) -> dict[str, object]:
     """The printed row: ``analyze`` of each traced cp rank, combined (module docstring)."""
-    argv = row.argv(config_dir, n_layers)
+    argv = row.argv(n_layers)
     ranks = row.cp_ranks(cp_ranks)
     summaries = {rank: analyze_rank(argv, rank) for rank in ranks}
     slowest = max(ranks, key=lambda r: summaries[r]["step ms"])
@@ -188,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
     names = ", ".join(r.name for r in ROWS)
     parser.add_argument("--rows", default="", help=f"comma-separated row names (default: all): {names}")
     parser.add_argument("--cp_ranks", default="all", choices=("all", "first"), help="cp ranks traced per row")
-    parser.add_argument("--config_dir", default="outputs/long_context", help="where the config.json folders go")
     parser.add_argument("--n_layers", type=int, default=0, help="blocks per model (0: the flavor's; fewer: a check)")
     parser.add_argument("--json", default=None, help="also write the table here")
     args = parser.parse_args(argv)
@@ -201,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --n_layers {args.n_layers} must be >= 0 (0: the flavor's)", file=sys.stderr)
         return 2
     rows = [r for r in ROWS if not wanted or r.name in wanted]
-    table = [simulate_row(row, args.config_dir, args.cp_ranks, args.n_layers) for row in rows]
+    table = [simulate_row(row, args.cp_ranks, args.n_layers) for row in rows]
     mark_best(table)
     print()
     print(f"simulated on {DEVICE} with {ATTENTION} attention rates; peak limit {MEMORY_LIMIT_GIB:.1f} GiB")
