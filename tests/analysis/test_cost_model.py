@@ -284,6 +284,39 @@ def test_group_info_from_live_fake_groups():
         assert collective_time(ar, D) == pytest.approx(15 * US + 2 * (1 / 2) * (1 << 26) / (50e9 * 0.8))
 
 
+@pytest.mark.parametrize("rank", [0, 9])
+def test_context_parallel_key_value_gathers_are_placed_on_their_ranks_nodes(rank):
+    # TP 8 inside a node, CP 2 across two nodes: a rank's cp group is itself and the rank 8 away, one
+    # rank on each node, so every byte of its key/value gathers and their gradients' reduce-scatters
+    # leaves through its own NIC
+    import torch.distributed as dist
+
+    from graph_trainer.config_loading import load_config
+    from graph_trainer.fake_trace import fake_world, trace_job
+    from graph_trainer.graph import tags
+    from graph_trainer.graph.collectives import group_name, is_collective, kind
+    from graph_trainer.torch_compat import resolve_process_group
+
+    flags = ["--training.local_batch_size", "1", "--training.seq_len", "64", "--model.n_layers", "1"]
+    cfg = load_config([*flags, "--parallelism.tp", "8", "--parallelism.cp", "2"])
+    with fake_world(16, rank):
+        graph = trace_job(cfg, 16, gpu_attention=True).gm.graph
+        cp_group = [rank % 8, rank % 8 + 8]
+        on_cp = [
+            n
+            for n in graph.nodes
+            if is_collective(n) and dist.get_process_group_ranks(resolve_process_group(group_name(n))) == cp_group
+        ]
+        # one block: its keys and values gathered, their gradients reduce-scattered (and SimpleFSDP's,
+        # over dp_shard x cp: the same two ranks here)
+        attention = [(kind(n), tags.get(n, "cp_role")) for n in on_cp if not tags.get(n, "fsdp_role")]
+        assert sorted(attention, key=str) == [("all_gather", "kv_gather")] * 2 + [("reduce_scatter", None)] * 2
+        for node in on_cp:
+            assert group_info(node) == GroupInfo(2, True, 1)
+            traffic = collective_traffic(node)
+            assert traffic.bytes_sent > 0 and traffic.bytes_inter_node == pytest.approx(traffic.bytes_sent)
+
+
 def test_unbacked_all_to_all_sizes_assume_balanced_routing():
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
