@@ -186,7 +186,7 @@ def run_stack(model: nn.Module, tokens: torch.Tensor, head=None) -> torch.Tensor
     ``models.sequence``). Rotary positions, masks and this rank's tokens under context parallel come
     from ``model.sequence_layout`` (``models.sequence``). A pipeline stage without the embedding
     takes the previous stage's hidden state [B, S / model.sequence_shards, dim] (its piece of the
-    sequence under sequence parallel); one without the norm returns its own."""
+    sequence under context and sequence parallel); one without the norm returns its own."""
     first = model.tok_embeddings is not None
     seq = tokens.shape[1] * (1 if first else model.sequence_shards)
     if seq > model.args.max_seq_len:

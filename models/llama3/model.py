@@ -81,7 +81,9 @@ def rope_table(
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE on queries and keys."""
+    """Grouped-query self-attention with RoPE on queries and keys; which keys each query sees (causal,
+    within its document, other context-parallel ranks' tokens) is the forward's plan's
+    (``models.sequence.SequencePlan``)."""
 
     def __init__(self, args: Llama3Args):
         super().__init__()
