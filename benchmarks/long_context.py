@@ -37,6 +37,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from benchmarks.row_tables import chosen_rows, write_json
 from graph_trainer.analysis.memory import DEVICE_MEMORY_BYTES
 from graph_trainer.analysis.simulator import format_table
 from graph_trainer.cli import analyze
@@ -174,24 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n_layers", type=int, default=0, help="blocks per model (0: the flavor's; fewer: a check)")
     parser.add_argument("--json", default=None, help="also write the table here")
     args = parser.parse_args(argv)
-    wanted = [n.strip() for n in args.rows.split(",") if n.strip()]
-    unknown = sorted(set(wanted) - {r.name for r in ROWS})
-    if unknown:
-        print(f"error: unknown rows {unknown}; choose from {[r.name for r in ROWS]}", file=sys.stderr)
+    rows = chosen_rows(args.rows, ROWS)
+    if rows is None:
         return 2
     if args.n_layers < 0:
         print(f"error: --n_layers {args.n_layers} must be >= 0 (0: the flavor's)", file=sys.stderr)
         return 2
-    rows = [r for r in ROWS if not wanted or r.name in wanted]
     table = [simulate_row(row, args.cp_ranks, args.n_layers) for row in rows]
     mark_best(table)
     print()
     print(f"simulated on {DEVICE} with {ATTENTION} attention rates; peak limit {MEMORY_LIMIT_GIB:.1f} GiB")
     print(format_table(table))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(table, f, indent=1)
-            f.write("\n")
+    write_json(args.json, table)
     return 0
 
 

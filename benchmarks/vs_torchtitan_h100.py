@@ -43,6 +43,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from benchmarks.row_tables import chosen_rows, write_json
 from graph_trainer.analysis.simulator import format_table
 from graph_trainer.cli import analyze
 
@@ -188,22 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default=ATTENTION, help=f"analyze's --attention (default {ATTENTION})")
     parser.add_argument("--json", default=None, help="also write the table here")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.rows.split(",") if n.strip()]
-    unknown = sorted(set(names) - {r.name for r in ROWS})
-    if unknown:
-        print(f"error: unknown rows {unknown}; choose from {[r.name for r in ROWS]}", file=sys.stderr)
+    rows = chosen_rows(args.rows, ROWS)
+    if rows is None:
         return 2
-    rows = [r for r in ROWS if not names or r.name in names]
     table = []
     for row in rows:
         print(f"# {row.name}: {command_line(row, args.device, args.attention)}", flush=True)
         table.append(comparison(row, simulate_row(row, args.device, args.attention)))
     print()
     print(format_table(table))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(table, f, indent=1)
-            f.write("\n")
+    write_json(args.json, table)
     return 0
 
 
