@@ -16,7 +16,7 @@ from typing import Literal
 from graph_trainer.graph.ops import ATTENTION_FORWARD_OP_NAMES, MATMUL_OP_NAMES
 
 Device = Literal["auto", "cpu", "cuda"]
-ModelName = Literal["llama3", "deepseek_v3"]
+ModelName = Literal["llama3", "deepseek_v3", "qwen3", "qwen3_moe"]
 """The keys of ``models.registry.MODEL_SPECS`` (a test holds the two equal)."""
 Dtype = Literal["float32", "bfloat16", "float16"]
 DecayType = Literal["linear", "sqrt", "cosine", "constant"]
@@ -59,8 +59,8 @@ class Model:
     """Model family (``models/registry.py``)."""
     flavor: str = "debugmodel"
     """Size of the model within its family (e.g. 'debugmodel', '8B', '70B', '405B'); 'hf': the shapes
-    ``config.json`` of the Hugging Face folder ``checkpoint.initial_load_hf`` describes (any LLaMA-3
-    or DeepSeek-V3 architecture, tied embeddings included; logged at start)."""
+    ``config.json`` of the Hugging Face folder ``checkpoint.initial_load_hf`` describes (any LLaMA-3,
+    DeepSeek-V3, Qwen3 or Qwen3-MoE architecture, tied embeddings included; logged at start)."""
     n_layers: int = 0
     """Transformer blocks to build: 0 = the flavor's; N = the flavor's shapes with only N blocks
     (e.g. to measure a real block's speed and memory on one GPU). Logs, MFU and the memory estimate use N."""

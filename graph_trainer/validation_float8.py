@@ -25,8 +25,8 @@ def check_float8(cfg: JobConfig, args, degrees: dict[str, int]) -> None:
         return
     torchao_float8()
     require(
-        not f.convert_router or cfg.model.name == "deepseek_v3",
-        f"float8.convert_router: {cfg.model.name} has no router (only deepseek_v3 has one)",
+        not f.convert_router or getattr(args, "n_routed_experts", 0) > 0,
+        f"float8.convert_router: {cfg.model.name} ({cfg.model.flavor}) has no router (a MoE model has one)",
     )
     require(
         not (f.convert_output and getattr(args, "tie_embeddings", False)),

@@ -25,6 +25,10 @@ from models.llama3 import flavors as llama3_flavors
 from models.llama3 import hf as llama3_hf
 from models.llama3 import parallelize as llama3_parallelize
 from models.llama3.model import Transformer
+from models.qwen3 import flavors as qwen3_flavors
+from models.qwen3 import hf as qwen3_hf
+from models.qwen3 import parallelize as qwen3_parallelize
+from models.qwen3.model import Qwen3
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,28 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         bucket_plan=block_bucket_plan,
         head_modules=head_modules,
         hf=deepseek_v3_hf.ADAPTER,
+    ),
+    "qwen3": ModelSpec(
+        name="qwen3",
+        flavors=qwen3_flavors.FLAVORS,
+        build=Qwen3,
+        flops_per_token=qwen3_flavors.flops_per_token,
+        validate_parallelism=qwen3_parallelize.validate_parallelism,
+        parallelize=qwen3_parallelize.parallelize_qwen3,
+        bucket_plan=block_bucket_plan,
+        head_modules=head_modules,
+        hf=qwen3_hf.DENSE_ADAPTER,
+    ),
+    "qwen3_moe": ModelSpec(
+        name="qwen3_moe",
+        flavors=qwen3_flavors.MOE_FLAVORS,
+        build=Qwen3,
+        flops_per_token=qwen3_flavors.flops_per_token,
+        validate_parallelism=qwen3_parallelize.validate_parallelism,
+        parallelize=qwen3_parallelize.parallelize_qwen3,
+        bucket_plan=block_bucket_plan,
+        head_modules=head_modules,
+        hf=qwen3_hf.MOE_ADAPTER,
     ),
 }
 

@@ -21,6 +21,16 @@ DEEPSEEK_JOB = [
     "3",
 ]
 
+QWEN3_JOB = [
+    "--job.config_file",
+    "configs/qwen3_debug.toml",
+    "--model.flavor",
+    "debugmodel_tied",
+    "--model.n_layers",
+    "2",
+]
+QWEN3_MOE_JOB = ["--job.config_file", "configs/qwen3_moe_debug.toml", "--model.n_layers", "2"]
+
 
 def llama_model(seed: int = 0):
     """LLaMA-3 debugmodel (2 layers) with LLaMA-3.1 RoPE scaling, random weights."""
@@ -92,6 +102,63 @@ def deepseek_model(seed: int = 0):
     with torch.no_grad():
         for layer in model.model.layers[config.first_k_dense_replace :]:
             layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.02)
+    return model
+
+
+def qwen3_model(seed: int = 0):
+    """Qwen3 debugmodel_tied (2 layers): QK-norm, head_dim 64 with 8 heads of a 256-wide stream,
+    grouped-query 8:4, the output tied to the embedding; random weights, the QK norms' weights too
+    (so that their feature order matters)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+    )
+    return _randomised_norms(Qwen3ForCausalLM, config, seed)
+
+
+def qwen3_moe_model(seed: int = 0):
+    """Qwen3-MoE debugmodel (2 layers, each a MoE of 8 experts, top-2 with renormalised weights);
+    random weights, the QK norms' too."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+    )
+    return _randomised_norms(Qwen3MoeForCausalLM, config, seed)
+
+
+def _randomised_norms(cls, config, seed: int):
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
     return model
 
 

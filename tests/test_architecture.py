@@ -20,6 +20,7 @@ CONTAINERS = {
     "models",
     "models.llama3",
     "models.deepseek_v3",
+    "models.qwen3",
 }
 """Packages whose own module is empty of imports: they hold layers, they are not one."""
 

@@ -113,7 +113,7 @@ def _main(capsys, monkeypatch, *args) -> tuple[int, list[str]]:
         (["--validation.enable", "True", "--validation.steps", "0"], "validation.steps = 0 must be >= 1"),
         (["--float8.recipe_name", "mxfp8"], "float8.recipe_name = 'mxfp8' is not allowed"),
         (["--float8.filter_fqns", "output"], "float8.filter_fqns = ['output'] means something only with float8"),
-        (["--float8.recipe_name", "rowwise", "--float8.convert_router"], "llama3 has no router"),
+        (["--float8.recipe_name", "rowwise", "--float8.convert_router"], "float8.convert_router: llama3"),
         (
             ["--float8.recipe_name", "rowwise_with_gw_hp", "--float8.convert_routed_experts"],
             "float8.convert_routed_experts: llama3 (debugmodel) has no routed experts",
@@ -216,6 +216,8 @@ CONFIG_WORLD_SIZES = {
     "deepseek_v3_debug.toml": 1,
     "deepseek_v3_16b.toml": 8,
     "deepseek_v3_671b.toml": 256,
+    "qwen3_debug.toml": 1,
+    "qwen3_moe_debug.toml": 1,
 }
 """Every shipped job config and the world size it is meant for."""
 

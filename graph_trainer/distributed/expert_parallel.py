@@ -3,7 +3,7 @@
 The routed experts of a MoE layer are split over the ``ep`` mesh dimension: rank ``r`` of
 ``ep`` holds experts ``[r * E_local, (r + 1) * E_local)``. ``ExpertParallelDispatcher``
 implements the MoE layer's token-dispatcher contract (see ``LocalTokenDispatcher`` in
-``models/deepseek_v3/model.py``):
+``models/moe.py``):
 
 - ``dispatch(x_sorted, counts)``: ``x_sorted`` holds this rank's (token, slot) rows sorted by
   global expert id and ``counts`` [E] how many go to each expert. The counts are exchanged

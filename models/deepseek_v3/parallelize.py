@@ -62,23 +62,21 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from graph_trainer.distributed.expert_parallel import ExpertParallelDispatcher
-from graph_trainer.distributed.parallel_dims import ParallelDims, dp_mesh_dims, expert_dp_mesh_dims
+from graph_trainer.distributed.parallel_dims import ParallelDims, dp_mesh_dims
 from graph_trainer.distributed.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
 from graph_trainer.errors import ConfigError
 from models.common import (
     feed_forward_plan,
     gather_sequence,
-    keep_sequence_piece,
     region_output,
     sequence_parallel_norms,
     split_vocabulary,
 )
 from models.deepseek_v3.flavors import DeepSeekV3Args
-from models.float8 import EXPERTS_FLOAT8_DTYPE
+from models.moe_parallel import apply_expert_parallel, moe_block_plan
 
 
 def tp_split_sizes(args: DeepSeekV3Args) -> list[tuple[str, int]]:
@@ -150,68 +148,17 @@ def apply_tensor_parallel(
         }
         if not block.is_moe:
             plan.update(feed_forward_plan("feed_forward", sequence_parallel))
-        elif block.moe.shared_experts is not None:
-            plan.update(feed_forward_plan("moe.shared_experts", local_routing, sequence_dim=0))
         if sequence_parallel:
             plan.update(sequence_parallel_norms(["attention_norm", "ffn_norm"]))
             gather_sequence(attention, tp_mesh, local=True)
             if not block.is_moe:
                 gather_sequence(block.feed_forward, tp_mesh)
-            elif local_routing:
-                plan.update(_local_routing_plan(block.moe, tp_mesh))
-            else:  # (the whole sequence in, this rank's piece out)
-                gather_sequence(block.moe, tp_mesh, local=True)
-                keep_sequence_piece(block.moe, tp_mesh)
+        if block.is_moe:
+            plan.update(moe_block_plan(block.moe, tp_mesh, sequence_parallel, local_routing))
         parallelize_module(block, tp_mesh, plan)
         attention.k_rope_grad_reduce = SumGradOverTP(tp_mesh)
     if sequence_parallel:
         model.sequence_shards = tp_mesh.size()
-
-
-def _local_routing_plan(moe: nn.Module, tp_mesh: DeviceMesh) -> dict:
-    """A MoE layer on this tp rank's piece of the sequence: it gets the piece as a plain tensor
-    (its tokens flattened to rows [T / tp, dim]), the router gate computes on those rows with its
-    weight replicated over tp (the weight's gradient, partial over tp, summed there), the shared
-    experts gather the rows of every tp rank (dim 0) and reduce-scatter their output back, and the
-    routed experts get the rows through the expert-parallel dispatcher, whose ranks include the
-    tp ranks."""
-    if moe.shared_experts is not None:
-        gather_sequence(moe.shared_experts, tp_mesh, sequence_dim=0)
-    return {
-        "ffn_norm": SequenceParallel(use_local_output=True),
-        "moe.router.gate": SequenceParallel(sequence_dim=0, use_local_output=True),
-    }
-
-
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, mp: MixedPrecision) -> None:
-    """Split every MoE layer's experts over ``ep``, install the all_to_all dispatcher, and
-    shard each rank's experts with SimpleFSDP over the remaining data-parallel dims."""
-    ep_mesh = mesh["ep"]
-    expert_dims = expert_dp_mesh_dims(dims)
-    expert_dp_mesh = mesh[expert_dims] if expert_dims else None
-    full_mesh = mesh[(*expert_dims, "ep")]
-    float8_dtype = EXPERTS_FLOAT8_DTYPE if mp.float8_dispatch else None
-    for name, block in model.layers.items():
-        if not block.is_moe:
-            continue
-        experts = block.moe.experts
-        for param_name, param in list(experts.named_parameters(recurse=False)):
-            split = distribute_tensor(
-                torch.empty(param.shape, dtype=param.dtype, device="meta"), ep_mesh, [Shard(0)], src_data_rank=None
-            )
-            experts.register_parameter(param_name, nn.Parameter(split, requires_grad=param.requires_grad))
-        block.moe.token_dispatcher = ExpertParallelDispatcher(
-            ep_mesh, block.moe.num_experts, f"layers.{name}.moe", float8_dtype
-        )
-        data_parallel(
-            experts,
-            expert_dp_mesh,
-            dims.expert_fsdp_mode,
-            mp,
-            full_mesh=full_mesh,
-            hand_local=True,
-            fqn_prefix=f"layers.{name}.moe.experts",
-        )
 
 
 def parallelize_deepseek_v3(
@@ -236,7 +183,6 @@ def parallelize_deepseek_v3(
 
 __all__ = [
     "SumGradOverTP",
-    "apply_expert_parallel",
     "apply_tensor_parallel",
     "parallelize_deepseek_v3",
     "tp_split_sizes",

@@ -21,8 +21,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate
 
 from models.common import (
     BASE,
@@ -30,6 +28,7 @@ from models.common import (
     FeedForward,
     InitRule,
     RMSNorm,
+    TiedOutput,
     apply_rope,
     init_plain_parameters,
     rotary_table,
@@ -123,27 +122,6 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class TiedOutput(nn.Module):
-    """The output projection of a model whose embedding is tied to it: logits from the token
-    embedding's weight (``[vocab, dim]``, as a linear's), the one parameter, which stays the
-    embedding's (its name, its SimpleFSDP gather and gradient reduction; each use gathers it).
-    Under tensor parallel that weight is split over the vocabulary (``Shard(0)``), as an untied
-    column-parallel output projection's: the input is taken as replicated (a plain tensor, or the
-    ``Replicate`` DTensor of a sequence-parallel final norm) and the logits stay split over the
-    vocabulary (a ``Shard(-1)`` DTensor, for the loss: ``graph_trainer.loss``), as that
-    projection's plan makes them."""
-
-    def __init__(self, embedding: nn.Embedding):
-        super().__init__()
-        self._embedding = [embedding]  # not a submodule: its parameter has one name, the embedding's
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self._embedding[0].weight
-        if isinstance(weight, DTensor) and not isinstance(x, DTensor):
-            x = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
-        return F.linear(x, weight)
-
-
 # --------------------------------------------------------------------------------------
 # The model
 
@@ -229,4 +207,4 @@ def _block_init_rules(block: nn.Module, deep: InitRule) -> dict[str, InitRule]:
     }
 
 
-__all__ = ["Attention", "TiedOutput", "Transformer", "TransformerBlock", "rope_frequencies", "rope_table"]
+__all__ = ["Attention", "Transformer", "TransformerBlock", "rope_frequencies", "rope_table"]

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from models.deepseek_v3.model import (
+from models.moe import (
     GroupedExperts,
     LocalTokenDispatcher,
     Router,
