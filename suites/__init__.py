@@ -2,8 +2,8 @@
 its ``--dry-run`` (``integration_dry_run.py``), the bounds they are held to, and the flags each
 case's job gets (``job_args``). Both runners import this package; it imports neither.
 
-``cases`` says what a case and a suite are; ``cpu`` (with ``cpu_context_parallel``), ``h100`` and
-``gpu`` hold the tables.
+``cases`` says what a case and a suite are; ``cpu`` (with ``cpu_context_parallel`` and
+``cpu_qwen3``), ``h100`` and ``gpu`` hold the tables.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from suites.cases import (
 )
 from suites.cpu import CPU_BLOCK_COUNT, CPU_BLOCKS, CPU_CASES
 from suites.cpu_context_parallel import CPU_CONTEXT_PARALLEL_CASES
+from suites.cpu_qwen3 import CPU_QWEN3_CASES
 from suites.gpu import GPU_CASES
 from suites.h100 import H100_CASES
 
@@ -38,7 +39,7 @@ SUITES = {
         # bound); steps 6 to 10 were a third of a case's time and found nothing the first 5 did not
         steps=5,
         record_grads=True,
-        cases=CPU_CASES + CPU_CONTEXT_PARALLEL_CASES,
+        cases=CPU_CASES + CPU_CONTEXT_PARALLEL_CASES + CPU_QWEN3_CASES,
     ),
     "h100": Suite(
         config="configs/llama3_8b.toml",

@@ -163,6 +163,8 @@ def batch(n: int) -> list[str]:
 
 DEEPSEEK_DEBUG = "configs/deepseek_v3_debug.toml"
 LLAMA3_DEBUG = "configs/llama3_debug.toml"
+QWEN3_DEBUG = "configs/qwen3_debug.toml"
+QWEN3_MOE_DEBUG = "configs/qwen3_moe_debug.toml"
 SMALL_CPU_JOB = [
     "--job.device",
     "cpu",
