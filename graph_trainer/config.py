@@ -179,7 +179,7 @@ class Parallelism:
     """Context-parallel degree: each sequence is split over this many ranks, two chunks each (one early,
     one late, so causal attention costs every rank the same), keys and values all-gathered over them
     for attention (docs/parallelism.md). training.seq_len must be a multiple of 2 x cp (x tp under
-    sequence parallel). llama3 only."""
+    sequence parallel). The dense models (llama3, qwen3) only."""
     fsdp_reshard_after_forward: ReshardAfterForward = "default"
     """'always': backward re-gathers parameters instead of keeping them from forward; 'never': keep them;
     'default': re-gather all but the final norm's and output projection's, which the backward
@@ -276,10 +276,10 @@ class Float8:
     """Also compute the output projection (the vocabulary logits) in FP8; kept in high precision
     by default, as in torchtitan's and DeepSeek-V3's FP8 runs."""
     convert_router: bool = False
-    """Also compute DeepSeek-V3's router gate (``moe.router.gate``) in FP8; kept in high precision
+    """Also compute a MoE's router gate (``moe.router.gate``) in FP8; kept in high precision
     by default (its scores choose the experts)."""
     convert_routed_experts: bool = False
-    """Also compute DeepSeek-V3's routed experts in FP8: their forward and input-gradient matmuls
+    """Also compute a MoE's routed experts in FP8: their forward and input-gradient matmuls
     with rowwise scales, one ``_scaled_mm`` per local expert, the weight gradient in high precision
     (``models/float8.py``). Needs recipe 'rowwise_with_gw_hp' (a float8 weight gradient of an
     expert would need its tokens padded to multiples of 16: not built)."""

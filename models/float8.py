@@ -15,14 +15,14 @@ Which linears (``select_linears``; each decision logged by the caller):
 - every ``nn.Linear`` of the model, except
 - those whose FQN contains an entry of ``settings.filter_fqns`` (every entry must match one:
   a filter that names nothing is a ``ConfigError``),
-- the output projection (``output``) unless ``settings.convert_output``, and DeepSeek-V3's router
+- the output projection (``output``) unless ``settings.convert_output``, and a MoE's router
   gate (``moe.router.gate``) unless ``settings.convert_router``: precision-sensitive, kept in the
   parameter dtype, as DeepSeek-V3's FP8 training keeps its output head and gating,
 - linears with a dimension that is not a multiple of 16 on every tensor-parallel rank
   (``_scaled_mm``'s requirement: in and out features each a multiple of ``16 * tp``, whichever
   of them tensor parallel splits).
 
-DeepSeek-V3's routed experts (``settings.convert_routed_experts``, recipe ``rowwise_with_gw_hp``):
+A MoE's routed experts (``settings.convert_routed_experts``, recipe ``rowwise_with_gw_hp``):
 ``convert_routed_experts`` gives each ``GroupedExperts`` module ``float8_grouped_linear`` as its
 matmul. Its forward and input-gradient matmuls cast as a ``Float8Linear`` of that recipe casts
 (torchao's ``tensor_to_scale`` and ``to_fp8_saturated``: one scale per token row, per weight row
@@ -84,7 +84,7 @@ from graph_trainer.torch_compat import scaled_mm, use_cpu_scaled_mm
 OUTPUT_FQN = "output"
 """The output projection (vocabulary logits), kept unless ``convert_output``."""
 ROUTER_SUFFIX = "router.gate"
-"""DeepSeek-V3's router gate (``layers.N.moe.router.gate``), kept unless ``convert_router``."""
+"""A MoE's router gate (``layers.N.moe.router.gate``), kept unless ``convert_router``."""
 SCALED_MM_MULTIPLE = 16
 """``_scaled_mm`` needs each matrix dimension to be a multiple of this."""
 
