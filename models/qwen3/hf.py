@@ -84,9 +84,15 @@ def sources(args: Qwen3Args) -> dict[str, HFSource]:
     return out
 
 
+def _with_num_experts(config: dict) -> dict:
+    """``config`` with ``num_experts`` (the published files' name) taken from ``num_local_experts``
+    (the name ``transformers`` 5 writes) when only that one is there."""
+    return {"num_experts": config.get("num_local_experts"), **config}
+
+
 def _config_problems(config: dict, args: Qwen3Args, moe: bool) -> list[str]:
     """What ``config`` says that ``args`` does not, one phrase each (empty: they agree)."""
-    check = ConfigCheck(config)
+    check = ConfigCheck(_with_num_experts(config))
     check.require(args.is_moe == moe, f"the flavor is {'a MoE' if args.is_moe else 'dense'}; the config is not")
     check.decoder(args)
     check.equal("num_key_value_heads", args.n_kv_heads, default=config.get("num_attention_heads"))
@@ -137,6 +143,7 @@ def _args_from_config(config: dict, moe: bool) -> Qwen3Args:
     """The Qwen3 model ``config`` describes: every shape from it, RoPE base, tied embeddings, and for
     a MoE the experts and their routing. ``ConfigError`` when a field is missing or the config says
     something this model cannot be (its problems are not empty)."""
+    config = _with_num_experts(config)
     family = "Qwen3-MoE" if moe else "Qwen3"
     required_fields(config, (*_REQUIRED, *(_MOE_REQUIRED if moe else ())), family)
     try:
