@@ -1,10 +1,11 @@
 """Hugging Face weights in and out (graph_trainer/checkpoint/hf.py), against ``transformers``' own models.
 
-Each model is a random tiny LLaMA-3 / DeepSeek-V3 of ``transformers`` saved in several safetensors
-files; our job loads it with ``--checkpoint.initial_load_hf`` and its logits on the same tokens are
-compared with ``transformers``' (fp32; ``BOUND`` = 3e-6 of the largest logit), on one process and on
-FSDP=2, TP=2 (LLaMA) and EP=2 (DeepSeek) with gloo, where each rank must have read exactly the
-bytes of its own shards. Then the round trip (load, 0 steps, export, reload: every tensor bitwise),
+Each model is a random tiny LLaMA-3 / DeepSeek-V3 / Qwen3 / Qwen3-MoE of ``transformers`` saved in
+several safetensors files; our job loads it with ``--checkpoint.initial_load_hf`` and its logits on
+the same tokens are compared with ``transformers``' (fp32; ``BOUND`` = 3e-6 of the largest logit), on
+one process and on FSDP=2, TP=2 (LLaMA; Qwen3 with its output tied to the embedding), EP=2 (DeepSeek,
+Qwen3-MoE) and TP=2 x EP=2 with gloo, where each rank must have read exactly the bytes of its own
+shards. Then the round trip (load, 0 steps, export, reload: every tensor bitwise),
 bf16 folders into fp32 master weights, resuming a converted step-0, and bad folders (one line, exit 2).
 """
 
@@ -25,20 +26,29 @@ from tests.conftest import ROOT
 from tests.hf_models import (
     DEEPSEEK_JOB,
     LLAMA_JOB,
+    QWEN3_JOB,
+    QWEN3_MOE_JOB,
     deepseek_model,
     file_tensors,
     llama_model,
     logits,
+    qwen3_model,
+    qwen3_moe_model,
     relative_error,
     save,
 )
 from tests.launch import read_losses, run_forked
 
 COMMON = ["--job.device", "cpu", "--compile.mode", "eager", "--metrics.enable_tensorboard", "False"]
-FAMILIES = {"llama": (llama_model, LLAMA_JOB, "2MB"), "deepseek": (deepseek_model, DEEPSEEK_JOB, "8MB")}
+FAMILIES = {
+    "llama": (llama_model, LLAMA_JOB, "2MB"),
+    "deepseek": (deepseek_model, DEEPSEEK_JOB, "8MB"),
+    "qwen3": (qwen3_model, QWEN3_JOB, "2MB"),
+    "qwen3_moe": (qwen3_moe_model, QWEN3_MOE_JOB, "4MB"),
+}
 BOUND = 3e-6
-"""Largest logit difference / largest logit, fp32 (measured up to 9e-7; the issue asked for 1e-5). Why the two are
-not bitwise: test_llama_differs_from_transformers_only_by_its_rope_table_and_the_order_of_head_dims."""
+"""Largest logit difference / largest logit, fp32 (measured up to 9.3e-7, Qwen3; the issue asked for 1e-5). Why
+the two are not bitwise: test_llama_differs_from_transformers_only_by_its_rope_table_and_the_order_of_head_dims."""
 
 
 def _job(family: str, folder: Path, dump: Path, *extra: str) -> list[str]:
@@ -117,6 +127,13 @@ LAYOUTS = {
     "deepseek_ep2": ("deepseek", ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
     # sequence parallel, the experts split over the two tp ranks, each routing its own tokens
     "deepseek_tp2xep2": ("deepseek", ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"]),
+    # the output tied to the embedding, both split over the vocabulary; the QK norms on each rank's heads
+    "qwen3_tp2": ("qwen3", ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]),
+    "qwen3_moe_ep2": ("qwen3_moe", ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
+    "qwen3_moe_tp2xep2": (
+        "qwen3_moe",
+        ["--parallelism.dp_shard", "1", "--parallelism.tp", "2", "--parallelism.ep", "2"],
+    ),
 }
 
 

@@ -1,9 +1,11 @@
-"""Any LLaMA-3- or DeepSeek-V3-shaped Hugging Face folder, not only our flavors' shapes
+"""Any LLaMA-3-, DeepSeek-V3- or Qwen3-shaped Hugging Face folder, not only our flavors' shapes
 (``--model.flavor hf``: the model ``config.json`` describes): a GQA model with 4 of 16 kv heads,
 vocabulary 1000 and its own feed-forward size, and a tied-embedding model shaped like LLaMA 3.2
 (RoPE scaling factor 32), against ``transformers``' logits (the bound of tests/checkpoint/test_hf.py)
 on one process, FSDP=2 and TP=2; trained from; exported and reloaded bitwise (tied: one tensor,
-no ``lm_head``); and what such a config cannot be, one line each."""
+no ``lm_head``); Qwen3 and Qwen3-MoE folders of other shapes (a head size of their own, 4 experts
+with unnormalised top-2 weights) on one process; every flavor of every family written as
+``config.json`` and read back; and what such a config cannot be, one line each."""
 
 from __future__ import annotations
 
@@ -210,17 +212,17 @@ def test_tied_embeddings_refuse_pipeline_stages(folders):
         validate_config(load_config([*argv, "--parallelism.dp_shard", "1"]), world_size=2)
 
 
-@pytest.mark.parametrize("family", ["llama3", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3", "qwen3", "qwen3_moe"])
 def test_every_flavor_written_as_config_json_comes_back_as_itself(family):
     """``args_from_config`` inverts ``hf_config`` for each of our flavors Hugging Face can hold
-    (DeepSeek-V3's sigmoid-routed ones): the same model, field for field (LLaMA's feed-forward
-    size comes back given explicitly, where a flavor may compute it from its multiplier)."""
+    (DeepSeek-V3's sigmoid-routed ones; every Qwen3 one): the same model, field for field (LLaMA's
+    feed-forward size comes back given explicitly, where a flavor may compute it from its multiplier)."""
     from models.registry import MODEL_SPECS
 
     spec = MODEL_SPECS[family]
     checked = 0
     for name, args in spec.flavors.items():
-        if getattr(args, "score_func", "sigmoid") != "sigmoid":
+        if family == "deepseek_v3" and args.score_func != "sigmoid":
             continue
         back = spec.hf.args_from_config(spec.hf.config(args, "bfloat16"))
         if family == "llama3":
@@ -256,3 +258,121 @@ def test_load_export_round_trip_is_bitwise(tmp_path, folders, name):
     assert all(torch.equal(original[k], exported[k]) for k in original)
     config = json.loads((out / "config.json").read_text())
     assert args_from_config(config) == args_from_config(json.loads((folder / "config.json").read_text()))
+
+
+# --------------------------------------------------------------------------------------
+# Qwen3 and Qwen3-MoE
+
+
+def _qwen3(moe: bool):
+    """Qwen3 of no flavor's shape: 6 heads of 48 (288 features) over a 192-wide stream, 2 kv heads,
+    vocabulary 1000, RoPE base 1e4, untied; ``moe``: every block 4 experts of width 96, top-2 with
+    the weights left unnormalised. Random weights, the QK norms' too."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=192,
+        intermediate_size=320,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=48,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=False)
+    torch.manual_seed(5)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, **experts)) if moe else Qwen3ForCausalLM(Qwen3Config(**shape))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def _qwen3_job(moe: bool, folder: Path, dump: Path, flavor: str = "hf") -> list[str]:
+    config = os.path.join(ROOT, "configs", "qwen3_moe_debug.toml" if moe else "qwen3_debug.toml")
+    job = ["--job.config_file", config, "--model.flavor", flavor, *COMMON, "--checkpoint.initial_load_hf", str(folder)]
+    return [*job, "--job.dump_folder", str(dump)]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
+def test_a_qwen3_folder_of_other_shapes_computes_transformers_logits(tmp_path, moe):
+    from tests.hf_probe import probe
+
+    model = _qwen3(moe)
+    folder = save(model, tmp_path / "hf")
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    cfg = load_config(_qwen3_job(moe, folder, tmp_path / "job"))
+    validate_config(cfg)
+    args = model_args(cfg)
+    assert (args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.vocab_size) == (192, 6, 2, 48, VOCAB)
+    assert args.rope_theta == 10000.0 and not args.tie_embeddings and args.max_seq_len == 4096
+    if moe:
+        assert (args.n_routed_experts, args.n_activated_experts, args.moe_inter_dim, args.route_norm) == (
+            4,
+            2,
+            96,
+            False,
+        )
+    else:
+        assert args.ffn_hidden == 320 and not args.is_moe
+    ours, nbytes, local, _ = probe(cfg, tokens)
+    error = relative_error(ours, logits(model, tokens))
+    print(f"{cfg.model.name} of other shapes, one process: largest logit difference / largest logit = {error:.2e}")
+    assert error < BOUND
+    assert nbytes == 4 * local
+
+
+def test_what_a_qwen3_config_cannot_be_is_one_line_each():
+    from models.registry import MODEL_SPECS
+
+    dense, moe = MODEL_SPECS["qwen3"].hf, MODEL_SPECS["qwen3_moe"].hf
+    dense_config, moe_config = _qwen3(False).config.to_dict(), _qwen3(True).config.to_dict()
+    assert dense.args_from_config(dense_config).head_dim == 48 and moe.args_from_config(moe_config).is_moe
+    # the expert count under the published files' name, or the one transformers 5 writes
+    published = {k: v for k, v in moe_config.items() if k != "num_local_experts"}
+    assert "num_local_experts" in moe_config and moe.args_from_config(dict(published, num_experts=4)) == (
+        moe.args_from_config(moe_config)
+    )
+    for adapter, config, family in ((dense, dense_config, "Qwen3"), (moe, moe_config, "Qwen3-MoE")):
+        with pytest.raises(ConfigError) as info:
+            adapter.args_from_config(dict(config, use_sliding_window=True, sliding_window=64))
+        assert str(info.value) == (
+            f"config.json has what this {family} cannot represent: use_sliding_window True (flavor: False)"
+        )
+    with pytest.raises(ConfigError) as info:
+        moe.args_from_config(dense_config)
+    assert str(info.value) == (
+        "config.json lacks num_experts, num_experts_per_tok, moe_intermediate_size: "
+        "a Qwen3-MoE model cannot be built from it"
+    )
+    with pytest.raises(ConfigError, match="cannot represent: decoder_sparse_step 2"):
+        moe.args_from_config(dict(moe_config, decoder_sparse_step=2))  # dense blocks between the MoE ones
+
+
+@pytest.mark.parametrize("case", ["sliding_window", "dense_into_moe", "dense_into_moe_flavor"])
+def test_a_qwen3_folder_the_job_cannot_load_is_one_line_exit_2(tmp_path, capsys, case):
+    """Refused before anything is trained: one error line, exit 2."""
+    import train
+
+    folder = save(_qwen3(False), tmp_path / "hf")
+    if case == "sliding_window":
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(dict(config, use_sliding_window=True, sliding_window=64)))
+        argv, expected = _qwen3_job(False, folder, tmp_path / "job"), "use_sliding_window True (flavor: False)"
+    elif case == "dense_into_moe":
+        argv, expected = _qwen3_job(True, folder, tmp_path / "job"), "a Qwen3-MoE model cannot be built from it"
+    else:
+        argv = _qwen3_job(True, folder, tmp_path / "job", flavor="debugmodel")
+        expected = "model.name qwen3_moe loads Qwen3MoeForCausalLM"
+    capsys.readouterr()
+    assert train.main([*argv, "--training.steps", "1"]) == 2
+    # (the job's log lines come before the error when it is found after the config is read: the architecture)
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert errors == lines[-1:] and expected in errors[0], lines
+    assert not (tmp_path / "job" / "losses.txt").exists()
