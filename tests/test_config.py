@@ -218,6 +218,8 @@ CONFIG_WORLD_SIZES = {
     "deepseek_v3_671b.toml": 256,
     "qwen3_debug.toml": 1,
     "qwen3_moe_debug.toml": 1,
+    "qwen3_32b.toml": 64,
+    "qwen3_235b_a22b.toml": 256,
 }
 """Every shipped job config and the world size it is meant for."""
 
