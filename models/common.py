@@ -59,27 +59,6 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class TiedOutput(nn.Module):
-    """The output projection of a model whose embedding is tied to it: logits from the token
-    embedding's weight (``[vocab, dim]``, as a linear's), the one parameter, which stays the
-    embedding's (its name, its SimpleFSDP gather and gradient reduction; each use gathers it).
-    Under tensor parallel that weight is split over the vocabulary (``Shard(0)``), as an untied
-    column-parallel output projection's: the input is taken as replicated (a plain tensor, or the
-    ``Replicate`` DTensor of a sequence-parallel final norm) and the logits stay split over the
-    vocabulary (a ``Shard(-1)`` DTensor, for the loss: ``graph_trainer.loss``), as that
-    projection's plan makes them."""
-
-    def __init__(self, embedding: nn.Embedding):
-        super().__init__()
-        self._embedding = [embedding]  # not a submodule: its parameter has one name, the embedding's
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self._embedding[0].weight
-        if isinstance(weight, DTensor) and not isinstance(x, DTensor):
-            x = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
-        return F.linear(x, weight)
-
-
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate each pair (x[..., 2i], x[..., 2i+1]) of ``x`` [B, S, H, head_dim] by the angle
     of (position, i); ``table`` is ``rope_table(...)`` at the tokens' positions ([S, head_dim], or
@@ -458,7 +437,6 @@ __all__ = [
     "FeedForward",
     "InitRule",
     "RMSNorm",
-    "TiedOutput",
     "apply_rope",
     "block_bucket_plan",
     "block_costs",

@@ -44,13 +44,14 @@ class ModelSpec:
     """Raise ConfigError if the resolved degrees do not fit the model."""
     parallelize: Callable[..., nn.Module]
     """``parallelize(model, mesh, dims, mixed_precision) -> model``: TP/EP/SimpleFSDP on a meta model."""
-    bucket_plan: Callable[[nn.Module], list[list[str]]]
-    """Module FQN groups that form one communication bucket each (for bucketing passes)."""
-    head_modules: Callable[[nn.Module], list[str]]
-    """FQNs of the modules the backward starts with (the final norm and the output projection), whose
-    gathered weights ``parallelism.fsdp_reshard_after_forward = 'default'`` keeps for it."""
     hf: HFAdapter
     """The family in Hugging Face's format: tensor names and ``config.json`` (weights in and out)."""
+    bucket_plan: Callable[[nn.Module], list[list[str]]] = block_bucket_plan
+    """Module FQN groups that form one communication bucket each (for bucketing passes); every
+    family's: a bucket per block (``models.common.block_bucket_plan``)."""
+    head_modules: Callable[[nn.Module], list[str]] = head_modules
+    """FQNs of the modules the backward starts with (the final norm and the output projection), whose
+    gathered weights ``parallelism.fsdp_reshard_after_forward = 'default'`` keeps for it."""
 
 
 MODEL_SPECS: dict[str, ModelSpec] = {
@@ -61,8 +62,6 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         flops_per_token=llama3_flavors.flops_per_token,
         validate_parallelism=llama3_parallelize.validate_parallelism,
         parallelize=llama3_parallelize.parallelize_llama3,
-        bucket_plan=block_bucket_plan,
-        head_modules=head_modules,
         hf=llama3_hf.ADAPTER,
     ),
     "deepseek_v3": ModelSpec(
@@ -72,8 +71,6 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         flops_per_token=deepseek_v3_flavors.flops_per_token,
         validate_parallelism=deepseek_v3_parallelize.validate_parallelism,
         parallelize=deepseek_v3_parallelize.parallelize_deepseek_v3,
-        bucket_plan=block_bucket_plan,
-        head_modules=head_modules,
         hf=deepseek_v3_hf.ADAPTER,
     ),
     "qwen3": ModelSpec(
@@ -83,8 +80,6 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         flops_per_token=qwen3_flavors.flops_per_token,
         validate_parallelism=qwen3_parallelize.validate_parallelism,
         parallelize=qwen3_parallelize.parallelize_qwen3,
-        bucket_plan=block_bucket_plan,
-        head_modules=head_modules,
         hf=qwen3_hf.DENSE_ADAPTER,
     ),
     "qwen3_moe": ModelSpec(
@@ -94,8 +89,6 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         flops_per_token=qwen3_flavors.flops_per_token,
         validate_parallelism=qwen3_parallelize.validate_parallelism,
         parallelize=qwen3_parallelize.parallelize_qwen3,
-        bucket_plan=block_bucket_plan,
-        head_modules=head_modules,
         hf=qwen3_hf.MOE_ADAPTER,
     ),
 }

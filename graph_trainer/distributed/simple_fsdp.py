@@ -51,6 +51,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.nn.utils import parametrize
 
 from graph_trainer.distributed.float8_gather import WeightCast, cast_shard, float8_weight, weight_cast
+from graph_trainer.distributed.parallel_dims import ParallelDims, dp_mesh_dims
 from graph_trainer.graph import tags
 from graph_trainer.graph.tags import FSDP_PARAM, FSDP_ROLE, REDUCE_GRAD, UNSHARD
 from graph_trainer.torch_compat import StridedShard
@@ -374,3 +375,17 @@ def data_parallel(
                 rc.float8 = weight_cast(module)
             parametrize.register_parametrization(module, name, rc, unsafe=True)
     return model
+
+
+def data_parallel_for_job(
+    model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims, mp: MixedPrecision
+) -> nn.Module:
+    """What every family's parallel plan ends with: SimpleFSDP over the job's data-parallel dims
+    (``parallel_dims.dp_mesh_dims``) for every parameter not laid out yet (expert parallel's
+    experts are), a tensor-parallel one over those dims and ``tp``; with no data-parallel dim (or
+    no mesh), the plain mixed-precision cast (``cast_for_compute``)."""
+    dp_dims = dp_mesh_dims(dims) if mesh is not None else ()
+    if not dp_dims:
+        return cast_for_compute(model, mp)
+    full = mesh[(*dp_dims, "tp")] if dims.tp > 1 else None
+    return data_parallel(model, mesh[dp_dims], dims.fsdp_mode, mp, full_mesh=full)

@@ -36,14 +36,12 @@ from models.common import (
     InitRule,
     RMSNorm,
     apply_rope,
-    init_plain_parameters,
     rotary_table,
-    run_stack,
-    stack_init_rules,
 )
 from models.deepseek_v3.flavors import DeepSeekV3Args
 from models.moe import MoE, update_expert_bias
-from models.sequence import SequenceLayout, SequencePlan
+from models.sequence import SequencePlan
+from models.stack import DecoderStack
 
 # --------------------------------------------------------------------------------------
 # Rotary position embedding with YaRN
@@ -170,7 +168,7 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class DeepSeekV3(nn.Module):
+class DeepSeekV3(DecoderStack):
     """DeepSeek-V3: token embedding, ``n_layers`` blocks, final RMSNorm, untied output projection.
 
     Buffers: ``rope_cache`` [max_seq_len, qk_rope_head_dim] float32, non-persistent (a pure
@@ -181,20 +179,10 @@ class DeepSeekV3(nn.Module):
     """
 
     def __init__(self, args: DeepSeekV3Args):
-        super().__init__()
-        self.args = args
-        self.sequence_shards = 1
-        """Pieces each rank's hidden state splits the sequence into (tensor parallel's degree under
-        sequence parallel, set by the parallelize function): a pipeline stage without the embedding
-        takes [B, S / sequence_shards, dim]."""
-        self.sequence_layout = SequenceLayout()
-        """What attention sees (``models.sequence``; set by the build)."""
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope_cache", torch.empty(args.max_seq_len, args.qk_rope_head_dim), persistent=False)
-        self.init_buffers()
+        super().__init__(args, TransformerBlock, rope_dim=args.qk_rope_head_dim)
+
+    def rope_table(self, device: torch.device | str | None) -> torch.Tensor:
+        return rope_table(self.args, device=device)
 
     def moe_layers(self) -> list[MoE]:
         return [block.moe for block in self.layers.values() if block.is_moe]
@@ -202,19 +190,9 @@ class DeepSeekV3(nn.Module):
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """(Re)compute ``rope_cache`` and reset the MoE balancing buffers, on ``device``
         (default: where ``rope_cache`` lives now)."""
-        if device is None:
-            device = self.rope_cache.device
-        self.rope_cache = rope_table(self.args, device=device)
+        super().init_buffers(device)
         for moe in self.moe_layers():
-            moe.init_buffers(device)
-
-    def forward(
-        self, tokens: torch.Tensor, head: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """``tokens`` [B, S] int64 at positions 0..S-1 -> logits [B, S, vocab] in the output
-        weight's dtype, or with ``head`` ``head(final normed hidden state, output module)``
-        (see LLaMA-3). Also adds this batch's routing counts to every ``tokens_per_expert``."""
-        return run_stack(self, tokens, head)
+            moe.init_buffers(self.rope_cache.device)
 
     @torch.no_grad()
     def update_expert_bias(self, all_reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -223,24 +201,16 @@ class DeepSeekV3(nn.Module):
         return the sum of the routing counts over the ranks whose batches differ)."""
         update_expert_bias(self.moe_layers(), self.args.load_balance_coeff, all_reduce_fn)
 
-    def init_rules(self) -> dict[str, InitRule]:
-        """How every parameter (FQN of the unwrapped model) is initialised: ``models.common.stack_init_rules``,
-        as in llama3. Norms (incl. q_norm, kv_norm) ones; projections reading the residual stream or a
-        latent (wq, wq_a, wq_b, wkv_a, wkv_b, the w1 of every FFN/expert) at the base std; projections
-        writing into the residual stream plus w3 (wo, w2, w3 of dense FFN, shared and routed experts)
+    def block_init_rules(self, block: nn.Module, deep: InitRule) -> dict[str, InitRule]:
+        """A block's initialisation, as in llama3 (``models.stack.DecoderStack.init_rules``). Norms
+        (incl. q_norm, kv_norm) ones; projections reading the residual stream or a latent (wq, wq_a,
+        wq_b, wkv_a, wkv_b, the w1 of every FFN/expert) at the base std; projections writing into
+        the residual stream plus w3 (wo, w2, w3 of dense FFN, shared and routed experts)
         depth-scaled. The router gate uses the flat base std: it produces routing logits, not a
         residual update, so depth scaling would only make early routing more uniform in deep layers.
         Stacked expert weights are drawn as one [E, ...] tensor, so the draw does not depend on
         expert sharding."""
-        return stack_init_rules(self, _block_init_rules)
-
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Initialise a plain (unsharded, materialised) model in place from ``seed``, exactly as
-        the trainer does before sharding (each parameter from a generator seeded by
-        ``stable_seed(seed, fqn)``), then fill / reset the buffers."""
-        init_plain_parameters(self, self.init_rules(), seed)
-        self.init_buffers(self.output.weight.device)
+        return _block_init_rules(block, deep)
 
 
 def _block_init_rules(block: nn.Module, deep: InitRule) -> dict[str, InitRule]:

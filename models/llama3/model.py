@@ -17,7 +17,6 @@ Choices made for tracing and sharding:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -28,15 +27,12 @@ from models.common import (
     FeedForward,
     InitRule,
     RMSNorm,
-    TiedOutput,
     apply_rope,
-    init_plain_parameters,
     rotary_table,
-    run_stack,
-    stack_init_rules,
 )
 from models.llama3.flavors import Llama3Args, RopeScaling
-from models.sequence import SequenceLayout, SequencePlan
+from models.sequence import SequencePlan
+from models.stack import DecoderStack
 
 # --------------------------------------------------------------------------------------
 # Rotary position embedding
@@ -126,71 +122,21 @@ class TransformerBlock(nn.Module):
 # The model
 
 
-class Transformer(nn.Module):
+class Transformer(DecoderStack):
     """LLaMA-3: token embedding, ``n_layers`` blocks, final RMSNorm, output projection (its own
-    weight, or the embedding's with ``args.tie_embeddings``: ``TiedOutput``).
-
-    Buffers: ``rope_cache`` [max_seq_len, head_dim] float32, NON-persistent (not in the
-    state dict; it is a pure function of the args): cos of the RoPE angles in
-    ``[:, :head_dim // 2]``, sin in ``[:, head_dim // 2:]``. After building on the meta
-    device and ``to_empty``, call ``init_buffers(device)`` to fill it. Cast parameters,
-    not the whole module, to lower precision: ``model.to(torch.bfloat16)`` would round
-    this table too.
-    """
+    weight, or the embedding's with ``args.tie_embeddings``), as ``models.stack.DecoderStack``; the
+    rotary table [max_seq_len, head_dim] of LLaMA-3's (scaled) frequencies. Its initialisation:
+    wq/wk/wv/w1 at the base std and wo/w2/w3 depth-scaled, norms ones."""
 
     def __init__(self, args: Llama3Args):
-        super().__init__()
-        self.args = args
-        self.sequence_shards = 1
-        """Pieces each rank's hidden state splits the sequence into (tensor parallel's degree under
-        sequence parallel, set by the parallelize function): a pipeline stage without the embedding
-        takes [B, S / sequence_shards, dim]."""
-        self.sequence_layout = SequenceLayout()
-        """Which tokens of a sequence this rank holds and what attention sees (``models.sequence``;
-        set by the build)."""
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        # A ModuleDict keyed "0".."N-1" keeps FQNs "layers.3...." and lets pipeline
-        # stages delete blocks without renumbering the rest.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        if args.tie_embeddings:
-            self.output = TiedOutput(self.tok_embeddings)
-        else:
-            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope_cache", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
-        self.init_buffers()
+        super().__init__(args, TransformerBlock, rope_dim=args.head_dim)
 
-    def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute ``rope_cache`` on ``device`` (default: where it lives now)."""
-        if device is None:
-            device = self.rope_cache.device
+    def rope_table(self, device: torch.device | str | None) -> torch.Tensor:
         a = self.args
-        self.rope_cache = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
+        return rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
-    def forward(
-        self, tokens: torch.Tensor, head: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """``tokens`` [B, S] int64 at positions 0..S-1 -> logits [B, S, vocab] in the
-        output weight's dtype (callers upcast for the loss; under tensor parallel a DTensor split
-        over the vocabulary, ``full_tensor()`` gathers it); with ``head``,
-        ``head(final normed hidden state, output module)`` instead (the loss, which then
-        computes the logits itself: ``graph_trainer.loss``)."""
-        return run_stack(self, tokens, head)
-
-    def init_rules(self) -> dict[str, InitRule]:
-        """How every parameter (FQN of the unwrapped model) is initialised: ``models.common.stack_init_rules``
-        with wq/wk/wv/w1 at the base std and wo/w2/w3 depth-scaled."""
-        return stack_init_rules(self, _block_init_rules)
-
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Initialise a plain (unsharded, materialised) model in place from ``seed``.
-
-        Draws each parameter in float32 from a generator seeded by ``stable_seed(seed,
-        fqn)``, exactly as the trainer does before sharding, then fills the RoPE buffer.
-        """
-        init_plain_parameters(self, self.init_rules(), seed)
-        self.init_buffers(self.tok_embeddings.weight.device)
+    def block_init_rules(self, block: nn.Module, deep: InitRule) -> dict[str, InitRule]:
+        return _block_init_rules(block, deep)
 
 
 def _block_init_rules(block: nn.Module, deep: InitRule) -> dict[str, InitRule]:

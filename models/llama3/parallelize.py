@@ -42,8 +42,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from graph_trainer.distributed.parallel_dims import ParallelDims, dp_mesh_dims
-from graph_trainer.distributed.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
+from graph_trainer.distributed.parallel_dims import ParallelDims
+from graph_trainer.distributed.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel_for_job
 from graph_trainer.errors import ConfigError
 from models.common import (
     feed_forward_plan,
@@ -103,13 +103,7 @@ def parallelize_llama3(model: nn.Module, mesh: DeviceMesh | None, dims: Parallel
     model.sequence_shards = dims.sequence_shards  # (context parallel's chunks, sequence parallel's pieces)
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
-    dp_dims = dp_mesh_dims(dims)
-    if dp_dims:
-        full = mesh[(*dp_dims, "tp")] if dims.tp > 1 else None
-        data_parallel(model, mesh[dp_dims], dims.fsdp_mode, mp, full_mesh=full)
-    else:
-        cast_for_compute(model, mp)
-    return model
+    return data_parallel_for_job(model, mesh, dims, mp)
 
 
 __all__ = ["apply_tensor_parallel", "parallelize_llama3", "validate_parallelism"]

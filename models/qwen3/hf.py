@@ -101,6 +101,9 @@ def _config_problems(config: dict, args: Qwen3Args, moe: bool) -> list[str]:
     check.equal("use_sliding_window", False, default=False)
     if not moe:
         check.equal("intermediate_size", args.ffn_hidden)
+        check.require(
+            not check.config.get("num_experts"), f"num_experts {check.config.get('num_experts')!r} (a MoE: qwen3_moe)"
+        )
         return check.problems
     for field, ours in (
         ("num_experts", args.n_routed_experts),

@@ -25,8 +25,6 @@ splitting the projections; the QK norms compute on the rank's heads with their w
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn as nn
 
@@ -36,16 +34,13 @@ from models.common import (
     FeedForward,
     InitRule,
     RMSNorm,
-    TiedOutput,
     apply_rope,
-    init_plain_parameters,
     rotary_table,
-    run_stack,
-    stack_init_rules,
 )
 from models.moe import MoE
 from models.qwen3.flavors import Qwen3Args
-from models.sequence import SequenceLayout, SequencePlan
+from models.sequence import SequencePlan
+from models.stack import DecoderStack
 
 
 def rope_table(args: Qwen3Args, device: torch.device | str | None = None) -> torch.Tensor:
@@ -103,62 +98,23 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class Qwen3(nn.Module):
+class Qwen3(DecoderStack):
     """Qwen3: token embedding, ``n_layers`` blocks, final RMSNorm, output projection (its own weight,
-    or the embedding's with ``args.tie_embeddings``: ``models.common.TiedOutput``).
-
-    Buffers: ``rope_cache`` [max_seq_len, head_dim] float32, non-persistent (a pure function of the
-    args; cos | sin halves as in the other families). After building on the meta device and
-    ``to_empty``, call ``init_buffers(device)``. Cast parameters, not the whole module, to lower
-    precision (the RoPE table stays float32).
-    """
+    or the embedding's with ``args.tie_embeddings``), as ``models.stack.DecoderStack``; the rotary
+    table [max_seq_len, head_dim] of base ``rope_theta``."""
 
     def __init__(self, args: Qwen3Args):
-        super().__init__()
-        self.args = args
-        self.sequence_shards = 1
-        """Pieces each rank's hidden state splits the sequence into (context parallel's chunks times
-        sequence parallel's pieces, set by the parallelize function): a pipeline stage without the
-        embedding takes [B, S / sequence_shards, dim]."""
-        self.sequence_layout = SequenceLayout()
-        """Which tokens of a sequence this rank holds and what attention sees (``models.sequence``;
-        set by the build)."""
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        if args.tie_embeddings:
-            self.output = TiedOutput(self.tok_embeddings)
-        else:
-            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope_cache", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
-        self.init_buffers()
+        super().__init__(args, TransformerBlock, rope_dim=args.head_dim)
 
-    def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute ``rope_cache`` on ``device`` (default: where it lives now)."""
-        if device is None:
-            device = self.rope_cache.device
-        self.rope_cache = rope_table(self.args, device=device)
+    def rope_table(self, device: torch.device | str | None) -> torch.Tensor:
+        return rope_table(self.args, device=device)
 
-    def forward(
-        self, tokens: torch.Tensor, head: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """``tokens`` [B, S] int64 -> logits [B, S, vocab] in the output weight's dtype, or with
-        ``head`` ``head(final normed hidden state, output module, local)`` (see LLaMA-3)."""
-        return run_stack(self, tokens, head)
-
-    def init_rules(self) -> dict[str, InitRule]:
-        """How every parameter is initialised: ``models.common.stack_init_rules``, as the other
-        families: norms (the QK norms too) ones, projections reading the residual stream (wq, wk,
-        wv, w1 of every FFN and expert) and the router gate at the base std, projections writing
-        into it plus w3 depth-scaled; stacked expert weights drawn as one [E, ...] tensor."""
-        return stack_init_rules(self, _block_init_rules)
-
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Initialise a plain (unsharded, materialised) model in place from ``seed``, exactly as the
-        trainer does before sharding, then fill the RoPE table."""
-        init_plain_parameters(self, self.init_rules(), seed)
-        self.init_buffers(self.tok_embeddings.weight.device)
+    def block_init_rules(self, block: nn.Module, deep: InitRule) -> dict[str, InitRule]:
+        """As the other families: norms (the QK norms too) ones, projections reading the residual
+        stream (wq, wk, wv, w1 of every FFN and expert) and the router gate at the base std,
+        projections writing into it plus w3 depth-scaled; stacked expert weights drawn as one
+        [E, ...] tensor."""
+        return _block_init_rules(block, deep)
 
 
 def _block_init_rules(block: nn.Module, deep: InitRule) -> dict[str, InitRule]:

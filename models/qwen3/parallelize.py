@@ -29,8 +29,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
 
-from graph_trainer.distributed.parallel_dims import ParallelDims, dp_mesh_dims
-from graph_trainer.distributed.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel
+from graph_trainer.distributed.parallel_dims import ParallelDims
+from graph_trainer.distributed.simple_fsdp import MixedPrecision, cast_for_compute, data_parallel_for_job
 from graph_trainer.errors import ConfigError
 from models.common import (
     feed_forward_plan,
@@ -110,13 +110,8 @@ def parallelize_qwen3(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelD
         apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel, dims.experts_span_tp)
     if dims.ep > 1:  # the experts get their own data-parallel layout here, on (expert dp dims, "ep")
         apply_expert_parallel(model, mesh, dims, mp)
-    dp_dims = dp_mesh_dims(dims)
-    if dp_dims:  # experts already have their parametrization: data_parallel leaves them alone
-        full = mesh[(*dp_dims, "tp")] if dims.tp > 1 else None
-        data_parallel(model, mesh[dp_dims], dims.fsdp_mode, mp, full_mesh=full)
-    else:
-        cast_for_compute(model, mp)
-    return model
+    # (experts already have their parametrization: data parallel leaves them alone)
+    return data_parallel_for_job(model, mesh, dims, mp)
 
 
 __all__ = ["apply_tensor_parallel", "parallelize_qwen3", "validate_parallelism"]
