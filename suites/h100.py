@@ -93,14 +93,17 @@ H100_INDUCTOR_CASES = [
 
 
 # Cluster layouts, checked by the dry run only (traced stage by stage at 512 and 256 ranks, the
-# step simulated): the shipped 405B and 671B configs, pipeline parallel with tensor and sequence
-# parallel inside the stages, weights resident for the step (the 405B interleaved with selective
-# checkpointing, each stage's first 2 blocks full; the 671B 1F1B with full checkpointing, experts
-# over ep ranks that include the tp ranks). Other schedules and layouts of both were measured once
-# (docs/performance.md); `graph_trainer.cli.analyze` gives any of them.
+# step simulated): the shipped 405B, 671B and Qwen3-235B-A22B configs, pipeline parallel with tensor
+# and sequence parallel inside the stages, weights resident for the step (the 405B interleaved with
+# selective checkpointing, each stage's first 2 blocks full; the 671B and 235B 1F1B with full
+# checkpointing, experts over ep ranks that include the tp ranks), and the shipped Qwen3-32B's FSDP
+# over 64 ranks. Other schedules and layouts were measured once (docs/performance.md);
+# `graph_trainer.cli.analyze` gives any of them.
 H100_PIPELINE_CASES = [
     Case("deepseek671b_pp8xtp2xfsdp16xep32_1f1b", 256, [], config="configs/deepseek_v3_671b.toml", dry_run_only=True),
     Case("llama3_405b_pp16xtp8xfsdp4_interleaved", 512, [], config="configs/llama3_405b.toml", dry_run_only=True),
+    Case("qwen3_235b_pp8xtp2xfsdp16xep8_1f1b", 256, [], config="configs/qwen3_235b_a22b.toml", dry_run_only=True),
+    Case("qwen3_32b_fsdp64", 64, [], config="configs/qwen3_32b.toml", dry_run_only=True),
 ]
 H100_CASES = (
     layout_cases(_8B_LAYOUTS)

@@ -82,6 +82,12 @@ class Qwen3Args:
         return self.n_routed_experts > 0
 
     @property
+    def n_dense_layers(self) -> int:
+        """The leading blocks that are dense (DeepSeek-V3's field of the same meaning): all of them, or
+        none for a MoE."""
+        return 0 if self.is_moe else self.n_layers
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_heads
 
