@@ -18,6 +18,12 @@ Load balancing by expert bias (DeepSeek-V3's auxiliary-loss-free method) is a ch
 choice and the forward counts tokens per expert into ``tokens_per_expert`` (an in-place buffer add,
 recorded in the traced graph), which ``update_expert_bias`` turns into a bias update between steps.
 Without it the routing is the plain top-k of the scores and the layer holds no buffer.
+
+Graph metadata: the experts' matmuls are tagged ``ep_role`` expert_compute (the dispatcher tags
+its exchanges; ``graph_trainer.graph.tags``). Numerics: the sort and un-sort are exact
+permutations (``models.common.sorted_copies``: a gather both ways, no scatter-add), so a layout
+that splits the experts computes each token's rows as one process does. A dispatcher that hands
+the experts counts for another number of experts than they hold raises ``ValueError``.
 """
 
 from __future__ import annotations
