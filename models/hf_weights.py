@@ -22,6 +22,7 @@ write alike (``ConfigCheck``, ``decoder_config``), and an adapter's ``args_from_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -182,6 +183,16 @@ class HFAdapter:
     args_from_config: Callable[[dict], object]
     """``args_from_config(config)``: the model ``config`` describes, whose ``config_problems`` are
     none (``ConfigError`` listing what the family cannot represent)."""
+    field_aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Other names ``transformers`` writes some ``config.json`` fields under: that name -> the one
+    ``config`` writes. Read where the field itself is missing (``with_aliases``); an export that
+    carries a folder's fields leaves them out, so its ``config.json`` names each field once."""
+
+
+def with_aliases(config: dict, aliases: dict[str, str]) -> dict:
+    """``config`` with each field of ``aliases`` it lacks taken from its other name, when present."""
+    taken = {name: config[alias] for alias, name in aliases.items() if name not in config and alias in config}
+    return {**config, **taken}
 
 
 FIXED_FIELDS = {"hidden_act": "silu", "attention_bias": False}

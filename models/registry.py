@@ -98,6 +98,25 @@ HF_FLAVOR = "hf"
 """``model.flavor`` for the shapes of the Hugging Face folder ``checkpoint.initial_load_hf``."""
 
 
+def _loads(adapter: HFAdapter, config: dict) -> bool:
+    """Whether ``adapter``'s family is the one a ``config.json`` names (architecture or model type)."""
+    return adapter.architecture in (config.get("architectures") or []) or config.get("model_type") == adapter.model_type
+
+
+def check_hf_family(path: str, config: dict, model_name: str) -> None:
+    """``ConfigError`` when the Hugging Face folder ``path`` (its ``config.json`` is ``config``) is
+    not of ``model_name``'s family, naming the ``model.name`` that loads it when one does."""
+    adapter = MODEL_SPECS[model_name].hf
+    if _loads(adapter, config):
+        return
+    fits = [name for name, spec in MODEL_SPECS.items() if _loads(spec.hf, config)]
+    hint = f" (model.name {fits[0]} loads it)" if fits else " (no model.name loads it)"
+    raise ConfigError(
+        f"{path}/config.json is a {config.get('architectures') or config.get('model_type')!r} model; "
+        f"model.name {model_name} loads {adapter.architecture} (model_type {adapter.model_type})" + hint
+    )
+
+
 def model_args(cfg: JobConfig):
     """The model's shape: the flavor's arguments (flavor ``hf``: those ``config.json`` of
     ``checkpoint.initial_load_hf`` describes), with ``model.n_layers`` and ``model.max_seq_len``
@@ -110,7 +129,12 @@ def model_args(cfg: JobConfig):
                 "model.flavor 'hf' takes the model's shape from a Hugging Face folder's config.json: "
                 "set checkpoint.initial_load_hf to that folder"
             )
-        args = spec.hf.args_from_config(folder_config(folder))
+        config = folder_config(folder)
+        check_hf_family(folder, config, cfg.model.name)
+        try:
+            args = spec.hf.args_from_config(config)
+        except ConfigError as e:
+            raise ConfigError(f"{folder}: {e} (model.flavor hf)") from None
     else:
         args = spec.flavors[cfg.model.flavor]
     if cfg.model.n_layers:

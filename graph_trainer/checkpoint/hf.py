@@ -61,7 +61,7 @@ from graph_trainer.distributed.comm import agree
 from graph_trainer.errors import ConfigError, some_names
 from graph_trainer.loop.guards import first_non_finite
 from models.hf_weights import CONFIG_FILE, HFAdapter, HFSource, hf_names, read_json
-from models.registry import HF_FLAVOR, MODEL_SPECS, recorded_args
+from models.registry import HF_FLAVOR, MODEL_SPECS, check_hf_family, recorded_args
 
 logger = logging.getLogger("graph_trainer")
 
@@ -95,12 +95,7 @@ def open_hf_weights(cfg: JobConfig, args) -> HFWeights:
     adapter: HFAdapter = MODEL_SPECS[cfg.model.name].hf
     config = folder.config
     what = f"{cfg.model.name} {cfg.model.flavor}" + (f" ({args.n_layers} layers)" if cfg.model.n_layers else "")
-    architectures = config.get("architectures") or []
-    if adapter.architecture not in architectures and config.get("model_type") != adapter.model_type:
-        raise ConfigError(
-            f"{path}/config.json is a {config.get('architectures') or config.get('model_type')!r} model; "
-            f"model.name {cfg.model.name} loads {adapter.architecture} (model_type {adapter.model_type})"
-        )
+    check_hf_family(path, config, cfg.model.name)
     problems = adapter.config_problems(config, args)
     if problems:
         hint = "" if cfg.model.flavor == HF_FLAVOR else " (--model.flavor hf builds the model the folder describes)"
@@ -220,13 +215,15 @@ written dequantized (a float8 release's block scales describe the folder's files
 def carried_config(ours: dict, config_from: str, adapter: HFAdapter, args) -> dict:
     """``ours`` (the checkpoint's ``config.json``) with the fields of the Hugging Face folder
     ``config_from``'s that ours does not write (token ids, generation settings, ...), except
-    ``NOT_CARRIED``; ours win where both have one. ``ConfigError`` when the result describes
-    another model than ``args`` (the folder is not the model this checkpoint was trained from)."""
+    ``NOT_CARRIED`` and the other names of fields ours writes (``HFAdapter.field_aliases``); ours
+    win where both have one. ``ConfigError`` when the folder's fields describe another model than
+    ``args`` (the folder is not the model this checkpoint was trained from)."""
     theirs = read_json(os.path.join(config_from, CONFIG_FILE), "Hugging Face config")
     merged = {**{k: v for k, v in theirs.items() if k not in NOT_CARRIED}, **ours}
     if "dtype" in merged:  # (newer transformers' name of torch_dtype)
         merged["dtype"] = ours["torch_dtype"]
-    problems = adapter.config_problems(merged, args)
+    problems = adapter.config_problems(merged, args)  # (aliases still in: theirs must agree too)
+    merged = {k: v for k, v in merged.items() if adapter.field_aliases.get(k) not in ours}
     if theirs.get("model_type") != ours["model_type"]:
         problems.insert(0, f"model_type {theirs.get('model_type')!r}, not {ours['model_type']!r}")
     if problems:

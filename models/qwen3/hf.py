@@ -32,6 +32,7 @@ from models.hf_weights import (
     represented,
     required_fields,
     rope_parameters,
+    with_aliases,
 )
 from models.qwen3.flavors import Qwen3Args
 
@@ -84,15 +85,14 @@ def sources(args: Qwen3Args) -> dict[str, HFSource]:
     return out
 
 
-def _with_num_experts(config: dict) -> dict:
-    """``config`` with ``num_experts`` (the published files' name) taken from ``num_local_experts``
-    (the name ``transformers`` 5 writes) when only that one is there."""
-    return {"num_experts": config.get("num_local_experts"), **config}
+EXPERT_COUNT_ALIASES = {"num_local_experts": "num_experts"}
+"""``transformers`` 5 writes a Qwen3-MoE's expert count as ``num_local_experts``; the published
+files and our exports name it ``num_experts``."""
 
 
 def _config_problems(config: dict, args: Qwen3Args, moe: bool) -> list[str]:
     """What ``config`` says that ``args`` does not, one phrase each (empty: they agree)."""
-    check = ConfigCheck(_with_num_experts(config))
+    check = ConfigCheck(with_aliases(config, EXPERT_COUNT_ALIASES))
     check.require(args.is_moe == moe, f"the flavor is {'a MoE' if args.is_moe else 'dense'}; the config is not")
     check.decoder(args)
     check.equal("num_key_value_heads", args.n_kv_heads, default=config.get("num_attention_heads"))
@@ -112,6 +112,7 @@ def _config_problems(config: dict, args: Qwen3Args, moe: bool) -> list[str]:
         ("norm_topk_prob", args.route_norm),
     ):
         check.equal(field, ours)
+    check.equal("num_local_experts", args.n_routed_experts, default=args.n_routed_experts)  # (both names: agree)
     check.equal("decoder_sparse_step", 1, default=1)  # every block a MoE
     check.equal("mlp_only_layers", [], default=[])
     return check.problems
@@ -146,7 +147,7 @@ def _args_from_config(config: dict, moe: bool) -> Qwen3Args:
     """The Qwen3 model ``config`` describes: every shape from it, RoPE base, tied embeddings, and for
     a MoE the experts and their routing. ``ConfigError`` when a field is missing or the config says
     something this model cannot be (its problems are not empty)."""
-    config = _with_num_experts(config)
+    config = with_aliases(config, EXPERT_COUNT_ALIASES)
     family = "Qwen3-MoE" if moe else "Qwen3"
     required_fields(config, (*_REQUIRED, *(_MOE_REQUIRED if moe else ())), family)
     try:
@@ -187,6 +188,7 @@ def _adapter(moe: bool) -> HFAdapter:
         lambda config, args: _config_problems(config, args, moe),
         lambda args, dtype: _config(args, dtype, moe),
         lambda config: _args_from_config(config, moe),
+        EXPERT_COUNT_ALIASES if moe else {},
     )
 
 

@@ -228,16 +228,22 @@ def test_an_export_keeps_the_other_config_fields_of_the_folder_it_came_from(tmp_
     assert export_hf.main([*argv, "--config_from", str(folder)]) == 0
     theirs, carried = json.loads((folder / "config.json").read_text()), json.loads((out / "config.json").read_text())
     assert {"bos_token_id", "eos_token_id"} <= theirs.keys() - plain.keys()
-    assert carried == {**theirs, **plain}
+    (spec,) = [s for s in MODEL_SPECS.values() if s.hf.model_type == plain["model_type"]]
+    # each field once: the other name transformers wrote it under (Qwen3-MoE's expert count) left out
+    aliases = {k for k, name in spec.hf.field_aliases.items() if name in plain}
+    assert aliases <= theirs.keys() and carried == {k: v for k, v in {**theirs, **plain}.items() if k not in aliases}
 
     release = tmp_path / "release"
     release.mkdir()
     quantized = {**theirs, "quantization_config": {"quant_method": "fp8"}, "dtype": "float8_e4m3fn"}
     (release / "config.json").write_text(json.dumps(quantized))
-    (spec,) = [s for s in MODEL_SPECS.values() if s.hf.model_type == plain["model_type"]]
     args = spec.hf.args_from_config(plain)
     kept = carried_config(plain, str(release), spec.hf, args)
     assert "quantization_config" not in kept and kept["dtype"] == plain["torch_dtype"] == "float32"
+    for alias, name in spec.hf.field_aliases.items():  # under both names, the folder's must agree with ours
+        (release / "config.json").write_text(json.dumps({**theirs, alias: plain[name] * 2}))
+        with pytest.raises(ConfigError, match=f"describes another model than the checkpoint: {alias} "):
+            carried_config(plain, str(release), spec.hf, args)
 
 
 def test_export_mistakes_are_one_line_exit_2(tmp_path, models, capsys):
@@ -341,7 +347,8 @@ def _bad_folder(case: str, folder: Path, tmp_path: Path, models) -> tuple[str, l
             file.unlink()
         for file in models["deepseek"][1].iterdir():
             (bad / file.name).write_bytes(file.read_bytes())
-        return "llama", [], f"error: {bad}/config.json is a ['DeepseekV3ForCausalLM'] model; model.name llama3 loads"
+        expected = f"error: {bad}/config.json is a ['DeepseekV3ForCausalLM'] model; model.name llama3 loads "
+        return "llama", [], expected + "LlamaForCausalLM (model_type llama) (model.name deepseek_v3 loads it)"
     if case == "config_shape":
         config = json.loads((bad / "config.json").read_text())
         config["intermediate_size"] = 1024

@@ -364,11 +364,13 @@ def test_a_qwen3_folder_the_job_cannot_load_is_one_line_exit_2(tmp_path, capsys,
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps(dict(config, use_sliding_window=True, sliding_window=64)))
         argv, expected = _qwen3_job(False, folder, tmp_path / "job"), "use_sliding_window True (flavor: False)"
-    elif case == "dense_into_moe":
-        argv, expected = _qwen3_job(True, folder, tmp_path / "job"), "a Qwen3-MoE model cannot be built from it"
-    else:
-        argv = _qwen3_job(True, folder, tmp_path / "job", flavor="debugmodel")
-        expected = "model.name qwen3_moe loads Qwen3MoeForCausalLM"
+    else:  # the folder named, and the model.name that loads it, whether its shape comes from it or not
+        flavor = "hf" if case == "dense_into_moe" else "debugmodel"
+        argv = _qwen3_job(True, folder, tmp_path / "job", flavor=flavor)
+        expected = (
+            f"{folder}/config.json is a ['Qwen3ForCausalLM'] model; model.name qwen3_moe loads "
+            "Qwen3MoeForCausalLM (model_type qwen3_moe) (model.name qwen3 loads it)"
+        )
     capsys.readouterr()
     assert train.main([*argv, "--training.steps", "1"]) == 2
     # (the job's log lines come before the error when it is found after the config is read: the architecture)

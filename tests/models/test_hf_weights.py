@@ -198,3 +198,20 @@ def test_deepseek_softmax_flavor_and_unequal_yarn_mscale_are_named():
     config = adapter.config(args, "bfloat16")
     config["rope_scaling"] = dict(config["rope_scaling"], mscale=0.707)  # cos/sin would be scaled by HF
     assert adapter.config_problems(config, args)[0].startswith("rope_scaling {")
+
+
+def test_a_folder_of_another_family_names_the_model_name_that_loads_it():
+    from graph_trainer.errors import ConfigError
+    from models.registry import check_hf_family
+
+    for name, spec in MODEL_SPECS.items():  # by architecture or by model type alone
+        check_hf_family("f", {"architectures": [spec.hf.architecture]}, name)
+        check_hf_family("f", {"model_type": spec.hf.model_type}, name)
+    with pytest.raises(ConfigError) as info:
+        check_hf_family("f", {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, "qwen3_moe")
+    assert str(info.value) == (
+        "f/config.json is a ['Qwen3ForCausalLM'] model; model.name qwen3_moe loads Qwen3MoeForCausalLM "
+        "(model_type qwen3_moe) (model.name qwen3 loads it)"
+    )
+    with pytest.raises(ConfigError, match=r"is a 'mistral' model; model.name llama3 .* \(no model.name loads it\)$"):
+        check_hf_family("f", {"model_type": "mistral"}, "llama3")
