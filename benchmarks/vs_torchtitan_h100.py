@@ -149,8 +149,9 @@ CHEAP_ROWS = ("8B-fsdp8-eager", "8B-fsdp8-compile", "8B-fsdp8-compile-float8")
 
 
 def simulate_row(row: Row, device: str = DEVICE, attention: str = ATTENTION) -> dict[str, float]:
-    """``analyze``'s summary of ``row`` plus its tokens/s/GPU: {"tokens/s/GPU", "peak GiB", "step ms", ...}.
-    Raises RuntimeError if ``analyze`` refuses the job (its error line says why)."""
+    """``analyze``'s summary of ``row``: {"tokens/s/GPU", "peak GiB", "step ms", ...}. Raises
+    RuntimeError if ``analyze`` refuses the job (its error line says why) or its step holds other
+    than the published run's tokens (the flags do not give its global batch)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "row.json")
         code = analyze.main([*row.argv(device, attention), "--json", path])
@@ -158,8 +159,10 @@ def simulate_row(row: Row, device: str = DEVICE, attention: str = ATTENTION) -> 
             raise RuntimeError(f"analyze refused row {row.name} (exit {code}): {' '.join(row.argv(device, attention))}")
         with open(path, encoding="utf-8") as f:
             summary = json.load(f)["summary"][0]
-    step_s = summary["step ms"] / 1e3
-    return {**summary, "tokens/s/GPU": row.tokens_per_step / step_s / row.world_size}
+    tokens = summary["tokens/s/GPU"] * summary["step ms"] / 1e3 * row.world_size
+    if round(tokens) != row.tokens_per_step:
+        raise RuntimeError(f"row {row.name}: analyze's step holds {tokens:.0f} tokens, the run {row.tokens_per_step}")
+    return summary
 
 
 def comparison(row: Row, summary: dict[str, float]) -> dict[str, object]:

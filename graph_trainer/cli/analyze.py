@@ -20,8 +20,9 @@ mode), and the graph is simulated with ``graph_trainer.analysis.simulator`` on t
 ``analysis.devices.DEVICES``, ``--attention`` the rates of its fused attention kernel (cuDNN,
 FlashAttention-2 or -3; default the device's own; ``cli.device_flags``). Prints, per pass list, the
 collectives by type, simulated step (the graph, x M microbatches, then the optimizer step:
-``analysis.optimizer_step``, its own "optim ms") / compute / communication / exposed communication
-time (one graph) and the estimated peak memory of one rank with its parts (parameters, gradients, AdamW state,
+``analysis.optimizer_step``, its own "optim ms"), tokens/s and model TFLOP/s per GPU
+(``throughput``), compute / communication / exposed communication time (one graph) and the
+estimated peak memory of one rank with its parts (parameters, gradients, AdamW state,
 activations: ``graph_trainer.analysis.memory.estimate_step_memory``), then the communication
 by collective kind, then per pass list the bytes one rank sends over NVLink and over
 InfiniBand, in all and by kind (``traffic_line``; ``--ranks_per_node``, at least 1, places
@@ -55,6 +56,7 @@ accumulating them unreduced and reducing once.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -118,15 +120,20 @@ def analyze_pipeline(cfg, world_size: int, device, ranks_per_node: int = 8, opti
     return estimate, pipeline.stage_blocks, traced_s, time.perf_counter() - start - traced_s
 
 
-def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> tuple[dict, list[dict]]:
-    """(The summary row of one pipeline estimate, one row per stage.) Tokens per step are the global
-    batch's (local batch x seq x microbatches x data-parallel ranks); model TFLOP/s count the
-    model's FLOPs per token (``flops_per_token``, as the trainer's MFU does)."""
-    t, plan, timeline = cfg.training, estimate.plan, estimate.timeline
+def throughput(cfg: JobConfig, world_size: int, microbatches: int, step_seconds: float) -> dict[str, float]:
+    """{"tokens/s/GPU", "TFLOP/s/GPU"} of a simulated step: the global batch's tokens (local batch x
+    seq x microbatches x data-parallel ranks) over the step and the world size, and their model
+    FLOPs (``flops_per_token``, as the trainer's MFU counts them)."""
+    t = cfg.training
     dims = ParallelDims.from_degrees(resolve_parallel_degrees(cfg.parallelism, world_size))
-    tokens = t.local_batch_size * t.seq_len * plan.microbatches * dims.dp_size
-    per_gpu = tokens / timeline.step_seconds / world_size
+    per_gpu = t.local_batch_size * t.seq_len * microbatches * dims.dp_size / step_seconds / world_size
     flops = MODEL_SPECS[cfg.model.name].flops_per_token(model_args(cfg), t.seq_len)
+    return {"tokens/s/GPU": per_gpu, "TFLOP/s/GPU": per_gpu * flops / 1e12}
+
+
+def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> tuple[dict, list[dict]]:
+    """(The summary row of one pipeline estimate, one row per stage; its throughput: ``throughput``.)"""
+    plan, timeline = estimate.plan, estimate.timeline
     rank, memory = estimate.worst_memory()
     p = memory.peak
     summary = {
@@ -137,8 +144,7 @@ def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> t
         "step ms": timeline.step_seconds * 1e3,
         "optim ms": max(o.seconds for o in estimate.optimizer.values()) * 1e3,  # (its rank's, in the step)
         "bubble %": 100 * timeline.bubble_fraction,
-        "tokens/s/GPU": per_gpu,
-        "TFLOP/s/GPU": per_gpu * flops / 1e12,
+        **throughput(cfg, world_size, plan.microbatches, timeline.step_seconds),
         "peak GiB": p.total / GIB,
         "at rank": rank,
         "params GiB": p.params / GIB,
@@ -163,19 +169,23 @@ def pipeline_rows(label: str, cfg, world_size: int, estimate, stage_blocks) -> t
     return summary, stages
 
 
-def summary_row(label, result, trace_s, sim_s, nodes, memory=None, optim=None, microbatches=1) -> dict[str, object]:
+def summary_row(
+    label, result, trace_s, sim_s, nodes, memory=None, optim=None, microbatches=1, rates=None
+) -> dict[str, object]:
     """One table row. ``memory`` (a ``StepMemoryEstimate``): "peak GiB" is the step's peak and its parts
     follow; without it, "peak GiB" is the graph's own peak (no optimizer state). "step ms": ``microbatches``
-    graphs and ``optim``, the optimizer step (an ``OptimizerStepCost``, also its own "optim ms")."""
+    graphs and ``optim``, the optimizer step (an ``OptimizerStepCost``, also its own "optim ms");
+    ``rates(step_seconds)`` (``throughput`` of the job) adds its columns after them."""
     counts = {k: 0 for k, _ in _KIND_COLUMNS}
     for c in result.collectives:
         counts[c.kind] = counts.get(c.kind, 0) + 1
     row: dict[str, object] = {"passes": label, "nodes": nodes}
     row.update({short: counts[k] for k, short in _KIND_COLUMNS})
+    step_seconds = microbatches * result.step_time + (optim.seconds if optim else 0.0)
+    row.update({"step ms": step_seconds * 1e3, "optim ms": (optim.seconds if optim else 0.0) * 1e3})
+    row.update(rates(step_seconds) if rates is not None else {})
     row.update(
         {
-            "step ms": (microbatches * result.step_time + (optim.seconds if optim else 0.0)) * 1e3,
-            "optim ms": (optim.seconds if optim else 0.0) * 1e3,
             "compute ms": result.compute_time * 1e3,
             "comm ms": result.comm_time * 1e3,
             "exposed ms": result.exposed_comm_time * 1e3,
@@ -336,7 +346,8 @@ def graph_report(cfg: JobConfig, label: str, command: CommandLine, optimizer, mi
     memory = estimate_step_memory(graph, None, optimizer, microbatches=microbatches)
     optim = traced_optimizer_step(traced, command.device, cfg.training, optimizer.all_at_once, command.ranks_per_node)
     accumulation = accumulation_line(label, graph, result, microbatches, optim.seconds) if microbatches > 1 else None
-    summary = summary_row(label, result, trace_s, sim_s, len(graph.nodes), memory, optim, microbatches)
+    rates = functools.partial(throughput, cfg, c.world_size, microbatches)
+    summary = summary_row(label, result, trace_s, sim_s, len(graph.nodes), memory, optim, microbatches, rates)
     memory_lines = [f"memory per rank ({label}): {memory.summary()}"]
     warning = memory_warning(memory, command.memory_limit, command.device.name)
     if warning:

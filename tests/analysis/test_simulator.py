@@ -232,6 +232,7 @@ def test_debug_llama3_world_size_4_end_to_end(tmp_path):
 
 def test_analyze_cli_compare(capsys, tmp_path):
     from graph_trainer.cli.analyze import main
+    from models.llama3.flavors import FLAVORS, flops_per_token
 
     flags = ["--world_size", "2", "--job.config_file", "configs/llama3_debug.toml", "--training.local_batch_size", "2"]
     rc = main([*flags, "--compare", "none;", "--json", str(tmp_path / "out" / "analyze.json")])
@@ -245,6 +246,10 @@ def test_analyze_cli_compare(capsys, tmp_path):
     assert [r["passes"] for r in tables["summary"]] == ["none", "none"]
     for row in tables["summary"]:  # one microbatch: its graph, then the optimizer step
         assert 0 < row["optim ms"] < row["step ms"] and row["step ms"] - row["optim ms"] >= row["compute ms"]
+        # two data-parallel ranks of 2 x 128 tokens (the debug config's seq_len) in the step, on two GPUs
+        assert row["tokens/s/GPU"] == pytest.approx(2 * 2 * 128 / (row["step ms"] / 1e3) / 2)
+        flops = flops_per_token(FLAVORS["debugmodel"], 128)
+        assert row["TFLOP/s/GPU"] == pytest.approx(row["tokens/s/GPU"] * flops / 1e12)
     assert format_table(tables["summary"]) in out and format_table(tables["kinds"]) in out
     assert {r["kind"] for r in tables["kinds"]} >= {"all_gather", "reduce_scatter"}
     assert main(["--world_size", "2", "--compare", "no_such_pass"]) == 2
