@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from graph_trainer.build import build_model
 from graph_trainer.compiler.tracer import loss_head
 from graph_trainer.data.tokenizer import ByteTokenizer, document_start
-from models.llama3.flavors import FLAVORS
-from models.llama3.model import Transformer
+from models.registry import MODEL_SPECS
 from models.sequence import (
     QueryChunk,
     SequenceLayout,
@@ -250,9 +249,11 @@ they differ by float32 rounding of losses of order ln(vocab). Attention leaking 
 (causal) moves the losses of the documents after the first by orders of magnitude more."""
 
 
-def _debug_model():
-    args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2)
-    return build_model(Transformer, args, torch.device("cpu"), seed=11)
+def _debug_model(family: str):
+    """A 2-block debug model of ``family`` (every family's attention reads the sequence layout)."""
+    spec = MODEL_SPECS[family]
+    args = dataclasses.replace(spec.flavors["debugmodel"], n_layers=2)
+    return build_model(spec.build, args, torch.device("cpu"), seed=11)
 
 
 def _packed_row(lengths: list[int], bos: int, seed: int):
@@ -273,16 +274,18 @@ def _per_token_losses(model, layout: SequenceLayout, tokens, labels) -> torch.Te
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("positions_per_document", [True, False])
-def test_block_causal_packed_losses_are_the_documents_losses_alone(positions_per_document):
+def test_block_causal_packed_losses_are_the_documents_losses_alone(positions_per_document, family):
     """Every token of a packed row, block_causal, has the loss it has in its document run alone
     (its own row, causal, positions from 0): all of them, a document's last token too, whose label
     is the next document's BOS in both runs (the same labels; its logits see only its own
     document). So the packed loss (the trainer's head) is the token-weighted mean of the documents'
     losses. With each document's rotary positions from 0 the two runs rotate by the same angles;
     with the row's positions they agree too, to rounding, RoPE being relative. Causal attention
-    across the row does not: the documents after the first read the ones before."""
-    model, start = _debug_model(), document_start(ByteTokenizer())
+    across the row does not: the documents after the first read the ones before. Qwen3's QK norms
+    act per token and its experts route each token alone: neither reads across documents."""
+    model, start = _debug_model(family), document_start(ByteTokenizer())
     tokens, labels, spans = _packed_row([23, 17, 24], start[1], seed=2)
     alone = [_per_token_losses(model, SequenceLayout(), tokens[:, a:b], labels[:, a:b]) for a, b in spans]
     layout = SequenceLayout(mask="block_causal", document_start=start, positions_per_document=positions_per_document)
