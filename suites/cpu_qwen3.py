@@ -75,6 +75,21 @@ _MOE_LAYOUTS = {
 _MOE_ACCUMULATING = {
     "qwen3_moe_pp2xep2": (4, [*_EP2, "--parallelism.pp", "2", *batch(1), *_GLOBAL_4], "qwen3_moe_single_b4"),
 }
+# The routed experts in float8 too (rowwise_with_gw_hp, the recipe of DeepSeek-V3's float8 expert
+# cases: scales per token row and per weight row, so FSDP2 x EP2's are the one process's). The
+# reference accumulates the same 1-sample microbatches (suites.cpu says why a matmul's row count
+# matters under float8); losses and step-1 gradients within the usual bounds.
+_FLOAT8_EXPERTS = ["--float8.recipe_name", "rowwise_with_gw_hp", "--float8.convert_routed_experts"]
+_MOE_FLOAT8_REFERENCE = Case(
+    "qwen3_moe_float8_experts_single_accum4", 1, [*_FLOAT8_EXPERTS, *batch(1), *_GLOBAL_4], config=QWEN3_MOE_DEBUG
+)
+_MOE_FLOAT8_LAYOUTS = {
+    "qwen3_moe_float8_experts_fsdp2xep2": (
+        4,
+        [*_FLOAT8_EXPERTS, *_EP2, *batch(1)],
+        "qwen3_moe_float8_experts_single_accum4",
+    ),
+}
 
 CPU_QWEN3_CASES = (
     _REFERENCES
@@ -94,4 +109,6 @@ CPU_QWEN3_CASES = (
     + ep_overlap_cases(
         _MOE_LAYOUTS, [("qwen3_moe_ep2", "moe_seq", ""), ("qwen3_moe_tp2xep2", "blocks", "")], QWEN3_MOE_DEBUG
     )
+    + [_MOE_FLOAT8_REFERENCE]
+    + layout_cases(_MOE_FLOAT8_LAYOUTS, QWEN3_MOE_DEBUG)
 )
