@@ -56,13 +56,15 @@ def lr_multiplier(step: int, t: Training) -> float:
 
     Linear warmup ((step + 1) / warmup), the peak while stable, then ``decay_type`` from 1 towards
     ``min_lr_ratio`` over the decay steps. The same arithmetic as torchtitan's
-    ``linear_warmup_stable_decay``, so the values are equal bit for bit (tests/loop/test_optim.py)."""
+    ``linear_warmup_stable_decay``, so the values are equal bit for bit (tests/loop/test_optim.py).
+    A step past ``training.steps`` (code stepping beyond the job, as a benchmark) keeps the value the
+    decay ends at (1 with no decay steps)."""
     warmup, stable, decay = lr_phases(t)
     if step < warmup:
         return float((step + 1) / warmup)
-    if step < warmup + stable or t.decay_type == "constant":
+    if step < warmup + stable or t.decay_type == "constant" or decay == 0:
         return 1.0
-    progress = float(step + 1 - (warmup + stable)) / decay
+    progress = min(float(step + 1 - (warmup + stable)) / decay, 1.0)
     if t.decay_type == "linear":
         remaining = 1 - progress
     elif t.decay_type == "sqrt":

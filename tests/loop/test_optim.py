@@ -60,6 +60,21 @@ def test_every_step_has_torchtitans_lr(steps, warmup, ratio, decay_type, min_rat
     assert ours == _torchtitan_lrs(steps, warmup, ratio, decay_type, min_ratio)  # bit for bit
 
 
+@pytest.mark.parametrize("steps, warmup, ratio, decay_type, min_ratio", SETTINGS)
+def test_steps_past_the_job_keep_the_value_the_decay_ends_at(steps, warmup, ratio, decay_type, min_ratio):
+    """A scheduler stepped beyond ``training.steps`` (a benchmark's extra steps) neither divides by
+    zero (no decay steps) nor turns back up or below the floor: the decay's end, min_lr_ratio (1
+    when the job has no decay steps)."""
+    t = dataclasses.replace(
+        Training(), lr=1.0, steps=steps, warmup_steps=warmup, decay_ratio=ratio, decay_type=decay_type
+    )
+    t = dataclasses.replace(t, min_lr_ratio=min_ratio)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    past = _walk(build_lr_scheduler(optimizer, t), optimizer, steps + 5)[steps:]
+    end = min_ratio if lr_phases(t)[2] else 1.0
+    assert past == pytest.approx([end] * 5, abs=1e-12)
+
+
 def test_warmup_stable_decay_phases():
     t = dataclasses.replace(Training(), steps=100, warmup_steps=10, decay_ratio=0.2)
     assert lr_phases(t) == (10, 71, 20)  # 70 stable steps, counted as torchtitan counts them (+1)
