@@ -78,8 +78,11 @@ def rank_chunks(seq: int, cp: int, cp_rank: int) -> tuple[QueryChunk, ...]:
 def sequence_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
     """``gathered`` [B, S, ...], every cp rank's tokens in rank order (rank ``r``: chunks ``r`` and
     ``2 cp - 1 - r``), put back in sequence order: the first chunks in rank order, then the second
-    ones in reverse rank order (views, a flip and a cat: the backward is a flip and slices)."""
+    ones in reverse rank order (views, a flip and a cat: the backward is a flip and slices).
+    ``ValueError`` when ``S`` does not split into ``2 cp`` equal chunks."""
     b, s, *rest = gathered.shape
+    if s % (2 * cp):
+        raise ValueError(f"{s} gathered tokens do not split into 2 x cp = {2 * cp} equal chunks")
     pairs = gathered.view(b, cp, 2, s // (2 * cp), *rest)
     early = pairs[:, :, 0].flatten(1, 2)
     late = pairs[:, :, 1].flip(1).flatten(1, 2)

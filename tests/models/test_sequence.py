@@ -66,6 +66,8 @@ def test_sequence_order_inverts_the_rank_order_concatenation(cp):
     for rank, plan in enumerate(plans):
         expected = [p for q in rank_chunks(seq, cp, rank) for p in range(q.position, q.keys)]
         assert plan.keep.tolist() == expected and plan.positions.tolist() == expected
+    with pytest.raises(ValueError, match=f"^{seq + 2} gathered tokens do not split into 2 x cp = {2 * cp} equal"):
+        sequence_order(torch.zeros(2, seq + 2, 3), cp)
 
 
 # ------------------------------------------------------------------ documents and masks
