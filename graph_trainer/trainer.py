@@ -214,7 +214,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.params, cfg.training)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.training)
         self.step = self._resume(resume_step)
-        self.metrics = self._metrics_logger(append_losses=resume_step is not None)
+        # (agreed: rank 0 alone starts the W&B run, and a run wandb refuses stops every rank)
+        self.metrics = comm.agree(lambda: self._metrics_logger(append_losses=resume_step is not None), "metrics")
         prep = StepPreparation(cfg, self.layout, self.model, self.optimizer, self.metrics, self.dist.device)
         self.timer = ForwardBackwardTimer(self.dist.device) if self.layout.pipeline is None else None
         self.gradients = build_gradients(prep, self.model_args.dim, self.timer)

@@ -13,8 +13,9 @@
   ``key``, the lowest runs it first and the others after it (one barrier, under the timeout in
   force), so that they find its result in a cache on the host.
 * ``agree(fn, what)``: every rank runs ``fn``; an ``OSError`` or ``JobError`` on any rank becomes the
-  same ``JobError`` on all, after one ``all_gather_object``. Without it, a rank whose write failed
-  would leave while the others wait in the next collective until the timeout.
+  same ``JobError`` on all, after one ``all_gather_object``, and a ``ConfigError`` the same
+  ``ConfigError`` (a setting only one rank acts on, as rank 0's W&B run). Without it, a rank whose
+  write failed would leave while the others wait in the next collective until the timeout.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from graph_trainer.errors import JobError
+from graph_trainer.errors import ConfigError, JobError
 from graph_trainer.torch_compat import process_groups, set_group_timeout
 
 _TIMEOUT_MARKERS = ("timed out", "timeout")
@@ -119,24 +120,32 @@ def first_per_node(key: str, fn):
 
 def agree(fn, what: str, group=None):
     """Run ``fn`` on every rank (of ``group``, default all); if it failed on any with an I/O error (or
-    a ``JobError``), raise the same ``JobError`` ("<what>: <the first failure>") on every rank.
-    Returns ``fn``'s result."""
-    result, problem = None, None
+    a ``JobError``), raise the same ``JobError`` ("<what>: <the first failure>") on every rank; if
+    with a ``ConfigError``, that one where it was raised and on the others the same message naming
+    its rank (the first failure decides which). Returns ``fn``'s result."""
+    result, problem, own_config_error = None, None, None
     try:
         result = fn()
+    except ConfigError as e:
+        problem, own_config_error = ("config", str(e)), e
     except (OSError, JobError) as e:
-        problem = str(e) if isinstance(e, JobError) else describe_io_error(e)
+        problem = ("job", str(e) if isinstance(e, JobError) else describe_io_error(e))
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if not _is_checkpoint_exception(e):
             raise
-        problem = describe_io_error(e)
+        problem = ("job", describe_io_error(e))
     distributed = dist.is_available() and dist.is_initialized()
     problems = [problem]
     if distributed:
         problems = [None] * dist.get_world_size(group)
         dist.all_gather_object(problems, problem, group=group)
     failed = [(rank, p) for rank, p in enumerate(problems) if p]
-    if failed:
-        rank, p = failed[0]
-        raise JobError(f"{what}: {p}" + (f" (on rank {rank})" if distributed else ""))
-    return result
+    if not failed:
+        return result
+    rank, (kind, message) = failed[0]
+    where = f" (on rank {rank})" if distributed else ""
+    if kind == "config":
+        if own_config_error is not None and problem == failed[0][1]:
+            raise own_config_error
+        raise ConfigError(message + where)
+    raise JobError(f"{what}: {message}{where}")

@@ -301,6 +301,10 @@ class MetricsLogger:
         self._wandb = None
         if rank == 0:
             os.makedirs(dump_folder, exist_ok=True)
+            if wandb_config is not None:  # (first: a run wandb refuses to start leaves no files behind)
+                from graph_trainer.loop.wandb_writer import WandbWriter
+
+                self._wandb = WandbWriter(dump_folder, wandb_config, wandb_name)
             self._loss_file = open(self.losses_path, "a" if append_losses else "w", encoding="utf-8")
             if json_lines:
                 self._json_file = open(self.json_path, "a" if append_losses else "w", encoding="utf-8")
@@ -308,10 +312,6 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._writer = SummaryWriter(log_dir=self.tb_dir)
-            if wandb_config is not None:
-                from graph_trainer.loop.wandb_writer import WandbWriter
-
-                self._wandb = WandbWriter(dump_folder, wandb_config, wandb_name)
 
     @property
     def writes(self) -> bool:

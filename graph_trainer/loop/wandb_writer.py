@@ -15,7 +15,9 @@ far as can be told without the network (``wandb_run_folder``): W&B's settings as
 (its settings files, then the ``WANDB_*`` environment) hold a value wandb refuses (a ``WANDB_MODE``
 other than its modes); the mode uploads the run ('online', the default) and wandb has no
 credentials (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, an ``api_key`` in its settings, or
-the ``.netrc`` entry ``wandb login`` writes for its server); or the run folder is not one.
+the ``.netrc`` entry ``wandb login`` writes for its server); or the run folder is not one. What
+only ``wandb.init`` finds (a key of the wrong form, one the server rejects, no server) is one line
+on every rank, as the run starts (``WandbWriter``; the trainer starts it under ``comm.agree``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import typing
 from typing import Any
 from urllib.parse import urlsplit
 
-from graph_trainer.errors import ConfigError
+from graph_trainer.errors import ConfigError, JobError, one_line
 
 DEFAULT_PROJECT = "graph_trainer"
 ON_DISK_MODES = ("offline", "dryrun")
@@ -41,14 +43,22 @@ class WandbWriter:
     """One W&B run; ``add_scalars`` per logged step, ``add_setup_scalars`` for one-off numbers."""
 
     def __init__(self, dump_folder: str, config: dict[str, Any], name: str = ""):
+        """Start the run: ``ConfigError`` when wandb refuses its settings or credentials (a malformed
+        or rejected API key), ``JobError`` when it cannot reach its server."""
         import wandb
+        import wandb.errors
 
-        self._run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
-            dir=dump_folder,
-            config=config,
-            name=name or None,
-        )
+        try:
+            self._run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
+                dir=dump_folder,
+                config=config,
+                name=name or None,
+            )
+        except (wandb.errors.AuthenticationError, wandb.errors.UsageError) as e:
+            raise ConfigError(f"metrics.enable_wandb: wandb did not start the run: {one_line(e)}") from None
+        except wandb.errors.Error as e:
+            raise JobError(f"metrics.enable_wandb: wandb did not start the run: {one_line(e)}") from None
 
     def add_scalars(self, scalars: dict[str, float], step: int) -> None:
         self._run.log(dict(scalars), step=step)

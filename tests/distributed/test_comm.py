@@ -1,9 +1,11 @@
-"""graph_trainer/distributed/comm.py: ranks taking turns per host (``first_per_node``)."""
+"""graph_trainer/distributed/comm.py: ranks taking turns per host (``first_per_node``), and agreeing on a
+failure (``agree``)."""
 
 import ast
 import os
 import time
 
+import pytest
 import torch.multiprocessing as mp
 
 from graph_trainer.distributed.comm import leaders
@@ -46,3 +48,27 @@ def test_the_others_run_after_the_first_of_their_key_has_finished(tmp_path):
     assert [f for f in reports[0]["seen"] if f.startswith("done")] == []
     assert [f for f in reports[2]["seen"] if f.startswith("done")] == []
     assert [f for f in reports[1]["seen"] if f.startswith("done")] == ["done0", "done2"]
+
+
+def test_agree_gives_a_config_error_back_as_itself_and_an_io_error_as_a_job_error():
+    """One process: what ``fn`` returns, its ConfigError unchanged (exit 2), an I/O error as the
+    JobError naming the step (exit 1). Two ranks, one of them refusing a setting: test_wandb."""
+    from graph_trainer.distributed.comm import agree
+    from graph_trainer.errors import ConfigError, JobError
+
+    assert agree(lambda: 3, "counting") == 3
+    refused = ConfigError("x = 1 is refused")
+
+    def refuse():
+        raise refused
+
+    with pytest.raises(ConfigError) as info:
+        agree(refuse, "starting")
+    assert info.value is refused
+
+    def full_disk():
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(JobError, match="^writing: ") as failed:
+        agree(full_disk, "writing")
+    assert not isinstance(failed.value, ConfigError)

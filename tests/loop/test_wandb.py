@@ -167,3 +167,22 @@ def test_a_file_in_place_of_the_run_folder_is_refused(fresh_machine, monkeypatch
     assert str(info.value) == (
         f"metrics.enable_wandb's run folder = '{fresh_machine / 'out' / 'wandb'}' is a file, not a folder"
     )
+
+
+def test_a_key_wandb_refuses_at_the_start_of_its_run_is_one_line_on_every_rank(fresh_machine):
+    """A key of the wrong form passes the check before building (a key is there) and is refused by
+    ``wandb.init`` on rank 0 only: both ranks of the job stop, exit 2, with wandb's reason in one
+    line, instead of rank 0's traceback and rank 1 waiting in its next collective."""
+    from tests.launch import run_forked
+    from train import __file__ as train_py
+
+    env = {k: os.environ[k] for k in ("HOME", "WANDB_CONFIG_DIR")} | {"WANDB_API_KEY": "abc"}
+    argv = [*_wandb_job(fresh_machine), "--training.steps", "2"]
+    result = run_forked(2, train_py, *argv, check=False, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: metrics.enable_wandb: wandb did not start the run: AuthenticationError: "
+        "WANDB_API_KEY invalid: API key must have 40+ characters, has 3."
+    ], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (fresh_machine / "out" / "losses.txt").exists()
