@@ -30,6 +30,8 @@ from suites import CPU_BLOCK_COUNT, CPU_BLOCKS, INDUCTOR_RTOL, debug_job
 from tests.conftest import ROOT
 
 LLAMA = os.path.join(ROOT, "configs", "llama3_debug.toml")
+QWEN3 = os.path.join(ROOT, "configs", "qwen3_debug.toml")
+QWEN3_MOE = os.path.join(ROOT, "configs", "qwen3_moe_debug.toml")
 
 
 def _config(config: str, *flags: str, dump_folder: str = ""):
@@ -200,7 +202,11 @@ def _max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("config, scopes", [(LLAMA, ("regional",))], ids=["llama3"])
+@pytest.mark.parametrize(
+    "config, scopes",
+    [(LLAMA, ("regional",)), (QWEN3, ("regional",)), (QWEN3_MOE, ("regional",))],
+    ids=["llama3", "qwen3", "qwen3_moe"],  # (Qwen3: the QK norms; Qwen3-MoE: routing and grouped experts)
+)
 def test_inductor_is_within_the_stated_bound_of_none_and_repeats_bitwise(tmp_path, monkeypatch, config, scopes):
     """The numerics contract. The scope compiles cold into its own --compile.cache_dir, and the
     repeat, a warm start from that cache, must give the same losses bit for bit. (The full scope is
