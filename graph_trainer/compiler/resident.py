@@ -209,15 +209,18 @@ class GraphResidentStep:
         weights = self.trace.weights
         return weights.split([p for _, p in weights.module.named_parameters()])
 
-    def step_params(self) -> list[torch.Tensor]:
-        """The step graph's parameters: the gathered tensors (gathered at the step's first call),
-        then the other parameters."""
-        gathered_params, direct = self._split_params()
+    def gather(self) -> None:
+        """Gather the step's weights, unless this step has gathered them already."""
         if self.gathered is None:
-            flat = [t for p in gathered_params for t in flatten_tensor(p)[0]]
+            flat = [t for p in self._split_params()[0] for t in flatten_tensor(p)[0]]
             with torch.no_grad():
                 self.gathered = list(self.trace.gather(*flat))
-        return [*self.gathered, *direct]
+
+    def step_params(self) -> list[torch.Tensor]:
+        """The step graph's parameters: the gathered tensors (``gather``, at the step's first call
+        when not before), then the other parameters."""
+        self.gather()
+        return [*self.gathered, *self._split_params()[1]]
 
     def grads(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
         """The step's gradients in ``named_parameters`` order from its sums (one per step-graph

@@ -123,8 +123,8 @@ def resident_bytes(module: nn.Module) -> int:
 
 
 class EagerResidentStep:
-    """A step's gathered weights for eager runs: ``differentiated()`` gathers at the step's first
-    microbatch and keeps them; ``accumulands`` casts a microbatch's gradients for the sum;
+    """A step's gathered weights for eager runs: ``gather()`` (or else ``differentiated()`` at the
+    step's first microbatch) gathers them and keeps them; ``accumulands`` casts a microbatch's gradients for the sum;
     ``grads(sums)`` reduces the step's sums and forgets the weights."""
 
     def __init__(self, module: nn.Module):
@@ -134,12 +134,16 @@ class EagerResidentStep:
     def params(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return self.resident.split([p for _, p in self.resident.module.named_parameters()])
 
-    def differentiated(self) -> tuple[list[torch.Tensor], contextlib.AbstractContextManager]:
-        """What a microbatch differentiates (fresh leaves of the gathered weights, then the other
-        parameters) and the context its forward runs in (the module computing with those leaves)."""
+    def gather(self) -> None:
+        """Gather the step's weights, unless this step has gathered them already."""
         if self.gathered is None:
             with torch.no_grad():
                 self.gathered = self.resident.gather(self.params()[0])
+
+    def differentiated(self) -> tuple[list[torch.Tensor], contextlib.AbstractContextManager]:
+        """What a microbatch differentiates (fresh leaves of the gathered weights, then the other
+        parameters) and the context its forward runs in (the module computing with those leaves)."""
+        self.gather()
         leaves = [g.detach().requires_grad_(True) for g in self.gathered]
         return [*leaves, *self.params()[1]], self.resident.use(leaves)
 

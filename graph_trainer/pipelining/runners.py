@@ -9,7 +9,8 @@ graph runner: its backward pieces add each gradient into the step's sums in plac
 is computed, ``split.split_stage``'s ``grads_into_sums``, bitwise the same sums). ``take_grads()`` hands
 the sums over and starts the next step. With weights resident per step (``resident``: a
 ``compiler.resident.GraphResidentStep`` or ``distributed.resident.EagerResidentStep``) a stage's
-first forward of the step gathers its weights, every microbatch differentiates them, the sums are
+weights are gathered once a step (``gather_resident()``, which the pipeline step calls before its
+schedule, or else the stage's first forward), every microbatch differentiates them, the sums are
 of their gradients in the reduce dtype, and ``take_grads()`` reduces them once.
 
 The last stage's loss is scaled by ``grad_scale`` (``JobLayout.loss_scale``: 1 / (dp x
@@ -94,6 +95,11 @@ class GraphStageRunner:
         self.grads = _GraphSums(self.graphs)
         self.device: torch.device | None = None
 
+    def gather_resident(self) -> None:
+        """With weights resident per step: gather this step's now (else at its first forward)."""
+        if self.resident is not None:
+            self.resident.gather()
+
     def _inputs(self, stage_input: torch.Tensor, labels: torch.Tensor | None) -> list[torch.Tensor]:
         if self.resident is not None:
             params = self.resident.step_params()
@@ -158,6 +164,11 @@ class EagerStageRunner:
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]] = {}
         self.output_grads: dict[int, torch.Tensor | None] = {}
         self.grads = _Accumulator()
+
+    def gather_resident(self) -> None:
+        """With weights resident per step: gather this step's now (else at its first forward)."""
+        if self.resident is not None:
+            self.resident.gather()
 
     def _differentiated(self) -> tuple[list[torch.Tensor], contextlib.AbstractContextManager]:
         if self.resident is None:

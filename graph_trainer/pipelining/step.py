@@ -13,7 +13,9 @@ then cuts it into the pieces the schedule runs (``split.split_stage``); ``on_tra
 every local stage's runner before the first microbatch runs (the trainer's memory check). With
 ``weights_per_step`` (``parallelism.fsdp_collectives``) a stage is traced as a gather, microbatch
 and reduce graph (``compiler.resident.trace_resident``: ``post_trace`` gets that ``ResidentTrace``,
-``resident`` keeps it) and its runner keeps the gathered weights for the step. Eager mode runs the same
+``resident`` keeps it) and its runner keeps the gathered weights for the step, gathered before the
+schedule starts (every local stage's, in stage order: the ranks of a stage's FSDP group hold the
+same stages), so that a rank gathers while it waits for its first input. Eager mode runs the same
 schedule with ``EagerStageRunner``: the numerics baseline.
 
 The tensor passed between stages is the hidden state [local batch, seq / sequence shards, dim]
@@ -125,6 +127,8 @@ class PipelineStep:
         labels = [lab for _, lab in microbatches]
         if self.graph and not self.runners:
             self._trace(tokens[0], labels[0])
+        for runner in self.runners.values():  # (before the schedule: a later stage gathers while it waits)
+            runner.gather_resident()
         losses = run_pipeline(
             self.pipeline.plan,
             self.pipeline.rank,

@@ -15,9 +15,10 @@ step) and its parameters' shards from the gather graph's inputs.
 rank runs its actions in the plan's order, an action starts when its rank is free and its input
 has arrived (a forward: the previous stage's forward of that microbatch plus one point-to-point
 transfer, none between two stages of one rank; a backward or dI: the next stage's; dW: its own
-dI). A stage's once-per-step gather runs with its first action on its rank, the reductions after
-the rank's last action. The step ends when the last rank does; a rank's bubble is the time it is
-not computing.
+dI). A rank's once-per-step gathers (every local stage's) run at the step's start, before its first
+action, as the trainer's pipeline step runs them: a later stage gathers while it waits for its
+first input. The reductions run after the rank's last action. The step ends when the last rank
+does; a rank's bubble is the time it is not computing.
 
 ``rank_memory(plan, rank, costs, optimizer)`` walks one rank's actions in order (memory depends on
 the order, not on the clock) as the runners hold tensors (``graph_trainer.pipelining.runners``):
@@ -269,11 +270,11 @@ def replay_pipeline(
     last = plan.num_stages - 1
     transfer = p2p if isinstance(p2p, dict) else {s: p2p for s in range(plan.num_stages)}
     done: dict[tuple[str, int, int], tuple[float, int]] = {}  # key -> (end, rank)
-    clock = {r: 0.0 for r in plan.actions}
-    busy = {r: 0.0 for r in plan.actions}
+    # the once-per-step gathers first, on every rank
+    clock = {r: sum(costs[s].once_seconds.get("gather", 0.0) for s in plan.local_stages(r)) for r in plan.actions}
+    busy = dict(clock)
     position = {r: 0 for r in plan.actions}
     events = []
-    gathered: set[tuple[int, int]] = set()
     remaining = sum(len(a) for a in plan.actions.values())
     while remaining:
         progressed = False
@@ -291,9 +292,6 @@ def replay_pipeline(
                     arrival = end + (transfer[boundary] if source_rank != rank else 0.0)
                 start = max(clock[rank], arrival)
                 seconds = costs[stage].seconds[kind]
-                if (rank, stage) not in gathered:  # the stage's gather runs with its first action
-                    gathered.add((rank, stage))
-                    seconds += costs[stage].once_seconds.get("gather", 0.0)
                 clock[rank] = start + seconds
                 busy[rank] += seconds
                 events.append((rank, action, start, clock[rank]))

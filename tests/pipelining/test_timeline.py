@@ -138,17 +138,21 @@ def test_the_optimizer_step_ends_the_step_once_every_ranks_norm_is_summed():
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
-def test_weights_resident_per_step_gather_with_the_first_action_and_reduce_after_the_last(schedule):
-    # one stage per rank: stage s's gather delays its first forward (and so every later stage's),
-    # each rank's reductions come after its last action; closed form with uniform stages
+def test_weights_resident_per_step_gather_at_the_step_start_and_reduce_after_the_last(schedule):
+    # one stage per rank: every rank gathers at the step's start (the trainer's pipeline step
+    # gathers before its schedule), so only the first stage's gather delays the first forward and a
+    # later stage's is hidden in its wait for its first input; each rank's reductions come after
+    # its last action; closed form with uniform stages
     pp, m, gather, reduce = 2, 4, 0.25, 0.5
     plan = plan_pipeline(schedule, pp, m)
     base = _uniform(plan)[0]
     resident = dataclasses.replace(base, once_seconds={"gather": gather, "reduce": reduce})
     timeline = replay_pipeline(plan, dict.fromkeys(range(pp), resident))
-    # the last rank starts after every stage's gather and its predecessors' first forwards
-    assert timeline.step_seconds == pytest.approx((m + pp - 1) * (F + B) + pp * gather + reduce)
+    assert gather <= F  # (the second rank's gather ends before its first input arrives)
+    assert timeline.step_seconds == pytest.approx((m + pp - 1) * (F + B) + gather + reduce)
     assert all(busy == pytest.approx(m * (F + B) + gather + reduce) for busy in timeline.busy_seconds.values())
+    first = {rank: min(start for r, _, start, _ in timeline.events if r == rank) for rank in range(pp)}
+    assert first == pytest.approx({0: gather, 1: gather + F})
 
 
 def test_a_stage_backward_is_costed_with_the_sizes_its_forward_made():
